@@ -1,0 +1,15 @@
+# The two commands of this project: `make run` (the main job) and `make test`.
+# Each one creates .venv (Python 3.12) and installs what it needs on first use.
+.PHONY: run test lint install
+
+VENV_PY := .venv/bin/python
+
+install:
+	@bash tools/ensure_venv.sh test
+
+test: install
+	$(VENV_PY) -m pytest -q tests/
+
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .

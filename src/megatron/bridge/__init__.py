@@ -1,0 +1,1 @@
+"""Megatron-Bridge slice: MoE expert-parallel communication overlap."""

@@ -1,0 +1,1 @@
+"""Training-time configuration and schedules."""

@@ -1,0 +1,383 @@
+"""The rules a configuration must satisfy for MoE expert-parallel (EP) communication overlap.
+
+Contract:
+    * Every rule is one row of data in ``MOE_OVERLAP_RULES``: a name, the fields it reads, when it applies,
+      what must hold, what is wrong when it does not, and how to fix it.
+    * :func:`check_moe_overlap` evaluates every rule and returns all violations; it never raises and never
+      stops at the first failure. :class:`CommOverlapConfigError` carries all of them in one message, one
+      line per violation, each naming the field(s), the value(s) seen and the fix.
+    * Facts are read by attribute name, so a Megatron-Core ``TransformerConfig`` or any object with the same
+      attribute names works. Installed versions come from package metadata (see
+      :mod:`megatron.bridge.utils.versions`); nothing imports CUDA code.
+
+Two rules depend on what runs the layers, not on the config alone:
+    * The bf16/fp16 rule is a Megatron-Core restriction (its ``TransformerConfig`` asserts it). Our reference
+      engine (``ep_overlap_layer_impl = "reference"`` on the model config) is bitwise-tested in fp32 too.
+    * Transformer Engine version rules for delayed wgrad apply only when expert grouped GEMMs run through
+      Transformer Engine. Our pure-torch grouped GEMM has no Transformer Engine requirement.
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import Version
+
+from megatron.bridge.utils import versions
+
+# Keys of the facts mapping. Prefixes say where a value comes from, and are what error messages print.
+OVERLAP = "comm_overlap.overlap_moe_expert_parallel_comm"
+DELAY_WGRAD = "comm_overlap.delay_wgrad_compute"
+OVERLAP_GRAD_REDUCE = "comm_overlap.overlap_grad_reduce"
+TORCH = "installed.torch"
+TE = "installed.transformer_engine"
+GROUPED_GEMM = "expert_grouped_gemm_backend"
+LAYER_IMPL = "model.ep_overlap_layer_impl"
+
+TE_GROUPED_GEMM = "transformer_engine"
+TORCH_GROUPED_GEMM = "torch"
+
+# Model-config attributes the rules read, with the value assumed when an object lacks the attribute.
+_MODEL_FIELDS: dict[str, Any] = {
+    "expert_model_parallel_size": 1,
+    "num_moe_experts": None,
+    "moe_token_dispatcher_type": "allgather",
+    "bf16": False,
+    "fp16": False,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_modules": None,
+    "moe_shared_expert_overlap": False,
+    "moe_shared_expert_intermediate_size": None,
+    "mtp_num_layers": None,
+    "cuda_graph_impl": "none",
+    "gradient_accumulation_fusion": False,
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "overlap_dispatch_backward_with_experts_wgrad": False,
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One requirement of EP overlap, as data.
+
+    Attributes:
+        name: Short identifier, printed in brackets.
+        fields: Fact keys whose values the message shows.
+        applies: True when the rule is relevant for these facts (e.g. only with delayed wgrad on).
+        holds: True when the requirement is met.
+        message: What is wrong, in one sentence.
+        fix: What to change, in one sentence.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    applies: Callable[[Mapping[str, Any]], bool]
+    holds: Callable[[Mapping[str, Any]], bool]
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A failed rule (or a model/comm_overlap disagreement) with the values seen."""
+
+    name: str
+    values: dict[str, Any]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        seen = ", ".join(f"{key}={_show(value)}" for key, value in self.values.items())
+        return f"[{self.name}] {seen}: {self.message} Fix: {self.fix}"
+
+
+def _show(value: Any) -> str:
+    return str(value) if isinstance(value, Version) else repr(value)
+
+
+class CommOverlapConfigError(ValueError):
+    """Raised once with every violated rule listed, one per line."""
+
+    def __init__(self, violations: Iterable[Violation]):
+        self.violations = tuple(violations)
+        count = len(self.violations)
+        lines = [f"communication overlap config has {count} problem{'s' if count != 1 else ''}:"]
+        lines += [f"  - {violation}" for violation in self.violations]
+        super().__init__("\n".join(lines))
+
+
+def _graph_scopes(model_config: Any) -> tuple[str, ...]:
+    """CUDA-graph scopes as plain names; Megatron-Core 0.19 renamed cuda_graph_scope to cuda_graph_modules."""
+    raw = getattr(model_config, "cuda_graph_modules", None) or getattr(model_config, "cuda_graph_scope", None)
+    if raw is None:
+        return ()
+    if isinstance(raw, str) or not isinstance(raw, Iterable):
+        raw = [raw]
+    return tuple(getattr(scope, "name", scope) for scope in raw)
+
+
+def grouped_gemm_backend(te_version: Version | None) -> str:
+    """Which backend runs expert grouped GEMMs: Transformer Engine when installed, else pure torch."""
+    return TE_GROUPED_GEMM if te_version is not None else TORCH_GROUPED_GEMM
+
+
+def gather_facts(
+    model_config: Any,
+    *,
+    overlap_moe_expert_parallel_comm: bool,
+    delay_wgrad_compute: bool,
+    overlap_grad_reduce: bool = False,
+) -> dict[str, Any]:
+    """Collects every value the rules read into one flat mapping keyed by where it comes from."""
+    facts: dict[str, Any] = {
+        f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
+    }
+    facts["model.cuda_graph_scope"] = _graph_scopes(model_config)
+    facts[LAYER_IMPL] = getattr(model_config, "ep_overlap_layer_impl", "mcore")
+    facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
+    facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
+    facts[OVERLAP_GRAD_REDUCE] = bool(overlap_grad_reduce)
+    facts[TORCH] = versions.torch_version()
+    facts[TE] = versions.te_version()
+    facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
+    return facts
+
+
+def _at_least(version: Version | None, minimum: str) -> bool:
+    return version is not None and version >= Version(minimum)
+
+
+def _overlap_on(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP]
+
+
+def _delay_on(f: Mapping[str, Any]) -> bool:
+    return f[DELAY_WGRAD]
+
+
+def _delay_with_te(f: Mapping[str, Any]) -> bool:
+    return f[DELAY_WGRAD] and f[GROUPED_GEMM] == TE_GROUPED_GEMM
+
+
+def _te_graphs(f: Mapping[str, Any]) -> bool:
+    return f["model.cuda_graph_impl"] == "transformer_engine"
+
+
+def _graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
+    """CUDA-graphed attention (or a graphed router whose shared experts are not overlapped) with delayed wgrad."""
+    scopes = f["model.cuda_graph_scope"]
+    if f["model.cuda_graph_impl"] == "none":
+        return False
+    router_with_plain_shared = (
+        "moe_router" in scopes
+        and f["model.moe_shared_expert_intermediate_size"] is not None
+        and not f["model.moe_shared_expert_overlap"]
+    )
+    return f[DELAY_WGRAD] and ("attn" in scopes or router_with_plain_shared)
+
+
+_NO_TE_NOTE = (
+    " (Transformer Engine grouped GEMMs only; the pure-torch grouped GEMM path has no Transformer Engine requirement.)"
+)
+
+MOE_OVERLAP_RULES: tuple[Rule, ...] = (
+    # --- overlap_moe_expert_parallel_comm ---
+    Rule(
+        "expert_parallel",
+        ("model.expert_model_parallel_size",),
+        _overlap_on,
+        lambda f: (f["model.expert_model_parallel_size"] or 1) > 1,
+        "EP overlap hides expert-parallel all-to-all, so it needs expert parallelism.",
+        "set expert_model_parallel_size > 1, or turn overlap_moe_expert_parallel_comm off.",
+    ),
+    Rule(
+        "moe_experts",
+        ("model.num_moe_experts",),
+        _overlap_on,
+        lambda f: (f["model.num_moe_experts"] or 0) > 1,
+        "EP overlap needs an MoE model with more than one expert.",
+        "set num_moe_experts > 1, or turn overlap_moe_expert_parallel_comm off for a dense model.",
+    ),
+    Rule(
+        "token_dispatcher",
+        ("model.moe_token_dispatcher_type",),
+        _overlap_on,
+        lambda f: f["model.moe_token_dispatcher_type"] in ("alltoall", "flex"),
+        "EP overlap works with the alltoall and flex token dispatchers only.",
+        "set moe_token_dispatcher_type='alltoall', or call apply_flex_dispatcher_backend(model, 'deepep'|'hybridep').",
+    ),
+    Rule(
+        "precision",
+        ("model.bf16", "model.fp16", LAYER_IMPL),
+        lambda f: f[OVERLAP] and f[LAYER_IMPL] == "mcore",
+        lambda f: bool(f["model.bf16"] or f["model.fp16"]),
+        "Megatron-Core's overlapped MoE layers support bf16 or fp16 models only.",
+        "set bf16=True (or fp16=True).",
+    ),
+    Rule(
+        "torch_version",
+        (TORCH,),
+        _overlap_on,
+        lambda f: _at_least(f[TORCH], "2.6.0"),
+        "EP overlap can hang with PyTorch older than 2.6.0.",
+        "upgrade PyTorch to >= 2.6.0.",
+    ),
+    Rule(
+        "pipeline_needs_vpp",
+        ("model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"),
+        lambda f: f[OVERLAP] and (f["model.pipeline_model_parallel_size"] or 1) > 1,
+        lambda f: f["model.virtual_pipeline_model_parallel_size"] is not None,
+        "with pipeline parallelism, EP overlap pairs microbatches across virtual stages and needs VPP.",
+        "set virtual_pipeline_model_parallel_size (e.g. 2), or pipeline_model_parallel_size=1.",
+    ),
+    Rule(
+        "no_full_recompute",
+        ("model.recompute_granularity",),
+        _overlap_on,
+        lambda f: f["model.recompute_granularity"] != "full",
+        "full activation recompute re-runs whole layers and breaks the paired layer schedule.",
+        "set recompute_granularity=None (or 'selective' without 'moe').",
+    ),
+    Rule(
+        "no_recompute_method",
+        ("model.recompute_method",),
+        _overlap_on,
+        lambda f: f["model.recompute_method"] is None,
+        "a recompute method implies layer recompute, which EP overlap does not support.",
+        "set recompute_method=None.",
+    ),
+    Rule(
+        "no_recompute_num_layers",
+        ("model.recompute_num_layers",),
+        _overlap_on,
+        lambda f: f["model.recompute_num_layers"] is None,
+        "recompute_num_layers implies layer recompute, which EP overlap does not support.",
+        "set recompute_num_layers=None.",
+    ),
+    Rule(
+        "no_moe_recompute",
+        ("model.recompute_modules",),
+        _overlap_on,
+        lambda f: "moe" not in (f["model.recompute_modules"] or ()),
+        "recomputing the MoE module conflicts with the split MoE layer nodes.",
+        "remove 'moe' from recompute_modules.",
+    ),
+    Rule(
+        "no_shared_expert_overlap",
+        ("model.moe_shared_expert_overlap",),
+        _overlap_on,
+        lambda f: not f["model.moe_shared_expert_overlap"],
+        "moe_shared_expert_overlap schedules shared experts on its own and conflicts with EP overlap.",
+        "set moe_shared_expert_overlap=False (EP overlap already hides the all-to-all).",
+    ),
+    Rule(
+        "mtp_layers",
+        ("model.mtp_num_layers",),
+        _overlap_on,
+        lambda f: f["model.mtp_num_layers"] in (None, 0, 1),
+        "EP overlap supports at most one multi-token-prediction layer.",
+        "set mtp_num_layers to None, 0 or 1.",
+    ),
+    Rule(
+        "cuda_graph_scope",
+        ("model.cuda_graph_impl", "model.cuda_graph_scope"),
+        lambda f: f[OVERLAP] and _te_graphs(f),
+        lambda f: not {"moe", "mlp"} & set(f["model.cuda_graph_scope"]),
+        "Transformer Engine CUDA graphs over 'moe' or 'mlp' would capture the all-to-all the schedule splits.",
+        "drop 'moe' and 'mlp' from cuda_graph_scope (e.g. keep 'attn', 'moe_router', 'moe_preprocess').",
+    ),
+    Rule(
+        "no_dispatch_wgrad_overlap",
+        ("model.overlap_dispatch_backward_with_experts_wgrad",),
+        _overlap_on,
+        lambda f: not f["model.overlap_dispatch_backward_with_experts_wgrad"],
+        "overlap_dispatch_backward_with_experts_wgrad is a separate, non-paired schedule.",
+        "set overlap_dispatch_backward_with_experts_wgrad=False (delay_wgrad_compute gives that overlap here).",
+    ),
+    # --- delay_wgrad_compute ---
+    Rule(
+        "delay_wgrad_needs_overlap",
+        (DELAY_WGRAD, OVERLAP),
+        _delay_on,
+        lambda f: f[OVERLAP],
+        "delayed wgrad is scheduled by the EP overlap layer step and does nothing without it.",
+        "set comm_overlap.overlap_moe_expert_parallel_comm=True, or delay_wgrad_compute=False.",
+    ),
+    Rule(
+        "delay_wgrad_grad_reduce_te",
+        (OVERLAP_GRAD_REDUCE, TE),
+        lambda f: _delay_with_te(f) and f[OVERLAP_GRAD_REDUCE],
+        lambda f: _at_least(f[TE], "2.7.0"),
+        "delayed wgrad with overlap_grad_reduce needs Transformer Engine >= 2.7.0" + _NO_TE_NOTE,
+        "upgrade transformer-engine to >= 2.7.0, or set overlap_grad_reduce=False.",
+    ),
+    Rule(
+        "delay_wgrad_grad_fusion_te",
+        ("model.gradient_accumulation_fusion", TE),
+        lambda f: _delay_with_te(f) and f["model.gradient_accumulation_fusion"],
+        lambda f: _at_least(f[TE], "2.7.0"),
+        "delayed wgrad with gradient_accumulation_fusion needs Transformer Engine >= 2.7.0" + _NO_TE_NOTE,
+        "upgrade transformer-engine to >= 2.7.0, or set gradient_accumulation_fusion=False.",
+    ),
+    Rule(
+        "delay_wgrad_graph_te",
+        ("model.cuda_graph_scope", TE),
+        lambda f: _graph_scope_needs_te_wgrad(f) and f[GROUPED_GEMM] == TE_GROUPED_GEMM,
+        lambda f: _at_least(f[TE], "2.12.0"),
+        "delayed wgrad with CUDA-graphed attention (or router with non-overlapped shared experts) needs "
+        "Transformer Engine >= 2.12.0" + _NO_TE_NOTE,
+        "upgrade transformer-engine to >= 2.12.0, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+    ),
+    Rule(
+        "delay_wgrad_graph_grad_fusion",
+        ("model.cuda_graph_scope", "model.gradient_accumulation_fusion"),
+        _graph_scope_needs_te_wgrad,
+        lambda f: bool(f["model.gradient_accumulation_fusion"]),
+        "delayed wgrad inside CUDA-graphed attention/router accumulates into main_grad and needs "
+        "gradient_accumulation_fusion.",
+        "set gradient_accumulation_fusion=True, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+    ),
+    Rule(
+        "delay_wgrad_graph_attn_bias",
+        ("model.cuda_graph_scope", "model.add_bias_linear", "model.add_qkv_bias"),
+        _graph_scope_needs_te_wgrad,
+        lambda f: not (f["model.add_bias_linear"] or f["model.add_qkv_bias"]),
+        "delayed wgrad inside CUDA-graphed attention does not support attention biases.",
+        "set add_bias_linear=False and add_qkv_bias=False, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+    ),
+)
+
+
+def check_moe_overlap(
+    model_config: Any,
+    *,
+    overlap_moe_expert_parallel_comm: bool,
+    delay_wgrad_compute: bool,
+    overlap_grad_reduce: bool = False,
+    rules: Iterable[Rule] = MOE_OVERLAP_RULES,
+) -> list[Violation]:
+    """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
+
+    Args:
+        model_config: Model config read by attribute name (e.g. a ``TransformerConfig``).
+        overlap_moe_expert_parallel_comm: Resolved EP-overlap flag.
+        delay_wgrad_compute: Resolved delayed-wgrad flag.
+        overlap_grad_reduce: Resolved data-parallel grad-reduce overlap flag.
+        rules: The rule table; defaults to ``MOE_OVERLAP_RULES``.
+    """
+    facts = gather_facts(
+        model_config,
+        overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=delay_wgrad_compute,
+        overlap_grad_reduce=overlap_grad_reduce,
+    )
+    return [
+        Violation(rule.name, {key: facts[key] for key in rule.fields}, rule.message, rule.fix)
+        for rule in rules
+        if rule.applies(facts) and not rule.holds(facts)
+    ]

@@ -1,0 +1,39 @@
+"""Installed package versions, read from package metadata.
+
+Nothing here imports torch extensions or CUDA code, so the config rules can ask for versions on any host,
+and tests can monkeypatch :func:`installed_version` to pretend any version is installed.
+"""
+
+from importlib import metadata
+
+from packaging.version import InvalidVersion, Version
+
+# Distribution names under which Transformer Engine's PyTorch support is published.
+_TE_DISTRIBUTIONS = ("transformer-engine", "transformer_engine", "transformer-engine-torch")
+
+
+def installed_version(distribution: str) -> Version | None:
+    """Returns the installed version of ``distribution``, or None when it is not installed."""
+    try:
+        raw = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    try:
+        # Local build tags such as "2.7.0+cu128" or "2.14.1+cpu" compare by their public part.
+        return Version(Version(raw).public)
+    except InvalidVersion:
+        return None
+
+
+def torch_version() -> Version | None:
+    """Installed PyTorch version."""
+    return installed_version("torch")
+
+
+def te_version() -> Version | None:
+    """Installed Transformer Engine version, or None without Transformer Engine."""
+    for name in _TE_DISTRIBUTIONS:
+        version = installed_version(name)
+        if version is not None:
+            return version
+    return None

@@ -1,0 +1,167 @@
+"""Each EP-overlap rule has a passing and a failing case; all violations are reported together."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.bridge.training.moe_overlap_rules import MOE_OVERLAP_RULES, CommOverlapConfigError, check_moe_overlap
+
+VALID_MODEL = dict(
+    expert_model_parallel_size=2,
+    num_moe_experts=8,
+    moe_token_dispatcher_type="alltoall",
+    bf16=True,
+    fp16=False,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    recompute_granularity=None,
+    recompute_method=None,
+    recompute_num_layers=None,
+    recompute_modules=None,
+    moe_shared_expert_overlap=False,
+    moe_shared_expert_intermediate_size=None,
+    mtp_num_layers=None,
+    cuda_graph_impl="none",
+    cuda_graph_modules=None,
+    gradient_accumulation_fusion=False,
+    add_bias_linear=False,
+    add_qkv_bias=False,
+)
+
+ATTN_GRAPH = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"])
+ON = dict(overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0")
+
+# rule name -> (failing case, passing case); each case is (model overrides, context overrides)
+CASES = {
+    "expert_parallel": (({"expert_model_parallel_size": 1}, {}), ({"expert_model_parallel_size": 4}, {})),
+    "moe_experts": (({"num_moe_experts": None}, {}), ({"num_moe_experts": 2}, {})),
+    "token_dispatcher": (
+        ({"moe_token_dispatcher_type": "allgather"}, {}),
+        ({"moe_token_dispatcher_type": "flex"}, {}),
+    ),
+    "precision": (({"bf16": False}, {}), ({"bf16": False, "fp16": True}, {})),
+    "torch_version": (({}, {"torch": "2.5.1"}), ({}, {"torch": "2.6.0"})),
+    "pipeline_needs_vpp": (
+        ({"pipeline_model_parallel_size": 2}, {}),
+        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, {}),
+    ),
+    "no_full_recompute": (({"recompute_granularity": "full"}, {}), ({"recompute_granularity": "selective"}, {})),
+    "no_recompute_method": (({"recompute_method": "uniform"}, {}), ({"recompute_method": None}, {})),
+    "no_recompute_num_layers": (({"recompute_num_layers": 2}, {}), ({"recompute_num_layers": None}, {})),
+    "no_moe_recompute": (
+        ({"recompute_modules": ["moe", "core_attn"]}, {}),
+        ({"recompute_modules": ["core_attn"]}, {}),
+    ),
+    "no_shared_expert_overlap": (
+        ({"moe_shared_expert_overlap": True}, {}),
+        ({"moe_shared_expert_overlap": False}, {}),
+    ),
+    "mtp_layers": (({"mtp_num_layers": 2}, {}), ({"mtp_num_layers": 1}, {})),
+    "cuda_graph_scope": (
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]}, {}),
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_router"]}, {}),
+    ),
+    "no_dispatch_wgrad_overlap": (
+        ({"overlap_dispatch_backward_with_experts_wgrad": True}, {}),
+        ({"overlap_dispatch_backward_with_experts_wgrad": False}, {}),
+    ),
+    "delay_wgrad_needs_overlap": (({}, {"delay": True, "overlap": False}), ({}, {"delay": True})),
+    "delay_wgrad_grad_reduce_te": (
+        ({}, {"delay": True, "grad_reduce": True, "te": "2.6.0"}),
+        ({}, {"delay": True, "grad_reduce": True, "te": "2.7.0"}),
+    ),
+    "delay_wgrad_grad_fusion_te": (
+        ({"gradient_accumulation_fusion": True}, {"delay": True, "te": "2.6.0"}),
+        ({"gradient_accumulation_fusion": True}, {"delay": True, "te": "2.7.0"}),
+    ),
+    "delay_wgrad_graph_te": (
+        ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.10.0"}),
+        ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.12.0"}),
+    ),
+    "delay_wgrad_graph_grad_fusion": (
+        (ATTN_GRAPH, {"delay": True, "te": "2.12.0"}),
+        ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.12.0"}),
+    ),
+    "delay_wgrad_graph_attn_bias": (
+        ({**ATTN_GRAPH, "gradient_accumulation_fusion": True, "add_qkv_bias": True}, {"delay": True, "te": "2.12.0"}),
+        ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.12.0"}),
+    ),
+}
+
+
+def violated(fake_versions, model_overrides, context_overrides):
+    context = {**ON, **context_overrides}
+    fake_versions(torch=context["torch"], te=context["te"])
+    model = SimpleNamespace(**{**VALID_MODEL, **model_overrides})
+    found = check_moe_overlap(
+        model,
+        overlap_moe_expert_parallel_comm=context["overlap"],
+        delay_wgrad_compute=context["delay"],
+        overlap_grad_reduce=context["grad_reduce"],
+    )
+    return {violation.name: violation for violation in found}
+
+
+def test_every_rule_has_cases():
+    assert {rule.name for rule in MOE_OVERLAP_RULES} == set(CASES)
+
+
+@pytest.mark.parametrize("rule_name", sorted(CASES))
+def test_rule_fails_and_passes(fake_versions, rule_name):
+    failing, passing = CASES[rule_name]
+    found = violated(fake_versions, *failing)
+    assert rule_name in found, f"{rule_name} should fail for {failing}; got {sorted(found)}"
+    rule = next(r for r in MOE_OVERLAP_RULES if r.name == rule_name)
+    text = str(found[rule_name])
+    for field in rule.fields:
+        assert field in text
+    assert "Fix: " + rule.fix in text
+    assert violated(fake_versions, *passing) == {}
+
+
+def test_valid_config_has_no_violations(fake_versions):
+    assert violated(fake_versions, {}, {"delay": True}) == {}
+
+
+def test_nothing_is_checked_with_overlap_off(fake_versions):
+    assert violated(fake_versions, {"expert_model_parallel_size": 1, "bf16": False}, {"overlap": False}) == {}
+
+
+def test_reference_engine_accepts_fp32(fake_versions):
+    found = violated(fake_versions, {"bf16": False, "ep_overlap_layer_impl": "reference"}, {})
+    assert found == {}
+
+
+def test_te_version_rules_skip_pure_torch_grouped_gemm(fake_versions):
+    # Without Transformer Engine the experts use torch grouped GEMMs, which have no TE version needs.
+    found = violated(fake_versions, {"gradient_accumulation_fusion": True}, {"delay": True, "grad_reduce": True})
+    assert found == {}
+
+
+def test_te_rule_message_names_pure_torch_path(fake_versions):
+    found = violated(fake_versions, {}, {"delay": True, "grad_reduce": True, "te": "2.6.0"})
+    assert "pure-torch grouped GEMM path has no Transformer Engine requirement" in str(
+        found["delay_wgrad_grad_reduce_te"]
+    )
+
+
+def test_legacy_cuda_graph_scope_field_is_read(fake_versions):
+    found = violated(fake_versions, {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "mlp"}, {})
+    assert "cuda_graph_scope" in found
+
+
+def test_error_lists_every_violation_one_per_line(fake_versions):
+    found = violated(
+        fake_versions,
+        {"expert_model_parallel_size": 1, "moe_token_dispatcher_type": "allgather", "recompute_granularity": "full"},
+        {},
+    )
+    error = CommOverlapConfigError(found.values())
+    lines = str(error).splitlines()
+    assert lines[0] == "communication overlap config has 3 problems:"
+    assert len(lines) == 4
+    assert "model.expert_model_parallel_size=1" in lines[1]
+    assert "model.moe_token_dispatcher_type='allgather'" in lines[2]
+    assert "model.recompute_granularity='full'" in lines[3]
+    assert all("Fix: " in line for line in lines[1:])
+    assert isinstance(error, ValueError)
