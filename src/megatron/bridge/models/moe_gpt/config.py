@@ -1,0 +1,40 @@
+"""Config of the reference MoE GPT: a Megatron-Core ``TransformerConfig`` plus what a GPT provider adds."""
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class MoEGPTConfig(TransformerConfig):
+    """Megatron field names drive every shape; the same object passes through ``CommOverlapConfig.setup``.
+
+    Read by the reference model: ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``
+    (dense MLP), ``moe_ffn_hidden_size``, ``num_moe_experts``, ``moe_router_topk``, ``moe_layer_freq`` (int k:
+    every k-th layer is MoE; list: 1 = MoE, 0 = dense per layer), ``expert_model_parallel_size``,
+    ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, plus ``vocab_size`` and
+    ``seq_length`` below.
+    """
+
+    vocab_size: int = 1024
+    seq_length: int = 128
+    # The reference model's token dispatcher is an all-to-all over the EP group.
+    moe_token_dispatcher_type: str = "alltoall"
+    # Which layer implementation the EP-overlap rules check (see training/moe_overlap_rules.py).
+    ep_overlap_layer_impl: str = "reference"
+
+    def activation_dtype(self) -> torch.dtype:
+        """Dtype of parameters and activations: bf16, fp16, else fp32."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` (0-based) is an MoE layer, following ``moe_layer_freq``."""
+        if not self.num_moe_experts:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return layer_number % freq == 0
+        if len(freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}")
+        return bool(freq[layer_number])

@@ -1,0 +1,263 @@
+"""Reference MoE GPT in plain PyTorch, with each transformer layer split into the four nodes of the EP schedule.
+
+Contract:
+    * ``MoEGPTModel(config, groups, seed)`` builds token + learned position embeddings, ``num_layers`` layers
+      (causal self-attention, then a dense or MoE MLP chosen by ``moe_layer_freq``), final LayerNorm and an
+      untied LM head. Untied on purpose: a weight used twice in one backward would be summed differently by
+      plain autograd and by the node-by-node backward, and break bitwise equality.
+    * A layer exposes the node functions the overlap schedule calls, and ``forward`` composes exactly the same
+      functions with a blocking differentiable all-to-all (the plain path). Both paths therefore run the same
+      kernels on the same operands:
+          pre_dispatch(x)            -> h, tokens, probs, routing   (attention, pre-MLP norm, router, permute)
+          all-to-all(tokens)         -> received                    (dispatch; identity for dense layers)
+          experts(received, routing) -> expert_out                  (sort by local expert, grouped GEMMs, unsort)
+          all-to-all(expert_out)     -> back                        (combine; identity for dense layers)
+          combine(back, probs, h, routing) -> layer output          (unpermute weighted by probs, residual add)
+    * Dense weights are identical on every rank (seeded by ``seed``); expert e's weights depend only on
+      ``seed`` and e, so a model is the same whatever the EP layout. Expert parameters carry
+      ``allreduce = False`` (as in Megatron): they are reduced over the expert-DP group, not the DP group.
+    * No biases (``add_bias_linear`` is not supported by the reference model).
+
+Shape suffixes: B microbatch size, S sequence, T = B*S tokens, D hidden, H heads, F FFN hidden, V vocab,
+K top-k, P = T*K permuted slots, R received rows, E experts.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
+from megatron.bridge.models.moe_gpt.token_dispatcher import (
+    CommObserver,
+    Routing,
+    all_to_all_with_grad,
+    exchange_splits,
+    permute,
+    unpermute,
+)
+from megatron.bridge.utils.process_groups import EPGroups, single_process_groups
+
+
+class Linear(GroupedLinear):
+    """A bias-free linear with delayable weight gradient (a grouped linear with one group)."""
+
+    def __init__(self, in_features: int, out_features: int, *, name: str):
+        super().__init__(1, in_features, out_features, name=name)
+
+    def forward(self, x_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x_TK, (x_TK.shape[0],))
+
+
+def _activation(x: torch.Tensor, gated: bool) -> torch.Tensor:
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x)
+
+
+class Attention(torch.nn.Module):
+    """Causal multi-head self-attention; q/k/v and output projections are delayable linears."""
+
+    def __init__(self, config: MoEGPTConfig, name: str):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        if D % H:
+            raise ValueError(f"{name}: hidden_size={D} is not divisible by num_attention_heads={H}")
+        self.heads, self.seq_length = H, config.seq_length
+        self.qkv = Linear(D, 3 * D, name=f"{name}.qkv")
+        self.proj = Linear(D, D, name=f"{name}.proj")
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        T, D = x_TD.shape
+        S, H = self.seq_length, self.heads
+        q_BHSd, k_BHSd, v_BHSd = self.qkv(x_TD).view(T // S, S, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        return self.proj(o_BHSd.transpose(1, 2).reshape(T, D))
+
+
+class TransformerLayer(torch.nn.Module):
+    """One layer: attention and a dense or MoE MLP, split into the schedule's node functions."""
+
+    def __init__(self, config: MoEGPTConfig, layer_number: int, groups: EPGroups):
+        super().__init__()
+        name = f"layer{layer_number}"
+        D = config.hidden_size
+        self.name = name
+        self.groups = groups
+        self.is_moe = config.is_moe_layer(layer_number)
+        # Set by the engine while it runs the plain path, to time the blocking all-to-alls.
+        self.comm_observer: CommObserver | None = None
+        self.gated = config.gated_linear_unit
+        self.ln1 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+        self.attention = Attention(config, f"{name}.attention")
+        self.ln2 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+        if self.is_moe:
+            E, ep = config.num_moe_experts, groups.ep_size
+            if E % ep:
+                raise ValueError(f"{name}: num_moe_experts={E} is not divisible by expert_model_parallel_size={ep}")
+            self.num_experts, self.topk = E, config.moe_router_topk
+            self.pre_softmax = config.moe_router_pre_softmax
+            if not 1 <= self.topk <= E:
+                raise ValueError(f"{name}: moe_router_topk={self.topk} must be between 1 and num_moe_experts={E}")
+            Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
+            self.router = torch.nn.Linear(D, E, bias=False)
+            self.fc1 = GroupedLinear(E // ep, D, 2 * Fe if self.gated else Fe, name=f"{name}.experts.fc1")
+            self.fc2 = GroupedLinear(E // ep, Fe, D, name=f"{name}.experts.fc2")
+            for param in (self.fc1.weight, self.fc2.weight):
+                param.allreduce = False
+        else:
+            Fd = config.ffn_hidden_size
+            self.fc1 = Linear(D, 2 * Fd if self.gated else Fd, name=f"{name}.mlp.fc1")
+            self.fc2 = Linear(Fd, D, name=f"{name}.mlp.fc2")
+
+    # ---- node functions -------------------------------------------------------------------------------
+
+    def pre_dispatch(
+        self, x_TD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
+        """Attention, pre-MLP norm, router, permute. Returns (h, tokens to dispatch, router probs, routing)."""
+        if x_TD.dim() != 2 or x_TD.shape[-1] != self.ln1.normalized_shape[0]:
+            raise ValueError(
+                f"{self.name}: expected hidden states [tokens, {self.ln1.normalized_shape[0]}], "
+                f"got {tuple(x_TD.shape)}"
+            )
+        h_TD = x_TD + self.attention(self.ln1(x_TD))
+        n_TD = self.ln2(h_TD)
+        if not self.is_moe:
+            return h_TD, n_TD, None, None
+        logits_TE = self.router(n_TD)
+        if self.pre_softmax:  # softmax over all experts, then keep the top-k probabilities
+            probs_TK, experts_TK = torch.topk(torch.softmax(logits_TE.float(), dim=-1), self.topk, dim=-1)
+        else:  # top-k logits, then softmax over them
+            top_logits_TK, experts_TK = torch.topk(logits_TE, self.topk, dim=-1)
+            probs_TK = torch.softmax(top_logits_TK.float(), dim=-1)
+        probs_TK = probs_TK.to(n_TD.dtype)
+        routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
+        return h_TD, permute(n_TD, routing, self.topk), probs_TK, routing
+
+    def exchange_splits(self, routing: Routing | None, *, op: str) -> None:
+        """Host sync of the dispatch: split sizes for both all-to-alls (no-op for dense layers)."""
+        if routing is not None:
+            exchange_splits(routing, self.groups, op=op)
+
+    def experts(self, received_RD: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """Local experts (grouped GEMMs) on the received rows; the dense MLP for dense layers."""
+        if routing is None:
+            return self.fc2(_activation(self.fc1(received_RD), self.gated))
+        sizes = routing.local_group_sizes
+        x_RD = received_RD.index_select(0, routing.sort_R)
+        y_RD = self.fc2(_activation(self.fc1(x_RD, sizes), self.gated), sizes)
+        return y_RD.index_select(0, routing.unsort_R)
+
+    def combine(
+        self, back_PD: torch.Tensor, probs_TK: torch.Tensor | None, h_TD: torch.Tensor, routing: Routing | None
+    ) -> torch.Tensor:
+        """Unpermute weighted by router probs and add the residual."""
+        if routing is None:
+            return h_TD + back_PD
+        return h_TD + unpermute(back_PD, probs_TK, routing)
+
+    # ---- plain path -----------------------------------------------------------------------------------
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        h_TD, tokens_PD, probs_TK, routing = self.pre_dispatch(x_TD)
+        if routing is None:
+            return self.combine(self.experts(tokens_PD, None), None, h_TD, None)
+        self.exchange_splits(routing, op=f"{self.name} split exchange")
+        received_RD = all_to_all_with_grad(
+            tokens_PD,
+            routing.out_splits,
+            routing.in_splits,
+            self.groups,
+            op="dispatch",
+            where=self.name,
+            observer=self.comm_observer,
+        )
+        out_RD = self.experts(received_RD, routing)
+        back_PD = all_to_all_with_grad(
+            out_RD,
+            routing.in_splits,
+            routing.out_splits,
+            self.groups,
+            op="combine",
+            where=self.name,
+            observer=self.comm_observer,
+        )
+        return self.combine(back_PD, probs_TK, h_TD, routing)
+
+
+class MoEGPTModel(torch.nn.Module):
+    """Embedding, transformer layers, final norm, untied LM head and token-summed cross-entropy."""
+
+    def __init__(self, config: MoEGPTConfig, groups: EPGroups | None = None, seed: int = 1234):
+        super().__init__()
+        groups = groups or single_process_groups()
+        if groups.ep_size != config.expert_model_parallel_size:
+            raise ValueError(
+                f"expert_model_parallel_size={config.expert_model_parallel_size} but the EP group has "
+                f"{groups.ep_size} ranks"
+            )
+        if config.add_bias_linear:
+            raise ValueError("the reference MoE GPT has no biases; set add_bias_linear=False")
+        if config.num_moe_experts and config.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(
+                f"the reference MoE GPT implements the alltoall token dispatcher only, not "
+                f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}; use the Megatron-Core model for flex"
+            )
+        self.config = config
+        D = config.hidden_size
+        self.word_embeddings = torch.nn.Embedding(config.vocab_size, D)
+        self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
+        self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in range(config.num_layers))
+        self.final_ln = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+        self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
+        self._initialize(seed, groups)
+        self.to(config.activation_dtype())
+
+    @torch.no_grad()
+    def _initialize(self, seed: int, groups: EPGroups) -> None:
+        std = self.config.init_method_std
+        dense = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if getattr(param, "allreduce", True) is False:
+                continue
+            if param.dim() == 1:  # norms
+                param.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                # Output projections scaled by depth, as Megatron's scaled_init_method_normal does.
+                is_output = name.endswith(("proj.weight", "fc2.weight"))
+                scale = 1.0 / math.sqrt(2 * self.config.num_layers) if is_output else 1.0
+                param.copy_(torch.randn(param.shape, generator=dense) * std * scale)
+        for layer_number, layer in enumerate(self.layers):
+            if not layer.is_moe:
+                continue
+            local = layer.fc1.weight.shape[0]
+            for which, fc in enumerate((layer.fc1, layer.fc2)):
+                for le in range(local):
+                    global_expert = groups.ep_rank * local + le
+                    key = ((seed * 1009 + layer_number) * 4099 + global_expert) * 2 + which
+                    gen = torch.Generator().manual_seed(key)
+                    fc.weight[le].copy_(torch.randn(fc.weight.shape[1:], generator=gen) * std)
+
+    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings, flattened to [T, D]."""
+        B, S = tokens_BS.shape
+        if S != self.config.seq_length:
+            raise ValueError(f"embedding: got sequences of length {S}, config.seq_length={self.config.seq_length}")
+        positions_S = torch.arange(S, device=tokens_BS.device)
+        x_BSD = self.word_embeddings(tokens_BS) + self.position_embeddings(positions_S)
+        return x_BSD.reshape(B * S, -1)
+
+    def head_loss(self, x_TD: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """Final norm, LM head, cross-entropy summed over tokens and divided by ``normalizer``."""
+        logits_TV = self.output_layer(self.final_ln(x_TD))
+        return F.cross_entropy(logits_TV.float(), labels_BS.reshape(-1), reduction="sum") / normalizer
+
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """The plain path: the whole microbatch through ordinary autograd."""
+        x_TD = self.embed(tokens_BS)
+        for layer in self.layers:
+            x_TD = layer(x_TD)
+        return self.head_loss(x_TD, labels_BS, normalizer)

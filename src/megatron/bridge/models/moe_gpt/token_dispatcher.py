@@ -1,0 +1,145 @@
+"""Expert-parallel token routing metadata and the all-to-all token dispatcher of the reference MoE GPT.
+
+A microbatch's tokens are replicated top-k times and permuted so that (token, k) slots are grouped by expert.
+Experts are spread over the EP group in contiguous blocks (rank r owns global experts
+``r * E_local ... (r + 1) * E_local - 1``), so rows grouped by expert are grouped by destination rank too.
+
+Every gather here is by a permutation (unique indices), whose backward adds each gradient row exactly once.
+That keeps results bitwise reproducible, also on CUDA where index_add uses atomics.
+
+Shape suffixes: T tokens of the microbatch, K top-k, P = T*K permuted slots, R rows received by this rank,
+D hidden size, E experts, L local experts.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.bridge.utils.process_groups import EPGroups, all_to_all, wait_work
+
+
+@dataclass
+class Routing:
+    """Where one microbatch's tokens go in one MoE layer; built in pre_dispatch, completed by split exchange."""
+
+    order_P: torch.Tensor  # permutation: slot index (t * K + k) in expert-sorted order
+    inverse_P: torch.Tensor  # inverse of order_P
+    counts_E: torch.Tensor  # tokens this rank sends to each global expert (device tensor until exchanged)
+    num_local_experts: int
+    ep_size: int
+    # Host-side values, filled by exchange_splits():
+    in_splits: list[int] = field(default_factory=list)  # rows sent to each EP rank
+    out_splits: list[int] = field(default_factory=list)  # rows received from each EP rank
+    local_group_sizes: list[int] = field(default_factory=list)  # received rows per local expert
+    sort_R: torch.Tensor | None = None  # received (source rank, local expert) order -> (local expert, source) order
+    unsort_R: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, experts_TK: torch.Tensor, num_experts: int, ep_size: int) -> "Routing":
+        flat_P = experts_TK.reshape(-1)
+        order_P = torch.argsort(flat_P, stable=True)
+        inverse_P = torch.empty_like(order_P)
+        inverse_P[order_P] = torch.arange(order_P.numel(), device=order_P.device)
+        counts_E = torch.bincount(flat_P, minlength=num_experts)
+        return cls(order_P, inverse_P, counts_E, num_experts // ep_size, ep_size)
+
+    @property
+    def exchanged(self) -> bool:
+        return self.sort_R is not None
+
+
+def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
+    """Tells every EP rank how many rows it receives per local expert; fills the host-side split sizes.
+
+    This is the host sync of the dispatch (device counts to host), run on the gloo metadata group.
+    """
+    L, ep = routing.num_local_experts, routing.ep_size
+    send_counts = routing.counts_E.to("cpu").view(ep, L)
+    routing.in_splits = send_counts.sum(1).tolist()
+    if groups.ep_meta_group is None:
+        recv_counts = send_counts
+    else:
+        recv_counts = torch.empty_like(send_counts)
+        work = torch.distributed.all_to_all_single(recv_counts, send_counts, group=groups.ep_meta_group, async_op=True)
+        wait_work(work, op=op, timeout=groups.timeout)
+    routing.out_splits = recv_counts.sum(1).tolist()
+    routing.local_group_sizes = recv_counts.sum(0).tolist()
+    # Received rows come in (source rank, local expert) blocks; experts want (local expert, source rank).
+    counts = recv_counts.tolist()
+    starts, offset = [], 0
+    for row in counts:
+        starts.append([])
+        for count in row:
+            starts[-1].append(offset)
+            offset += count
+    device = routing.order_P.device
+    blocks = [
+        torch.arange(starts[src][le], starts[src][le] + counts[src][le], device=device)
+        for le in range(L)
+        for src in range(ep)
+    ]
+    routing.sort_R = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long, device=device)
+    routing.unsort_R = torch.empty_like(routing.sort_R)
+    routing.unsort_R[routing.sort_R] = torch.arange(routing.sort_R.numel(), device=device)
+
+
+CommObserver = Callable[[str, str], None]  # (op, "start" | "end"), called around each blocking all-to-all
+
+
+class _AllToAll(torch.autograd.Function):
+    """Blocking all-to-all whose backward is the reverse all-to-all: the plain (non-overlapped) path."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, groups, op, where, observer):
+        ctx.splits, ctx.groups, ctx.op, ctx.where, ctx.observer = (out_splits, in_splits), groups, op, where, observer
+        return _observed(x, out_splits, in_splits, groups, op, where, observer)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = _observed(grad, in_splits, out_splits, ctx.groups, f"{ctx.op}_bwd", ctx.where, ctx.observer)
+        return back, None, None, None, None, None, None
+
+
+def _observed(x, out_splits, in_splits, groups: EPGroups, op: str, where: str, observer) -> torch.Tensor:
+    if observer is not None:
+        observer(op, "start")
+    out = all_to_all(x, out_splits, in_splits, groups.ep_group, op=f"{where} {op}", timeout=groups.timeout)
+    if observer is not None:
+        observer(op, "end")
+    return out
+
+
+def all_to_all_with_grad(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    groups: EPGroups,
+    *,
+    op: str,
+    where: str,
+    observer: CommObserver | None = None,
+) -> torch.Tensor:
+    """Differentiable uneven all-to-all over the EP group (identity with EP = 1).
+
+    ``op`` names the all-to-all ("dispatch", "combine"; backward appends "_bwd"), ``where`` the layer; both
+    appear in a timeout error.
+    """
+    if groups.ep_group is None:
+        return x
+    return _AllToAll.apply(x, out_splits, in_splits, groups, op, where, observer)
+
+
+def permute(n_TD: torch.Tensor, routing: Routing, topk: int) -> torch.Tensor:
+    """Replicates each token top-k times and orders the slots by expert: [T, D] -> [P, D]."""
+    T, D = n_TD.shape
+    slots_PD = n_TD.unsqueeze(1).expand(T, topk, D).reshape(T * topk, D)
+    return slots_PD.index_select(0, routing.order_P)
+
+
+def unpermute(back_PD: torch.Tensor, probs_TK: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Undoes :func:`permute` and sums each token's top-k expert outputs weighted by router probs: [P, D] -> [T, D]."""
+    T, K = probs_TK.shape
+    y_TKD = back_PD.index_select(0, routing.inverse_P).view(T, K, back_PD.shape[-1])
+    return (y_TKD * probs_TK.unsqueeze(-1)).sum(dim=1)

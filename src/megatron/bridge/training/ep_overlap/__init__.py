@@ -1,0 +1,9 @@
+"""EP-overlap engine: the paired 1F1B MoE layer schedule, its nodes, lanes and step records.
+
+Start at ``schedule.py``: ``layer_step`` is the paired layer step, ``EPOverlapEngine`` the PP=1 driver.
+"""
+
+from megatron.bridge.training.ep_overlap.records import StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.schedule import EPOverlapEngine, StepResult, layer_step
+
+__all__ = ["EPOverlapEngine", "StepRecorder", "StepResult", "StepStats", "layer_step"]

@@ -1,0 +1,220 @@
+"""The nodes of one transformer layer for one microbatch, each its own autograd segment.
+
+A node's inputs are detached from the previous node's outputs (keeping their ``requires_grad``), so each node
+can be back-propagated on its own: backward of a node runs ``torch.autograd.backward(outputs, grads)`` and
+hands the gradients of its detached inputs to the node before it.
+
+    node          lane     forward                                   backward
+    pre_dispatch  compute  attention, pre-MLP norm, router, permute  dgrad (+ deferred attention wgrad after it)
+    dispatch      comm     split-size exchange, all-to-all          reverse all-to-all
+    experts       compute  sort by local expert, grouped GEMMs       dgrad (+ expert wgrad, deferred if delayed)
+    combine       comm     all-to-all back, unpermute, residual add  unpermute backward, reverse all-to-all
+
+Comm nodes are split in a launch (issue the all-to-all) and a wait (in the consumer), so the schedule can put
+the other microbatch's compute in between. Dense layers run the same nodes with no communication.
+
+Bitwise equality with the plain path holds because every node runs exactly the ops of
+``TransformerLayer.forward``, and every tensor that crosses a node boundary and has two gradient contributions
+(the residual ``h``) gets them summed in one addition, which is exact whatever the order.
+"""
+
+import torch
+
+from megatron.bridge.models.moe_gpt.model import MoEGPTModel, TransformerLayer
+from megatron.bridge.training.ep_overlap.lanes import Pending, done
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A node input: cut from the producer's graph, keeping whether it needs a gradient."""
+    return None if t is None else t.detach().requires_grad_(t.requires_grad)
+
+
+def _backward(outputs: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _grad(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.grad
+
+
+def _free(t: torch.Tensor) -> None:
+    """Releases the data of a node output that backward does not read (an index_select result)."""
+    t.untyped_storage().resize_(0)
+
+
+class LayerNodes:
+    """The four nodes of ``layer`` for one microbatch, in forward and backward halves."""
+
+    def __init__(self, layer: TransformerLayer, index: int, microbatch: int, lane, delay_wgrad: bool):
+        self.layer, self.index, self.mb, self.lane = layer, index, microbatch, lane
+        self.delay_wgrad = delay_wgrad
+        self.routing = None
+
+    def _compute(self, node: str):
+        return self.lane.compute(node, self.index, self.mb)
+
+    def _all_to_all(self, x: torch.Tensor, out_splits, in_splits, op: str) -> Pending:
+        return self.lane.all_to_all(x, out_splits, in_splits, op=op, layer=self.index, microbatch=self.mb)
+
+    # ---- forward ------------------------------------------------------------------------------------
+
+    def pre_dispatch(self, x_in: torch.Tensor) -> None:
+        with self._compute("pre_dispatch"):
+            self.x = _leaf(x_in)
+            with torch.enable_grad():
+                self.h, self.tokens, self.probs, self.routing = self.layer.pre_dispatch(self.x)
+
+    def dispatch(self) -> None:
+        """Launch. The split-size exchange (a host sync) sits here, after this microbatch's compute is issued."""
+        routing = self.routing
+        if routing is None:
+            self._dispatched = done(_leaf(self.tokens))
+            return
+        self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+        self._dispatched = self._all_to_all(self.tokens.detach(), routing.out_splits, routing.in_splits, "dispatch")
+
+    def experts(self) -> None:
+        received = self._dispatched.wait()
+        with self._compute("experts"):
+            if self.routing is not None:
+                _free(self.tokens)
+                received.requires_grad_(True)
+            self.received = received
+            with torch.enable_grad():
+                self.expert_out = self.layer.experts(received, self.routing)
+
+    def combine(self) -> None:
+        """Launch."""
+        routing = self.routing
+        if routing is None:
+            self._combined = done(_leaf(self.expert_out))
+            return
+        self._combined = self._all_to_all(self.expert_out.detach(), routing.in_splits, routing.out_splits, "combine")
+
+    def combine_finish(self) -> torch.Tensor:
+        """Wait for the combine all-to-all, then unpermute and add the residual. Returns the layer output."""
+        back = self._combined.wait()
+        with self._compute("combine"):
+            if self.routing is not None:
+                _free(self.expert_out)
+                back.requires_grad_(True)
+            self.back, self.h_in, self.probs_in = back, _leaf(self.h), _leaf(self.probs)
+            with torch.enable_grad():
+                self.out = self.layer.combine(back, self.probs_in, self.h_in, self.routing)
+        return self.out
+
+    # ---- backward -----------------------------------------------------------------------------------
+
+    def combine_backward(self, grad_out: torch.Tensor) -> None:
+        """Unpermute backward, then launch the reverse all-to-all."""
+        with self._compute("combine_bwd"):
+            _backward([self.out], [grad_out])
+        self.out = None
+        grad_back = self.back.grad
+        routing = self.routing
+        if routing is None:
+            self._combine_grad = done(grad_back)
+            return
+        self._combine_grad = self._all_to_all(grad_back, routing.out_splits, routing.in_splits, "combine_bwd")
+
+    def experts_backward(self) -> None:
+        """Expert dgrad (and wgrad, unless delayed)."""
+        grad_out = self._combine_grad.wait()
+        with self._compute("experts_bwd"):
+            _backward([self.expert_out], [grad_out])
+        self.expert_out = self.back = None
+
+    def dispatch_backward(self) -> None:
+        """Launch the reverse all-to-all of the experts' input gradient."""
+        grad = self.received.grad
+        routing = self.routing
+        self.received = None
+        if routing is None:
+            self._dispatch_grad = done(grad)
+            return
+        self._dispatch_grad = self._all_to_all(grad, routing.in_splits, routing.out_splits, "dispatch_bwd")
+
+    def expert_wgrad(self) -> None:
+        """Delayed expert weight gradients; the schedule runs this while dispatch backward is in flight."""
+        if self.delay_wgrad and self.layer.is_moe:
+            with self._compute("expert_wgrad"):
+                self.layer.fc1.backward_dw()
+                self.layer.fc2.backward_dw()
+
+    def pre_dispatch_backward(self) -> torch.Tensor:
+        """Attention/router/norm dgrad, then the deferred attention wgrad. Returns the layer input's gradient."""
+        grad_tokens = self._dispatch_grad.wait()
+        with self._compute("pre_dispatch_bwd"):
+            _backward([self.h, self.tokens, self.probs], [self.h_in.grad, grad_tokens, _grad(self.probs_in)])
+        if self.delay_wgrad:
+            with self._compute("attention_wgrad"):
+                self.layer.attention.qkv.backward_dw()
+                self.layer.attention.proj.backward_dw()
+        grad_in = self.x.grad
+        self.x = self.h = self.tokens = self.probs = self.h_in = self.probs_in = self.routing = None
+        return grad_in
+
+    # ---- unpaired ---------------------------------------------------------------------------------------
+
+    def forward(self, x_in: torch.Tensor) -> torch.Tensor:
+        self.pre_dispatch(x_in)
+        self.dispatch()
+        self.experts()
+        self.combine()
+        return self.combine_finish()
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        self.combine_backward(grad_out)
+        self.experts_backward()
+        self.dispatch_backward()
+        self.expert_wgrad()
+        return self.pre_dispatch_backward()
+
+
+class MicrobatchNodes:
+    """All nodes of one microbatch: embedding, the layers' nodes, and head + loss."""
+
+    def __init__(
+        self, model: MoEGPTModel, microbatch: int, tokens, labels, normalizer: float, lane, delay_wgrad: bool
+    ):
+        self.model, self.mb, self.lane = model, microbatch, lane
+        self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
+        self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in enumerate(model.layers)]
+        self.loss: torch.Tensor | None = None
+
+    def embed_forward(self) -> torch.Tensor:
+        with self.lane.compute("embedding", -1, self.mb), torch.enable_grad():
+            self.embedded = self.model.embed(self.tokens)
+        return self.embedded
+
+    def head_forward(self, x_in: torch.Tensor) -> torch.Tensor:
+        with self.lane.compute("head", len(self.layers), self.mb):
+            self.head_in = _leaf(x_in)
+            with torch.enable_grad():
+                self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer)
+        return self.loss
+
+    def head_backward(self) -> torch.Tensor:
+        with self.lane.compute("head_bwd", len(self.layers), self.mb):
+            self.loss.backward()
+        grad, self.head_in = self.head_in.grad, None
+        return grad
+
+    def embed_backward(self, grad: torch.Tensor) -> None:
+        with self.lane.compute("embedding_bwd", -1, self.mb):
+            _backward([self.embedded], [grad])
+        self.embedded = None
+
+    def forward(self) -> torch.Tensor:
+        x = self.embed_forward()
+        for layer in self.layers:
+            x = layer.forward(x)
+        return self.head_forward(x)
+
+    def backward(self) -> None:
+        grad = self.head_backward()
+        for layer in reversed(self.layers):
+            grad = layer.backward(grad)
+        self.embed_backward(grad)

@@ -1,0 +1,140 @@
+"""What the engine records per step: when each all-to-all was launched, finished and waited on, and when each
+compute node ran. From these it reports comm time, exposed comm time and the overlap fraction.
+
+Times are seconds from the start of the step. On CPU they are host clock readings; the finish time of an
+all-to-all comes from its future's completion callback (gloo runs it on its own thread). On CUDA the intervals
+come from CUDA events on the comm and compute streams, resolved at the end of the step.
+
+Exposed comm time is the part of the union of all-to-all intervals that no compute interval covers: the time
+communication alone was on the critical path. The same definition holds for both lanes.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class HostClock:
+    """Marks are host times."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def mark(self, stream=None) -> float:
+        return time.perf_counter()
+
+    def seconds(self, mark: float) -> float:
+        return mark - self.t0
+
+
+class CudaClock:
+    """Marks are CUDA events recorded on a stream; resolved after the step synchronizes."""
+
+    def __init__(self):
+        self.t0 = torch.cuda.Event(enable_timing=True)
+        self.t0.record()
+
+    def mark(self, stream=None) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def seconds(self, mark: torch.cuda.Event) -> float:
+        return self.t0.elapsed_time(mark) / 1000.0
+
+
+@dataclass
+class CommRecord:
+    """One all-to-all. ``phase`` is "warmup", "paired" or "cooldown" (see the schedule).
+
+    ``launch``/``done`` are clock marks (device time on CUDA); the ``*_host`` fields are host perf_counter
+    readings of when the host issued the op and when a consumer waited for its result.
+    """
+
+    op: str
+    layer: int
+    microbatch: int
+    phase: str
+    launch: object
+    launch_host: float
+    done: object = None
+    wait_start_host: float | None = None
+    wait_end_host: float | None = None
+
+
+@dataclass
+class ComputeRecord:
+    """One compute node; ``start``/``end`` are clock marks, the ``*_host`` fields host readings."""
+
+    node: str
+    layer: int
+    microbatch: int
+    phase: str
+    start: object
+    start_host: float
+    end: object = None
+    end_host: float | None = None
+
+
+@dataclass
+class StepStats:
+    """Per-step totals, in seconds."""
+
+    comm_s: float
+    exposed_comm_s: float
+    compute_s: float
+
+    @property
+    def overlap_fraction(self) -> float:
+        return 0.0 if self.comm_s <= 0 else 1.0 - self.exposed_comm_s / self.comm_s
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _covered(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted disjoint interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass
+class StepRecorder:
+    """Collects the records of one step. ``phase`` is set by the schedule as it goes."""
+
+    clock: object = field(default_factory=HostClock)
+    phase: str = "warmup"
+    comm: list[CommRecord] = field(default_factory=list)
+    compute: list[ComputeRecord] = field(default_factory=list)
+
+    def intervals(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(comm intervals, compute intervals) in seconds from the step start; call after the step finished."""
+        seconds = self.clock.seconds
+        comm = [(seconds(r.launch), seconds(r.done)) for r in self.comm if r.done is not None]
+        compute = [(seconds(r.start), seconds(r.end)) for r in self.compute if r.end is not None]
+        return comm, compute
+
+    def stats(self) -> StepStats:
+        comm, compute = self.intervals()
+        comm_u, compute_u = _union(comm), _union(compute)
+        comm_s = _length(comm_u)
+        return StepStats(comm_s, comm_s - _covered(comm_u, compute_u), _length(compute_u))

@@ -1,0 +1,238 @@
+"""The 1F1B-interleaved MoE layer schedule (PP = 1) that hides EP all-to-all behind the other microbatch's compute.
+
+Contract:
+    * :func:`layer_step` pairs the forward of layer j of microbatch i+1 (F) with the backward of layer L-1-j of
+      microbatch i (B). Host issue order is the schedule: each all-to-all of one microbatch is launched just
+      before compute of the other microbatch, and waited for only when its consumer runs.
+    * :class:`EPOverlapEngine` runs one training step over N microbatches: F(0); then F(i+1) paired with B(i)
+      for i = 0..N-2; then B(N-1). With overlap off it runs the same model through the plain forward/backward.
+      Losses and every gradient are bitwise equal between the two (tests check the bit patterns).
+    * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
+      gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once.
+    * A config the EP-overlap rules reject never reaches the engine: the constructor raises the same
+      :class:`CommOverlapConfigError` that ``CommOverlapConfig.setup`` raises.
+    * With ``delay_wgrad``: experts compute dgrad only in B.experts and their wgrad runs right after the
+      dispatch-backward all-to-all is launched; attention wgrad runs after attention dgrad. Every deferred wgrad
+      runs exactly once per backward; a leftover one at the end of a step is an error naming the module.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
+from megatron.bridge.models.moe_gpt.model import MoEGPTModel
+from megatron.bridge.training.ep_overlap.lanes import make_lane
+from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.records import CommRecord, StepRecorder, StepStats
+from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
+from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+
+logger = logging.getLogger(__name__)
+
+Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
+
+
+def layer_step(
+    f: LayerNodes, f_input: torch.Tensor, b: LayerNodes, b_grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One paired layer step: forward of ``f`` interleaved with backward of ``b``.
+
+    Returns:
+        (output of F's layer, gradient of B's layer input).
+    """
+    # window 1: B.combine backward (comm)   ||  F.pre_dispatch (compute)
+    b.combine_backward(b_grad_output)
+    f.pre_dispatch(f_input)
+    # window 2: F.dispatch (comm)           ||  B.experts backward, dgrad (compute)
+    f.dispatch()  # split-size host sync happens here, after F's compute was issued
+    b.experts_backward()
+    # window 3: B.dispatch backward (comm)  ||  B.experts wgrad (if delayed), F.experts (compute)
+    b.dispatch_backward()
+    b.expert_wgrad()
+    f.experts()
+    # window 4: F.combine (comm)            ||  B.pre_dispatch backward, then attention wgrad (compute)
+    f.combine()
+    b_grad_input = b.pre_dispatch_backward()
+    return f.combine_finish(), b_grad_input
+
+
+def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes) -> None:
+    """F(i+1) + B(i): embedding and loss backward first, then every layer pair, then loss and embedding backward."""
+    x = f.embed_forward()
+    grad = b.head_backward()
+    num_layers = len(f.layers)
+    for j in range(num_layers):
+        x, grad = layer_step(f.layers[j], x, b.layers[num_layers - 1 - j], grad)
+    f.head_forward(x)
+    b.embed_backward(grad)
+
+
+@dataclass
+class StepResult:
+    """Outcome of one step on this rank."""
+
+    losses: list[torch.Tensor]  # per microbatch: token-summed CE / (global tokens of the step)
+    stats: StepStats
+    recorder: StepRecorder
+
+
+def delayable_linears(model: MoEGPTModel) -> list[GroupedLinear]:
+    """Linears whose wgrad the schedule defers: MoE experts' fc1/fc2 and attention projections."""
+    found = []
+    for layer in model.layers:
+        found += [layer.attention.qkv, layer.attention.proj]
+        if layer.is_moe:
+            found += [layer.fc1, layer.fc2]
+    return found
+
+
+def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
+    """Sums non-expert grads over the DP group and expert grads over the expert-DP group, one bucket each."""
+    dense, expert = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (expert if getattr(param, "allreduce", True) is False else dense).append(param)
+    for params, group, what in ((dense, groups.dp_group, "dense"), (expert, groups.expert_dp_group, "expert")):
+        if group is None or torch.distributed.get_world_size(group) == 1 or not params:
+            continue
+        grads = []
+        for param in params:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is not None:
+                grads.append(main_grad)
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, group, op=f"{what} gradient all-reduce", timeout=groups.timeout)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class EPOverlapEngine:
+    """Runs training steps of a reference MoE GPT with the paired EP-overlap schedule, or the plain path.
+
+    Args:
+        model: The model (its ``config`` is checked against the EP-overlap rules when overlap is on).
+        groups: This rank's process groups.
+        overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
+        delay_wgrad: Defer expert/attention wgrad as described in the module docstring (needs overlap).
+        high_priority_comm: On CUDA, give the comm stream high priority.
+
+    Raises:
+        CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
+    """
+
+    def __init__(
+        self,
+        model: MoEGPTModel,
+        groups: EPGroups,
+        *,
+        overlap: bool,
+        delay_wgrad: bool = False,
+        high_priority_comm: bool = False,
+    ):
+        violations = check_moe_overlap(
+            model.config, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad
+        )
+        if violations:
+            raise CommOverlapConfigError(violations)
+        self.model, self.groups = model, groups
+        self.overlap, self.delay_wgrad = overlap, delay_wgrad
+        self.high_priority_comm = high_priority_comm
+
+    @classmethod
+    def from_config(cls, model: MoEGPTModel, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
+        """Reads ``overlap_moe_expert_parallel_comm`` and ``delay_wgrad_compute`` from ``model.config``."""
+        config = model.config
+        return cls(
+            model,
+            groups,
+            overlap=bool(config.overlap_moe_expert_parallel_comm),
+            delay_wgrad=bool(config.delay_wgrad_compute),
+            **kwargs,
+        )
+
+    def step(self, microbatches: list[Microbatch], *, forward_only: bool = False) -> StepResult:
+        """Forward (and unless ``forward_only``, backward and gradient sync) over ``microbatches``."""
+        if not microbatches:
+            raise ValueError("a step needs at least one microbatch")
+        device = next(self.model.parameters()).device
+        lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        normalizer = float(microbatches[0][0].numel() * len(microbatches) * world)
+        if forward_only:
+            with torch.no_grad():
+                losses = [self.model(tokens, labels, normalizer) for tokens, labels in microbatches]
+        elif self.overlap:
+            losses = self._overlapped(microbatches, normalizer, lane)
+        else:
+            losses = self._plain(microbatches, normalizer, lane)
+        if not forward_only:
+            sync_grads(self.model, self.groups)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
+
+    # ---- the two paths ------------------------------------------------------------------------------
+
+    def _overlapped(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
+        linears = delayable_linears(self.model)
+        for linear in linears:
+            linear.delay_wgrad = self.delay_wgrad
+        try:
+            runs = [
+                MicrobatchNodes(self.model, i, tokens, labels, normalizer, lane, self.delay_wgrad)
+                for i, (tokens, labels) in enumerate(microbatches)
+            ]
+            lane.recorder.phase = "warmup"
+            runs[0].forward()
+            for i in range(len(runs) - 1):
+                lane.recorder.phase = "paired"
+                paired_microbatch_step(runs[i + 1], runs[i])
+            lane.recorder.phase = "cooldown"
+            runs[-1].backward()
+            leftover = [f"{linear.name} ({linear.pending_wgrads})" for linear in linears if linear.pending_wgrads]
+            if leftover:
+                raise RuntimeError(
+                    "delayed weight gradients were queued but never computed, so these gradients would be lost: "
+                    + ", ".join(leftover)
+                )
+            return [run.loss for run in runs]
+        finally:
+            for linear in linears:
+                linear.delay_wgrad = False
+                linear._pending.clear()
+
+    def _plain(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
+        recorder, clock = lane.recorder, lane.recorder.clock
+        open_ops: dict[str, CommRecord] = {}
+
+        def observe(op: str, event: str, layer: int, microbatch: int) -> None:
+            if event == "start":
+                record = CommRecord(op, layer, microbatch, "plain", clock.mark(), time.perf_counter())
+                record.wait_start_host = record.launch_host
+                recorder.comm.append(record)
+                open_ops[op] = record
+            else:
+                record = open_ops.pop(op)
+                record.done, record.wait_end_host = clock.mark(), time.perf_counter()
+
+        losses = []
+        try:
+            for i, (tokens, labels) in enumerate(microbatches):
+                for j, layer in enumerate(self.model.layers):
+                    layer.comm_observer = lambda op, event, j=j, i=i: observe(op, event, j, i)
+                loss = self.model(tokens, labels, normalizer)
+                loss.backward()
+                losses.append(loss)
+        finally:
+            for layer in self.model.layers:
+                layer.comm_observer = None
+        return losses

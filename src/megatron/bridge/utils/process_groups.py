@@ -1,0 +1,113 @@
+"""Expert-parallel process groups and collectives that never wait forever.
+
+Contract:
+    * :func:`init_ep_groups` splits the world into expert-parallel (EP) groups of consecutive ranks. Every rank
+      is also data-parallel for the non-expert weights (``dp_group`` = world). Expert weights are replicated
+      across ``expert_dp_group`` (ranks with the same EP rank in different EP groups).
+    * Split-size exchanges run on ``ep_meta_group``, a separate gloo group over CPU tensors: on one shared group
+      the small exchange would queue behind bulk all-to-alls already in flight and block the host.
+    * Every wait goes through :func:`wait_work`, under the groups' timeout. A failure or timeout raises
+      :class:`CollectiveError` naming this rank and the op, so a rank whose peer died or raised stops instead
+      of hanging.
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not finish within the timeout; the message names the rank and the op."""
+
+
+@dataclass
+class EPGroups:
+    """Process groups one rank uses. With ``ep_size == 1`` and no process group every group is None."""
+
+    ep_size: int
+    ep_rank: int
+    ep_group: dist.ProcessGroup | None
+    ep_meta_group: dist.ProcessGroup | None
+    expert_dp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    timeout: timedelta
+
+    @property
+    def rank(self) -> int:
+        """Global rank (0 without a process group)."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+
+def single_process_groups() -> EPGroups:
+    """Groups for a model with EP = 1 and no process group (all communication is the identity)."""
+    return EPGroups(1, 0, None, None, None, None, timedelta(seconds=60))
+
+
+def init_ep_groups(expert_model_parallel_size: int, timeout: timedelta = timedelta(minutes=5)) -> EPGroups:
+    """Creates the EP, EP-metadata, expert-DP and DP groups. Every rank must call this, in the same order.
+
+    Raises:
+        ValueError: When the world size is not a multiple of ``expert_model_parallel_size``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep = expert_model_parallel_size
+    if ep < 1 or world % ep:
+        raise ValueError(
+            f"expert_model_parallel_size={ep} must divide the world size {world}; "
+            f"launch a multiple of {ep} ranks or change expert_model_parallel_size."
+        )
+    mine = {}
+    for start in range(0, world, ep):
+        ranks = list(range(start, start + ep))
+        bulk = dist.new_group(ranks, timeout=timeout)
+        meta = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine["ep"], mine["meta"] = bulk, meta
+    for ep_rank in range(ep):
+        group = dist.new_group(list(range(ep_rank, world, ep)), timeout=timeout)
+        if rank % ep == ep_rank:
+            mine["expert_dp"] = group
+    return EPGroups(ep, rank % ep, mine["ep"], mine["meta"], mine["expert_dp"], dist.group.WORLD, timeout)
+
+
+def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
+    """Waits for an async collective; raises CollectiveError naming this rank and ``op`` on failure or timeout."""
+    try:
+        completed = work.wait(timeout)
+    except Exception as exc:  # gloo/NCCL report peer loss and timeouts as various RuntimeErrors
+        raise _error(op, timeout, exc) from exc
+    if completed is False:
+        raise _error(op, timeout, None)
+
+
+def _error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    detail = f": {cause}" if cause is not None else ""
+    return CollectiveError(
+        f"rank {rank}: {op} did not complete (timeout {timeout.total_seconds():g}s; a peer rank may have failed "
+        f"or stopped participating){detail}"
+    )
+
+
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup,
+    *,
+    op: str,
+    timeout: timedelta,
+) -> torch.Tensor:
+    """Blocking uneven all-to-all of rows under a timeout."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    wait_work(work, op=op, timeout=timeout)
+    return out
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, op: str, timeout: timedelta) -> None:
+    """Blocking sum all-reduce under a timeout."""
+    work = dist.all_reduce(x, group=group, async_op=True)
+    wait_work(work, op=op, timeout=timeout)
