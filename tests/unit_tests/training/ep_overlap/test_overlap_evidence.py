@@ -1,0 +1,85 @@
+"""From the engine's records (not wall-clock speed): in every paired layer step, each all-to-all of one
+microbatch was in flight while the other microbatch's compute ran, exactly as the timeline says."""
+
+import pytest
+
+from megatron.bridge.utils.multiprocess import run_local_ranks
+
+from .workers import Case, train_arms
+
+# all-to-all -> the other microbatch's compute node that the layer step issues while it is in flight
+TIMELINE = {
+    "combine_bwd": "pre_dispatch",  # window 1
+    "dispatch": "experts_bwd",  # window 2
+    "dispatch_bwd": "experts",  # window 3
+    "combine": "pre_dispatch_bwd",  # window 4
+}
+
+
+def ran_in_flight(comm: dict, compute: dict) -> bool:
+    return comm["launch_host"] <= compute["start_host"] and compute["end_host"] <= comm["wait_start_host"]
+
+
+@pytest.fixture(scope="module")
+def records():
+    case = Case(steps=1, arms=("overlap", "delayed", "plain"), layer_freq=(1, 0, 1))
+    return case, run_local_ranks(train_arms, case.world, (case,))
+
+
+@pytest.mark.parametrize("arm", ["overlap", "delayed"])
+def test_each_paired_all_to_all_hides_behind_the_other_microbatch(records, arm):
+    case, outcomes = records
+    for outcome in outcomes:
+        comm, compute = outcome.result[arm]["comm"], outcome.result[arm]["compute"]
+        paired = [c for c in comm if c["phase"] == "paired"]
+        moe_layers = sum(case.layer_freq)
+        assert len(paired) == 4 * moe_layers * (case.microbatches - 1)
+        for op in paired:
+            assert op["wait_start_host"] is not None, f"{op['op']} was never waited on"
+            partners = [
+                c
+                for c in compute
+                if c["phase"] == "paired" and c["microbatch"] != op["microbatch"] and ran_in_flight(op, c)
+            ]
+            assert partners, (
+                f"nothing of the other microbatch ran while {op['op']} (layer {op['layer']}) was in flight"
+            )
+            assert TIMELINE[op["op"]] in {c["node"] for c in partners}
+
+
+def test_delayed_expert_wgrad_runs_under_dispatch_backward(records):
+    _, outcomes = records
+    for outcome in outcomes:
+        comm, compute = outcome.result["delayed"]["comm"], outcome.result["delayed"]["compute"]
+        dispatch_bwd = [c for c in comm if c["op"] == "dispatch_bwd"]
+        assert dispatch_bwd
+        for op in dispatch_bwd:
+            wgrad = [
+                c
+                for c in compute
+                if c["node"] == "expert_wgrad" and c["microbatch"] == op["microbatch"] and c["layer"] == op["layer"]
+            ]
+            assert len(wgrad) == 1 and ran_in_flight(op, wgrad[0])
+
+
+def test_attention_wgrad_follows_attention_dgrad_only_when_delayed(records):
+    _, outcomes = records
+    nodes = [c["node"] for c in outcomes[0].result["delayed"]["compute"]]
+    assert nodes.count("attention_wgrad") == nodes.count("pre_dispatch_bwd")
+    for i, node in enumerate(nodes):
+        if node == "attention_wgrad":
+            assert nodes[i - 1] == "pre_dispatch_bwd"
+    assert "attention_wgrad" not in {c["node"] for c in outcomes[0].result["overlap"]["compute"]}
+
+
+def test_step_stats_are_reported(records):
+    _, outcomes = records
+    for outcome in outcomes:
+        for arm in ("overlap", "plain"):
+            stats = outcome.result[arm]["stats"]
+            assert stats["comm_s"] > 0
+            assert 0 <= stats["exposed_comm_s"] <= stats["comm_s"]
+            assert 0.0 <= stats["overlap_fraction"] <= 1.0
+        # The plain path blocks on every all-to-all: all of its comm is exposed.
+        plain = outcome.result["plain"]["stats"]
+        assert plain["exposed_comm_s"] == plain["comm_s"]
