@@ -143,8 +143,21 @@ class GroupedLinear(torch.nn.Module):
         self._fire_grad_ready()
 
     def _on_autograd_accumulated(self, param: torch.nn.Parameter) -> None:
-        self._fire_grad_ready()
+        # Autograd runs this hook even when backward returned no wgrad (delayed); backward_dw fires then.
+        if not self.delay_wgrad:
+            self._fire_grad_ready()
 
     def _fire_grad_ready(self) -> None:
         for hook in self._grad_ready_hooks:
             hook(self.weight)
+
+
+def check_no_pending_wgrads(linears) -> None:
+    """Raises naming every module that still holds delayed wgrads (their gradients would be lost)."""
+    leftover = [f"{linear.name} ({linear.pending_wgrads} queued)" for linear in linears if linear.pending_wgrads]
+    if leftover:
+        raise RuntimeError(
+            "delayed weight gradients were queued but never computed, so these gradients would be lost: "
+            + ", ".join(leftover)
+            + ". Every backward with delay_wgrad on must be followed by backward_dw() on the module."
+        )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, check_no_pending_wgrads
 from megatron.bridge.models.moe_gpt.model import MoEGPTModel
 from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
@@ -198,12 +198,7 @@ class EPOverlapEngine:
                 paired_microbatch_step(runs[i + 1], runs[i])
             lane.recorder.phase = "cooldown"
             runs[-1].backward()
-            leftover = [f"{linear.name} ({linear.pending_wgrads})" for linear in linears if linear.pending_wgrads]
-            if leftover:
-                raise RuntimeError(
-                    "delayed weight gradients were queued but never computed, so these gradients would be lost: "
-                    + ", ".join(leftover)
-                )
+            check_no_pending_wgrads(linears)
             return [run.loss for run in runs]
         finally:
             for linear in linears:
