@@ -54,8 +54,10 @@ def _dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, results):
+def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, rank_setup, results):
     try:
+        if rank_setup is not None:
+            rank_setup(rank)
         torch.set_num_threads(threads)
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
@@ -80,6 +82,8 @@ def run_local_ranks(
     threads_per_rank: int = 1,
     start_method: str = "fork",
     raise_on_error: bool = True,
+    rank_setup: Callable[[int], None] | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> list[RankOutcome]:
     """Runs ``fn(rank, nprocs, *args)`` on ``nprocs`` local ranks and returns their outcomes, ordered by rank.
 
@@ -93,14 +97,28 @@ def run_local_ranks(
         threads_per_rank: ``torch.set_num_threads`` in each rank.
         start_method: "fork" or "spawn".
         raise_on_error: Raise :class:`RankFailure` when any rank failed (else return the outcomes).
+        rank_setup: Called in each rank's process before the process group starts (e.g. to enter a network
+            namespace and set GLOO_SOCKET_IFNAME).
+        master_addr: Address where rank 0 listens for the rendezvous (reachable from every rank).
     """
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    init_method = f"tcp://{master_addr}:{free_port()}"
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, nprocs, args, backend, init_method, collective_timeout_s, threads_per_rank, results),
+            args=(
+                fn,
+                rank,
+                nprocs,
+                args,
+                backend,
+                init_method,
+                collective_timeout_s,
+                threads_per_rank,
+                rank_setup,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(nprocs)

@@ -18,6 +18,7 @@ Contract:
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,16 +37,19 @@ Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
 
 
 def layer_step(
-    f: LayerNodes, f_input: torch.Tensor, b: LayerNodes, b_grad_output: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    f: LayerNodes, f_input: Callable[[], torch.Tensor], b: LayerNodes, b_grad_output: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
     """One paired layer step: forward of ``f`` interleaved with backward of ``b``.
 
+    ``f_input()`` yields F's input; for a layer after the first it finishes the previous layer's F.combine, so
+    that all-to-all is waited for only after B's next all-to-all is already launched.
+
     Returns:
-        (output of F's layer, gradient of B's layer input).
+        (a callable that finishes F's combine and yields this layer's output, gradient of B's layer input).
     """
     # window 1: B.combine backward (comm)   ||  F.pre_dispatch (compute)
     b.combine_backward(b_grad_output)
-    f.pre_dispatch(f_input)
+    f.pre_dispatch(f_input())
     # window 2: F.dispatch (comm)           ||  B.experts backward, dgrad (compute)
     f.dispatch()  # split-size host sync happens here, after F's compute was issued
     b.experts_backward()
@@ -56,18 +60,18 @@ def layer_step(
     # window 4: F.combine (comm)            ||  B.pre_dispatch backward, then attention wgrad (compute)
     f.combine()
     b_grad_input = b.pre_dispatch_backward()
-    return f.combine_finish(), b_grad_input
+    return f.combine_finish, b_grad_input
 
 
 def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes) -> None:
     """F(i+1) + B(i): embedding and loss backward first, then every layer pair, then loss and embedding backward."""
-    x = f.embed_forward()
+    f_output = f.embed_forward
     grad = b.head_backward()
     num_layers = len(f.layers)
     for j in range(num_layers):
-        x, grad = layer_step(f.layers[j], x, b.layers[num_layers - 1 - j], grad)
-    f.head_forward(x)
+        f_output, grad = layer_step(f.layers[j], f_output, b.layers[num_layers - 1 - j], grad)
     b.embed_backward(grad)
+    f.head_forward(f_output())
 
 
 @dataclass

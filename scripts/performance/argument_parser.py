@@ -1,0 +1,81 @@
+"""Command-line flags of the performance harness (named as upstream's where upstream has them)."""
+
+import argparse
+
+
+def bool_arg(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def backend_arg(text: str) -> str | None:
+    lowered = text.strip().lower()
+    if lowered in ("none", "null", ""):
+        return None
+    if lowered not in ("deepep", "hybridep"):
+        raise argparse.ArgumentTypeError(f"expected deepep, hybridep or None, got {text!r}")
+    return lowered
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="run_script.py",
+        description="MoE EP-overlap performance harness: one arm, or a matched A/B of overlap off vs on.",
+        epilog="Trailing key=value overrides (e.g. comm_overlap.overlap_moe_expert_parallel_comm=true) apply last.",
+    )
+    overlap = parser.add_argument_group("overlap")
+    overlap.add_argument(
+        "--moe_a2a_overlap",
+        type=bool_arg,
+        default=None,
+        help="true/false: EP all-to-all overlap (plain overlap only; delayed wgrad is --delay_wgrad_compute)",
+    )
+    overlap.add_argument("--delay_wgrad_compute", type=bool_arg, default=None, help="true/false: delayed expert wgrad")
+    overlap.add_argument(
+        "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep or None"
+    )
+    overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)
+
+    model = parser.add_argument_group("model")
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "moe_ffn_hidden_size",
+        "num_moe_experts",
+        "moe_router_topk",
+        "seq_length",
+        "expert_model_parallel_size",
+    ):
+        model.add_argument(f"--{name}", type=int, default=None)
+    model.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("-ms", "--max_steps", type=int, default=None)
+    train.add_argument("--micro_batch_size", type=int, default=None)
+    train.add_argument("--num_microbatches", type=int, default=None)
+    train.add_argument("--seed", type=int, default=None)
+
+    run = parser.add_argument_group("run")
+    run.add_argument("-d", "--dryrun", action="store_true", help="print the resolved config and exit")
+    run.add_argument(
+        "--ab", action="store_true", help="run baseline (overlap off) and overlap arms, same seed and data"
+    )
+    run.add_argument("--nproc_per_node", type=int, default=2, help="local ranks to spawn when not under torchrun")
+    run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    run.add_argument(
+        "--link_gbps", type=float, default=None, help="emulate a G Gbit/s link between local ranks (root)"
+    )
+    run.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
+    run.add_argument("--timeline", default=None, help="draw one steady step of each arm to this PNG")
+    run.add_argument("overrides", nargs="*", help="Hydra-style section.field=value overrides")
+    return parser
+
+
+def parse_cli_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)

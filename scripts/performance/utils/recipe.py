@@ -1,0 +1,53 @@
+"""The harness's recipe: a small MoE GPT and its training settings, as nested dataclasses."""
+
+from dataclasses import dataclass, field
+
+from megatron.bridge.models.moe_gpt import MoEGPTConfig
+from megatron.bridge.training.comm_overlap import CommOverlapConfig
+
+
+@dataclass
+class TrainConfig:
+    """Steps and batch shape of one arm. ``warmup_steps`` are excluded from the steady-window statistics."""
+
+    max_steps: int = 6
+    warmup_steps: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 8
+    seed: int = 1234
+    lr: float = 1e-4
+    collective_timeout_s: float = 120.0
+
+
+@dataclass
+class RecipeConfig:
+    """Everything one run needs; Hydra-style overrides address it as ``model.x``, ``comm_overlap.x``, ``train.x``."""
+
+    model: MoEGPTConfig
+    comm_overlap: CommOverlapConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def small_moe_recipe() -> RecipeConfig:
+    """Two MoE layers, 4 experts (2 per rank on EP 2), top-1, 512 tokens per microbatch, fp32.
+
+    Sized so one microbatch's compute and its all-to-all over a ~1 Gbit/s link are of the same order on a
+    CPU core, which is where overlap matters.
+    """
+    model = MoEGPTConfig(
+        num_layers=2,
+        hidden_size=512,
+        num_attention_heads=8,
+        ffn_hidden_size=1024,
+        moe_ffn_hidden_size=1024,
+        num_moe_experts=4,
+        moe_router_topk=1,
+        moe_router_pre_softmax=True,
+        expert_model_parallel_size=2,
+        seq_length=512,
+        vocab_size=1024,
+        add_bias_linear=False,
+        gated_linear_unit=False,
+        bf16=False,
+    )
+    return RecipeConfig(model=model, comm_overlap=CommOverlapConfig(tp_comm_overlap=False))

@@ -1,0 +1,107 @@
+"""Aggregating per-rank arm results into the A/B summary, its table, JSON and timeline figure."""
+
+import json
+import statistics
+from typing import Any
+
+import torch
+
+
+def _steady(values: list[float], warmup: int) -> list[float]:
+    return values[warmup:] if len(values) > warmup else values
+
+
+def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> dict[str, Any]:
+    """One arm across ranks: a step lasts as long as its slowest rank; comm figures are averaged over ranks."""
+    steps = len(per_rank[0]["step_times_s"])
+    step_times = [max(r["step_times_s"][s] for r in per_rank) for s in range(steps)]
+    comm = [statistics.fmean(r["comm_s"][s] for r in per_rank) for s in range(steps)]
+    exposed = [statistics.fmean(r["exposed_comm_s"][s] for r in per_rank) for s in range(steps)]
+    steady = _steady(step_times, warmup)
+    median = statistics.median(steady)
+    comm_median = statistics.median(_steady(comm, warmup))
+    exposed_median = statistics.median(_steady(exposed, warmup))
+    return {
+        "step_times_s": step_times,
+        "median_step_time_s": median,
+        "min_step_time_s": min(steady),
+        "tokens_per_s": tokens_per_step / median,
+        "losses": per_rank[0]["losses"],
+        "comm_s": comm_median,
+        "exposed_comm_s": exposed_median,
+        "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
+        "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
+        "timeline": {r["rank"]: r["timeline"] for r in per_rank},
+    }
+
+
+def bitwise_equal(a: list[dict], b: list[dict]) -> dict[str, bool]:
+    """Losses (bit patterns, every rank and step) and final parameters (digest per rank) of two arms."""
+    losses = all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32))  # losses are fp32 (cross-entropy in fp32)
+        for ra, rb in zip(a, b)
+        for x, y in zip(ra["loss_bits"], rb["loss_bits"])
+    )
+    params = all(ra["param_digest"] == rb["param_digest"] for ra, rb in zip(a, b))
+    return {"bitwise_equal": losses and params, "losses_equal": losses, "params_equal": params}
+
+
+ROWS = (
+    ("median step time (s)", "median_step_time_s", "{:.3f}"),
+    ("min step time (s)", "min_step_time_s", "{:.3f}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("comm time / step (s)", "comm_s", "{:.3f}"),
+    ("exposed comm / step (s)", "exposed_comm_s", "{:.3f}"),
+    ("overlap fraction", "overlap_fraction", "{:.2f}"),
+    ("peak memory (MB)", "peak_memory_mb", "{:,.0f}"),
+)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    arms = summary["arms"]
+    names = list(arms)
+    lines = [summary["title"], f"{'':28}" + "".join(f"{name:>14}" for name in names)]
+    for label, key, fmt in ROWS:
+        lines.append(f"{label:28}" + "".join(f"{fmt.format(arms[n][key]):>14}" for n in names))
+    if "numerics" in summary:
+        numerics = summary["numerics"]
+        verdict = "yes" if numerics["bitwise_equal"] else "NO"
+        lines.append(
+            f"losses and final parameters bitwise equal: {verdict} "
+            f"(losses {numerics['losses_equal']}, parameters {numerics['params_equal']})"
+        )
+    if "speedup" in summary:
+        lines.append(f"speedup (baseline median / overlap median): {summary['speedup']:.3f}x")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+
+
+def draw_timeline(summary: dict[str, Any], path: str) -> None:
+    """One steady step per arm: a compute lane and a comm lane per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = summary["arms"]
+    fig, axes = plt.subplots(len(arms), 1, figsize=(12, 1.6 + 1.1 * len(arms) * 2), squeeze=False)
+    for ax, (name, arm) in zip(axes[:, 0], arms.items()):
+        labels = []
+        for row, (rank, lanes) in enumerate(sorted(arm["timeline"].items())):
+            y = 2 * row
+            ax.broken_barh([(s, e - s) for s, e in lanes["compute"]], (y + 1, 0.8), color="tab:blue")
+            ax.broken_barh([(s, e - s) for s, e in lanes["comm"]], (y, 0.8), color="tab:orange")
+            labels += [f"rank {rank} comm", f"rank {rank} compute"]
+        ax.set_yticks([i + 0.4 for i in range(len(labels))], labels)
+        ax.set_title(
+            f"{name}: step {arm['step_times_s'][-1]:.3f} s, comm {arm['comm_s']:.3f} s, "
+            f"exposed {arm['exposed_comm_s']:.3f} s"
+        )
+        ax.set_xlabel("seconds from step start")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
