@@ -1,11 +1,17 @@
 # The two commands of this project: `make run` (the main job) and `make test`.
 # Each one creates .venv (Python 3.12) and installs what it needs on first use.
-.PHONY: run test lint install
+.PHONY: run test lint install bench
 
 VENV_PY := .venv/bin/python
 
 install:
 	@bash tools/ensure_venv.sh test
+
+run: install
+	@bash tools/run_main_job.sh
+
+bench: install
+	.venv/bin/python scripts/performance/bench_overlap.py --out docs/performance/ep-overlap-benchmark.md
 
 test: install
 	$(VENV_PY) -m pytest -q tests/

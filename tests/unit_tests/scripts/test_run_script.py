@@ -1,0 +1,181 @@
+"""The perf harness: flags and overrides (with the upstream gotchas fixed), dry-run, errors, JSON and an A/B smoke."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import run_script
+from argument_parser import parse_cli_args
+from utils import netns
+from utils.overrides import OverrideError, apply_flag_overrides, apply_overrides, parse_value
+from utils.recipe import small_moe_recipe
+
+TINY = [
+    "--num_layers", "2", "--hidden_size", "32", "--num_attention_heads", "2", "--ffn_hidden_size", "64",
+    "--moe_ffn_hidden_size", "32", "--num_moe_experts", "4", "--moe_router_topk", "2", "--seq_length", "16",
+    "--num_microbatches", "3", "-ms", "3",
+]  # fmt: skip
+
+
+def recipe_from(argv):
+    args = parse_cli_args(argv)
+    return run_script.build_recipe(args)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("true", True), ("False", False), ("none", None), ("null", None), ("4", 4), ("0.5", 0.5), ("[1, 0]", [1, 0]),
+     ("alltoall", "alltoall")],
+)  # fmt: skip
+def test_parse_value(text, value):
+    assert parse_value(text) == value
+
+
+def test_moe_a2a_overlap_true_enables_plain_overlap_only():
+    recipe = recipe_from(["--moe_a2a_overlap", "true"])
+    assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is True
+    assert recipe.comm_overlap.delay_wgrad_compute is None
+    assert recipe.model.moe_shared_expert_overlap is False
+
+
+def test_moe_a2a_overlap_false_turns_off_what_the_recipe_enabled(monkeypatch):
+    def recipe_with_everything_on():
+        recipe = small_moe_recipe()
+        recipe.comm_overlap.overlap_moe_expert_parallel_comm = True
+        recipe.comm_overlap.delay_wgrad_compute = True
+        return recipe
+
+    monkeypatch.setattr(run_script, "small_moe_recipe", recipe_with_everything_on)
+    recipe = recipe_from(["--moe_a2a_overlap", "false"])
+    assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is False
+    assert recipe.comm_overlap.delay_wgrad_compute is False
+
+
+def test_delay_wgrad_has_its_own_flag():
+    recipe = recipe_from(["--moe_a2a_overlap", "true", "--delay_wgrad_compute", "true"])
+    assert recipe.comm_overlap.delay_wgrad_compute is True
+
+
+def test_overrides_come_last_and_win():
+    recipe = recipe_from(
+        ["--moe_a2a_overlap", "true", "--num_layers", "3", "comm_overlap.overlap_moe_expert_parallel_comm=false",
+         "model.num_layers=4", "train.max_steps=2", "model.moe_layer_freq=[1, 0, 1, 0]"]
+    )  # fmt: skip
+    assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is False
+    assert recipe.model.num_layers == 4 and recipe.model.moe_layer_freq == [1, 0, 1, 0]
+    assert recipe.train.max_steps == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("model.no_such_field=1", "has no field 'no_such_field'"), ("nosection.x=1", "has no section 'nosection'"),
+     ("model.num_layers", "not of the form section.field=value")],
+)  # fmt: skip
+def test_bad_overrides(override, message):
+    with pytest.raises(OverrideError, match=message):
+        apply_overrides(small_moe_recipe(), [override])
+
+
+def test_flags_map_onto_the_model():
+    recipe = small_moe_recipe()
+    apply_flag_overrides(recipe, parse_cli_args(TINY + ["--precision", "bf16", "--expert_model_parallel_size", "4"]))
+    assert (recipe.model.hidden_size, recipe.model.bf16, recipe.model.expert_model_parallel_size) == (32, True, 4)
+    assert recipe.train.num_microbatches == 3 and recipe.train.max_steps == 3
+
+
+def test_flex_backend_on_a_cpu_host_falls_back_to_alltoall():
+    recipe = recipe_from(["--moe_flex_dispatcher_backend", "deepep"])
+    assert recipe.model.moe_token_dispatcher_type == "alltoall"
+
+
+def test_dryrun_prints_resolved_config(capsys):
+    assert run_script.main(TINY + ["--ab", "--delay_wgrad_compute", "true", "-d"]) == 0
+    out = capsys.readouterr().out
+    assert "model.hidden_size = 32" in out
+    assert "arm baseline: overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False" in out
+    assert "arm overlap: overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True" in out
+
+
+def test_config_errors_are_the_rules_errors_without_traceback(capsys):
+    bad = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    code = run_script.main(TINY + ["--ab", "--expert_model_parallel_size", "1", "-d", *bad])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: overlap arm: communication overlap config has 4 problems:")
+    assert "[expert_parallel] model.expert_model_parallel_size=1" in err and "Fix: " in err
+    assert "Traceback" not in err
+
+
+def test_delay_without_overlap_is_rejected(capsys):
+    assert run_script.main(TINY + ["--moe_a2a_overlap", "false", "--delay_wgrad_compute", "true", "-d"]) == 2
+    assert "delay_wgrad_needs_overlap" in capsys.readouterr().err
+
+
+def test_link_without_root_says_so_and_fails(monkeypatch, capsys):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert run_script.main(TINY + ["--ab", "--link_gbps", "1"]) == 3
+    assert "--link_gbps needs root" in capsys.readouterr().err
+
+
+def test_ab_smoke_on_loopback(tmp_path, capsys):
+    json_path, png_path = tmp_path / "ab.json", tmp_path / "timeline.png"
+    code = run_script.main(TINY + ["--ab", "--json", str(json_path), "--timeline", str(png_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "losses and final parameters bitwise equal: yes" in out
+    result = json.loads(json_path.read_text())
+    assert result["numerics"]["bitwise_equal"] is True
+    for arm in ("baseline", "overlap"):
+        data = result["arms"][arm]
+        assert len(data["step_times_s"]) == 3 and len(data["losses"]) == 3
+        for key in ("median_step_time_s", "comm_s", "exposed_comm_s"):
+            assert isinstance(data[key], float) and data[key] >= 0
+    assert result["arms"]["baseline"]["losses"] == result["arms"]["overlap"]["losses"]
+    assert result["speedup"] == pytest.approx(
+        result["arms"]["baseline"]["median_step_time_s"] / result["arms"]["overlap"]["median_step_time_s"]
+    )
+    assert png_path.stat().st_size > 10_000
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2"
+)
+
+
+@needs_root
+def test_emulated_link_is_removed_after_an_exception():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.EmulatedLink(2, 1.0) as link:
+            assert set(link.namespaces) <= set(netns._netns_names())
+            raise RuntimeError("boom")
+    assert not set(link.namespaces) & set(netns._netns_names())
+
+
+@needs_root
+def test_emulated_link_is_removed_on_ctrl_c():
+    code = (
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(run_script.Path(run_script.__file__).parent)!r})\n"
+        "from utils.netns import EmulatedLink\n"
+        "with EmulatedLink(2, 1.0) as link:\n"
+        "    print(' '.join(link.namespaces), flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    names = proc.stdout.readline().split()
+    assert names and set(names) <= set(netns._netns_names())
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert not set(names) & set(netns._netns_names())
+
+
+@needs_root
+def test_stale_namespaces_of_killed_runs_are_removed():
+    name = f"{netns.PREFIX}999999-r0"  # no such pid
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    assert name in netns.remove_stale_namespaces()
+    assert name not in netns._netns_names()
