@@ -13,7 +13,9 @@ Contract:
     * ``pending_wgrads`` counts FIFO entries; the schedule checks it is zero at the end of every step.
 
 Backends: ``torch._grouped_mm`` where this torch has it and the operand rows are 16-byte aligned (what its
-kernels require), else a per-group loop of matmuls.
+kernels require), else a per-group loop of matmuls. :func:`make_expert_linear` picks Transformer Engine's
+``GroupedLinear`` instead (see :class:`TEGroupedLinear`) when the model asks for grouped GEMMs
+(``moe_grouped_gemm``), Transformer Engine imports and CUDA is available; it logs which backend it chose.
 
 Shape suffixes: M rows (tokens), K input features, N output features, G groups.
 """
@@ -129,6 +131,20 @@ class GroupedLinear(torch.nn.Module):
         """Delayed wgrads queued and not yet computed."""
         return len(self._pending)
 
+    def reset_pending(self) -> None:
+        """Drops queued wgrads (after a failed step, so they cannot leak into the next one)."""
+        self._pending.clear()
+
+    @property
+    def group_weights(self) -> list[torch.nn.Parameter]:
+        """The parameters holding the weights (one stacked [G, K, N] tensor here)."""
+        return [self.weight]
+
+    @torch.no_grad()
+    def load_group_weight(self, group: int, w_KN: torch.Tensor) -> None:
+        """Sets group ``group``'s weight from a [K, N] tensor (the layout-independent way to initialize)."""
+        self.weight[group].copy_(w_KN)
+
     def register_grad_ready_hook(self, hook: GradReadyHook) -> None:
         """Runs ``hook(weight)`` once per backward, after the weight's gradient is complete."""
         self._grad_ready_hooks.append(hook)
@@ -161,3 +177,117 @@ def check_no_pending_wgrads(linears) -> None:
             + ", ".join(leftover)
             + ". Every backward with delay_wgrad on must be followed by backward_dw() on the module."
         )
+
+
+class TEGroupedLinear(torch.nn.Module):
+    """Transformer Engine's ``GroupedLinear`` behind the :class:`GroupedLinear` interface (CUDA only).
+
+    Transformer Engine fixes ``delay_wgrad_compute`` when the module is built, so ``delay_wgrad`` can be set
+    only to that value; build the model with the config's ``delay_wgrad_compute`` you will train with.
+    Its per-group weights are ``weight{g}`` of shape [N, K].
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, name: str, delay_wgrad: bool, dtype):
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        self.name = name
+        self._delay = delay_wgrad
+        self._pending_count = 0
+        self._grad_ready_hooks: list[GradReadyHook] = []
+        self.inner = te.GroupedLinear(
+            num_groups,
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=dtype,
+            device="cuda",
+            delay_wgrad_compute=delay_wgrad,
+        )
+        for param in self.group_weights:
+            param.register_post_accumulate_grad_hook(self._on_autograd_accumulated)
+
+    @property
+    def delay_wgrad(self) -> bool:
+        return self._delay
+
+    @delay_wgrad.setter
+    def delay_wgrad(self, value: bool) -> None:
+        if bool(value) != self._delay:
+            raise ValueError(
+                f"{self.name}: Transformer Engine fixes delay_wgrad_compute={self._delay} when the module is built; "
+                f"build the model with delay_wgrad_compute={bool(value)} instead"
+            )
+
+    @property
+    def group_weights(self) -> list[torch.nn.Parameter]:
+        return [getattr(self.inner, f"weight{g}") for g in range(self.inner.num_gemms)]
+
+    @torch.no_grad()
+    def load_group_weight(self, group: int, w_KN: torch.Tensor) -> None:
+        getattr(self.inner, f"weight{group}").copy_(w_KN.t())
+
+    @property
+    def pending_wgrads(self) -> int:
+        return self._pending_count
+
+    def reset_pending(self) -> None:
+        # Only the count is reset: Transformer Engine's own queue is not reachable from here, so after a failed
+        # step with delayed wgrad the model should be rebuilt.
+        self._pending_count = 0
+
+    def forward(self, x_MK: torch.Tensor, group_sizes: Sequence[int]) -> torch.Tensor:
+        out = self.inner(x_MK, m_splits=list(group_sizes))
+        if self._delay and out.requires_grad:
+            out.register_hook(self._count_pending)
+        return out
+
+    def _count_pending(self, grad: torch.Tensor) -> torch.Tensor:
+        self._pending_count += 1
+        return grad
+
+    def register_grad_ready_hook(self, hook: GradReadyHook) -> None:
+        self._grad_ready_hooks.append(hook)
+
+    def backward_dw(self) -> None:
+        if not self._pending_count:
+            raise RuntimeError(f"{self.name}: backward_dw() called with no delayed wgrad queued")
+        self.inner.backward_dw()
+        self._pending_count -= 1
+        self._fire_grad_ready()
+
+    def _on_autograd_accumulated(self, param: torch.nn.Parameter) -> None:
+        if not self._delay:
+            for hook in self._grad_ready_hooks:
+                hook(param)
+
+    def _fire_grad_ready(self) -> None:
+        for param in self.group_weights:
+            for hook in self._grad_ready_hooks:
+                hook(param)
+
+
+def make_expert_linear(
+    num_groups: int,
+    in_features: int,
+    out_features: int,
+    *,
+    name: str,
+    use_transformer_engine: bool,
+    delay_wgrad: bool,
+    dtype: torch.dtype,
+) -> "GroupedLinear | TEGroupedLinear":
+    """Transformer Engine's grouped linear when asked for and usable here (CUDA + TE), else the pure-torch one."""
+    if use_transformer_engine:
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError:
+            logger.info("%s: Transformer Engine is not importable; using the pure-torch grouped GEMM", name)
+        else:
+            if torch.cuda.is_available():
+                logger.info("%s: using Transformer Engine GroupedLinear (delay_wgrad_compute=%s)", name, delay_wgrad)
+                return TEGroupedLinear(
+                    num_groups, in_features, out_features, name=name, delay_wgrad=delay_wgrad, dtype=dtype
+                )
+            logger.info("%s: no CUDA device; using the pure-torch grouped GEMM", name)
+    return GroupedLinear(num_groups, in_features, out_features, name=name)

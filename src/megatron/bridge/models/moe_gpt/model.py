@@ -22,13 +22,14 @@ Shape suffixes: B microbatch size, S sequence, T = B*S tokens, D hidden, H heads
 K top-k, P = T*K permuted slots, R received rows, E experts.
 """
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
 from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
     CommObserver,
     Routing,
@@ -102,10 +103,17 @@ class TransformerLayer(torch.nn.Module):
             if not 1 <= self.topk <= E:
                 raise ValueError(f"{name}: moe_router_topk={self.topk} must be between 1 and num_moe_experts={E}")
             Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
+            self.fc2_in = Fe
             self.router = torch.nn.Linear(D, E, bias=False)
-            self.fc1 = GroupedLinear(E // ep, D, 2 * Fe if self.gated else Fe, name=f"{name}.experts.fc1")
-            self.fc2 = GroupedLinear(E // ep, Fe, D, name=f"{name}.experts.fc2")
-            for param in (self.fc1.weight, self.fc2.weight):
+            expert_linear = functools.partial(
+                make_expert_linear,
+                use_transformer_engine=config.moe_grouped_gemm,
+                delay_wgrad=config.delay_wgrad_compute,
+                dtype=config.activation_dtype(),
+            )
+            self.fc1 = expert_linear(E // ep, D, 2 * Fe if self.gated else Fe, name=f"{name}.experts.fc1")
+            self.fc2 = expert_linear(E // ep, Fe, D, name=f"{name}.experts.fc2")
+            for param in self.fc1.group_weights + self.fc2.group_weights:
                 param.allreduce = False
         else:
             Fd = config.ffn_hidden_size
@@ -233,13 +241,15 @@ class MoEGPTModel(torch.nn.Module):
         for layer_number, layer in enumerate(self.layers):
             if not layer.is_moe:
                 continue
-            local = layer.fc1.weight.shape[0]
-            for which, fc in enumerate((layer.fc1, layer.fc2)):
+            local = self.config.num_moe_experts // groups.ep_size
+            D, Fe = self.config.hidden_size, layer.fc2_in
+            shapes = ((D, 2 * Fe if layer.gated else Fe), (Fe, D))
+            for which, (fc, shape) in enumerate(zip((layer.fc1, layer.fc2), shapes)):
                 for le in range(local):
                     global_expert = groups.ep_rank * local + le
                     key = ((seed * 1009 + layer_number) * 4099 + global_expert) * 2 + which
                     gen = torch.Generator().manual_seed(key)
-                    fc.weight[le].copy_(torch.randn(fc.weight.shape[1:], generator=gen) * std)
+                    fc.load_group_weight(le, torch.randn(shape, generator=gen) * std)
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings, flattened to [T, D]."""

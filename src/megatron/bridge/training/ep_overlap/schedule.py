@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, check_no_pending_wgrads
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, TEGroupedLinear, check_no_pending_wgrads
 from megatron.bridge.models.moe_gpt.model import MoEGPTModel
 from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
@@ -83,7 +83,7 @@ class StepResult:
     recorder: StepRecorder
 
 
-def delayable_linears(model: MoEGPTModel) -> list[GroupedLinear]:
+def delayable_linears(model: MoEGPTModel) -> list[GroupedLinear | TEGroupedLinear]:
     """Linears whose wgrad the schedule defers: MoE experts' fc1/fc2 and attention projections."""
     found = []
     for layer in model.layers:
@@ -188,9 +188,10 @@ class EPOverlapEngine:
 
     def _overlapped(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
         linears = delayable_linears(self.model)
-        for linear in linears:
-            linear.delay_wgrad = self.delay_wgrad
+        previous = [linear.delay_wgrad for linear in linears]
         try:
+            for linear in linears:
+                linear.delay_wgrad = self.delay_wgrad
             runs = [
                 MicrobatchNodes(self.model, i, tokens, labels, normalizer, lane, self.delay_wgrad)
                 for i, (tokens, labels) in enumerate(microbatches)
@@ -205,9 +206,9 @@ class EPOverlapEngine:
             check_no_pending_wgrads(linears)
             return [run.loss for run in runs]
         finally:
-            for linear in linears:
-                linear.delay_wgrad = False
-                linear._pending.clear()
+            for linear, value in zip(linears, previous):
+                linear.reset_pending()
+                linear.delay_wgrad = value
 
     def _plain(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
         recorder, clock = lane.recorder, lane.recorder.clock
@@ -231,6 +232,8 @@ class EPOverlapEngine:
                 loss = self.model(tokens, labels, normalizer)
                 loss.backward()
                 losses.append(loss)
+            # Nothing runs backward_dw() here: a module built to delay its wgrad would lose it.
+            check_no_pending_wgrads(delayable_linears(self.model))
         finally:
             for layer in self.model.layers:
                 layer.comm_observer = None
