@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Every GPU-only check in one command (about 2-4 minutes): GPU-marked tests (including the functional smoke on
+# one or more GPUs) and a short A/B on the GPU(s). Run from the repository root after `make install`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+echo "== pytest -m gpu"
+timeout 420 "$py" -m pytest -q -m gpu -rs tests/ || status=1
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -ge 2 ]; then
+    echo "== A/B on $gpus GPUs (NCCL)"
+    timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/run_script.py --ab \
+        --device cuda --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) -ms 6 || status=1
+else
+    echo "== A/B skipped: needs 2+ GPUs for NCCL ranks (found $gpus)"
+fi
+echo "gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status
