@@ -120,12 +120,17 @@ class TransformerLayer(torch.nn.Module):
             self.fc1 = Linear(D, 2 * Fd if self.gated else Fd, name=f"{name}.mlp.fc1")
             self.fc2 = Linear(Fd, D, name=f"{name}.mlp.fc2")
 
-    # ---- node functions -------------------------------------------------------------------------------
+    # ---- node functions (the interface the EP-overlap schedule drives; see training/ep_overlap/nodes.py) ----
 
     def pre_dispatch(
         self, x_TD: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Routing | None]:
-        """Attention, pre-MLP norm, router, permute. Returns (h, tokens to dispatch, router probs, routing)."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None, Routing | None]:
+        """Attention, pre-MLP norm, router, permute.
+
+        Returns:
+            (residual h, tensors to dispatch: the permuted tokens, tensor kept for combine: the router probs,
+            routing; None for dense layers).
+        """
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.ln1.normalized_shape[0]:
             raise ValueError(
                 f"{self.name}: expected hidden states [tokens, {self.ln1.normalized_shape[0]}], "
@@ -134,7 +139,7 @@ class TransformerLayer(torch.nn.Module):
         h_TD = x_TD + self.attention(self.ln1(x_TD))
         n_TD = self.ln2(h_TD)
         if not self.is_moe:
-            return h_TD, n_TD, None, None
+            return h_TD, (n_TD,), None, None
         logits_TE = self.router(n_TD)
         if self.pre_softmax:  # softmax over all experts, then keep the top-k probabilities
             probs_TK, experts_TK = torch.topk(torch.softmax(logits_TE.float(), dim=-1), self.topk, dim=-1)
@@ -143,15 +148,16 @@ class TransformerLayer(torch.nn.Module):
             probs_TK = torch.softmax(top_logits_TK.float(), dim=-1)
         probs_TK = probs_TK.to(n_TD.dtype)
         routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
-        return h_TD, permute(n_TD, routing, self.topk), probs_TK, routing
+        return h_TD, (permute(n_TD, routing, self.topk),), probs_TK, routing
 
     def exchange_splits(self, routing: Routing | None, *, op: str) -> None:
         """Host sync of the dispatch: split sizes for both all-to-alls (no-op for dense layers)."""
         if routing is not None:
             exchange_splits(routing, self.groups, op=op)
 
-    def experts(self, received_RD: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+    def experts(self, received: tuple[torch.Tensor, ...], routing: Routing | None) -> torch.Tensor:
         """Local experts (grouped GEMMs) on the received rows; the dense MLP for dense layers."""
+        (received_RD,) = received
         if routing is None:
             return self.fc2(_activation(self.fc1(received_RD), self.gated))
         sizes = routing.local_group_sizes
@@ -167,32 +173,37 @@ class TransformerLayer(torch.nn.Module):
             return h_TD + back_PD
         return h_TD + unpermute(back_PD, probs_TK, routing)
 
+    # ---- delayed weight gradients -------------------------------------------------------------------
+
+    def delayable_linears(self) -> list[GroupedLinear]:
+        """Linears whose wgrad the schedule may defer: attention projections, and MoE experts."""
+        return [self.attention.qkv, self.attention.proj] + ([self.fc1, self.fc2] if self.is_moe else [])
+
+    def expert_backward_dw(self) -> None:
+        if self.is_moe:
+            self.fc1.backward_dw()
+            self.fc2.backward_dw()
+
+    def attention_backward_dw(self) -> None:
+        self.attention.qkv.backward_dw()
+        self.attention.proj.backward_dw()
+
     # ---- plain path -----------------------------------------------------------------------------------
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        h_TD, tokens_PD, probs_TK, routing = self.pre_dispatch(x_TD)
+        h_TD, (tokens_PD,), probs_TK, routing = self.pre_dispatch(x_TD)
         if routing is None:
-            return self.combine(self.experts(tokens_PD, None), None, h_TD, None)
+            return self.combine(self.experts((tokens_PD,), None), None, h_TD, None)
         self.exchange_splits(routing, op=f"{self.name} split exchange")
         received_RD = all_to_all_with_grad(
-            tokens_PD,
-            routing.out_splits,
-            routing.in_splits,
-            self.groups,
-            op="dispatch",
-            where=self.name,
+            tokens_PD, routing.out_splits, routing.in_splits, self.groups, op="dispatch", where=self.name,
             observer=self.comm_observer,
-        )
-        out_RD = self.experts(received_RD, routing)
+        )  # fmt: skip
+        out_RD = self.experts((received_RD,), routing)
         back_PD = all_to_all_with_grad(
-            out_RD,
-            routing.in_splits,
-            routing.out_splits,
-            self.groups,
-            op="combine",
-            where=self.name,
+            out_RD, routing.in_splits, routing.out_splits, self.groups, op="combine", where=self.name,
             observer=self.comm_observer,
-        )
+        )  # fmt: skip
         return self.combine(back_PD, probs_TK, h_TD, routing)
 
 

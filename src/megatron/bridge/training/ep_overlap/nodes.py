@@ -20,7 +20,6 @@ Bitwise equality with the plain path holds because every node runs exactly the o
 
 import torch
 
-from megatron.bridge.models.moe_gpt.model import MoEGPTModel, TransformerLayer
 from megatron.bridge.training.ep_overlap.lanes import Pending, done
 
 
@@ -45,9 +44,16 @@ def _free(t: torch.Tensor) -> None:
 
 
 class LayerNodes:
-    """The four nodes of ``layer`` for one microbatch, in forward and backward halves."""
+    """The four nodes of ``layer`` for one microbatch, in forward and backward halves.
 
-    def __init__(self, layer: TransformerLayer, index: int, microbatch: int, lane, delay_wgrad: bool):
+    ``layer`` provides the node functions (the reference ``TransformerLayer`` does, and so does the Megatron-Core
+    adapter): ``pre_dispatch(x) -> (h, send, keep, routing)`` where ``send`` is the tuple of tensors to
+    dispatch and ``keep`` stays on this rank for combine; ``exchange_splits(routing, op=...)``;
+    ``experts(received, routing)``; ``combine(back, keep, h, routing)``; ``expert_backward_dw()`` and
+    ``attention_backward_dw()``. ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
+    """
+
+    def __init__(self, layer, index: int, microbatch: int, lane, delay_wgrad: bool):
         self.layer, self.index, self.mb, self.lane = layer, index, microbatch, lane
         self.delay_wgrad = delay_wgrad
         self.routing = None
@@ -55,8 +61,11 @@ class LayerNodes:
     def _compute(self, node: str):
         return self.lane.compute(node, self.index, self.mb)
 
-    def _all_to_all(self, x: torch.Tensor, out_splits, in_splits, op: str) -> Pending:
-        return self.lane.all_to_all(x, out_splits, in_splits, op=op, layer=self.index, microbatch=self.mb)
+    def _all_to_all(self, tensors, out_splits, in_splits, op: str) -> list[Pending]:
+        return [
+            self.lane.all_to_all(t, out_splits, in_splits, op=op, layer=self.index, microbatch=self.mb)
+            for t in tensors
+        ]
 
     # ---- forward ------------------------------------------------------------------------------------
 
@@ -64,26 +73,28 @@ class LayerNodes:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
             with torch.enable_grad():
-                self.h, self.tokens, self.probs, self.routing = self.layer.pre_dispatch(self.x)
+                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
 
     def dispatch(self) -> None:
         """Launch. The split-size exchange (a host sync) sits here, after this microbatch's compute is issued."""
         routing = self.routing
         if routing is None:
-            self._dispatched = done(_leaf(self.tokens))
+            self._dispatched = [done(_leaf(t)) for t in self.send]
             return
         self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
-        self._dispatched = self._all_to_all(self.tokens.detach(), routing.out_splits, routing.in_splits, "dispatch")
+        sent = [t.detach() for t in self.send]
+        self._dispatched = self._all_to_all(sent, routing.out_splits, routing.in_splits, "dispatch")
 
     def experts(self) -> None:
-        received = self._dispatched.wait()
+        received = [pending.wait() for pending in self._dispatched]
         with self._compute("experts"):
             if self.routing is not None:
-                _free(self.tokens)
-                received.requires_grad_(True)
+                for sent, got in zip(self.send, received):
+                    _free(sent)
+                    got.requires_grad_(sent.requires_grad)
             self.received = received
             with torch.enable_grad():
-                self.expert_out = self.layer.experts(received, self.routing)
+                self.expert_out = self.layer.experts(tuple(received), self.routing)
 
     def combine(self) -> None:
         """Launch."""
@@ -91,7 +102,9 @@ class LayerNodes:
         if routing is None:
             self._combined = done(_leaf(self.expert_out))
             return
-        self._combined = self._all_to_all(self.expert_out.detach(), routing.in_splits, routing.out_splits, "combine")
+        (self._combined,) = self._all_to_all(
+            [self.expert_out.detach()], routing.in_splits, routing.out_splits, "combine"
+        )
 
     def combine_finish(self) -> torch.Tensor:
         """Wait for the combine all-to-all, then unpermute and add the residual. Returns the layer output."""
@@ -100,9 +113,9 @@ class LayerNodes:
             if self.routing is not None:
                 _free(self.expert_out)
                 back.requires_grad_(True)
-            self.back, self.h_in, self.probs_in = back, _leaf(self.h), _leaf(self.probs)
+            self.back, self.h_in, self.keep_in = back, _leaf(self.h), _leaf(self.keep)
             with torch.enable_grad():
-                self.out = self.layer.combine(back, self.probs_in, self.h_in, self.routing)
+                self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
         return self.out
 
     # ---- backward -----------------------------------------------------------------------------------
@@ -117,7 +130,7 @@ class LayerNodes:
         if routing is None:
             self._combine_grad = done(grad_back)
             return
-        self._combine_grad = self._all_to_all(grad_back, routing.out_splits, routing.in_splits, "combine_bwd")
+        (self._combine_grad,) = self._all_to_all([grad_back], routing.out_splits, routing.in_splits, "combine_bwd")
 
     def experts_backward(self) -> None:
         """Expert dgrad (and wgrad, unless delayed)."""
@@ -127,33 +140,33 @@ class LayerNodes:
         self.expert_out = self.back = None
 
     def dispatch_backward(self) -> None:
-        """Launch the reverse all-to-all of the experts' input gradient."""
-        grad = self.received.grad
+        """Launch the reverse all-to-all of the experts' input gradients."""
+        grads = [_grad(t) for t in self.received]
         routing = self.routing
         self.received = None
         if routing is None:
-            self._dispatch_grad = done(grad)
+            self._dispatch_grads = [done(g) for g in grads]
             return
-        self._dispatch_grad = self._all_to_all(grad, routing.in_splits, routing.out_splits, "dispatch_bwd")
+        present = [g for g in grads if g is not None]
+        launched = iter(self._all_to_all(present, routing.in_splits, routing.out_splits, "dispatch_bwd"))
+        self._dispatch_grads = [None if g is None else next(launched) for g in grads]
 
     def expert_wgrad(self) -> None:
         """Delayed expert weight gradients; the schedule runs this while dispatch backward is in flight."""
         if self.delay_wgrad and self.layer.is_moe:
             with self._compute("expert_wgrad"):
-                self.layer.fc1.backward_dw()
-                self.layer.fc2.backward_dw()
+                self.layer.expert_backward_dw()
 
     def pre_dispatch_backward(self) -> torch.Tensor:
         """Attention/router/norm dgrad, then the deferred attention wgrad. Returns the layer input's gradient."""
-        grad_tokens = self._dispatch_grad.wait()
+        grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
         with self._compute("pre_dispatch_bwd"):
-            _backward([self.h, self.tokens, self.probs], [self.h_in.grad, grad_tokens, _grad(self.probs_in)])
+            _backward([self.h, *self.send, self.keep], [self.h_in.grad, *grad_send, _grad(self.keep_in)])
         if self.delay_wgrad:
             with self._compute("attention_wgrad"):
-                self.layer.attention.qkv.backward_dw()
-                self.layer.attention.proj.backward_dw()
+                self.layer.attention_backward_dw()
         grad_in = self.x.grad
-        self.x = self.h = self.tokens = self.probs = self.h_in = self.probs_in = self.routing = None
+        self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = None
         return grad_in
 
     # ---- unpaired ---------------------------------------------------------------------------------------
@@ -174,11 +187,13 @@ class LayerNodes:
 
 
 class MicrobatchNodes:
-    """All nodes of one microbatch: embedding, the layers' nodes, and head + loss."""
+    """All nodes of one microbatch: embedding, the layers' nodes, and head + loss.
 
-    def __init__(
-        self, model: MoEGPTModel, microbatch: int, tokens, labels, normalizer: float, lane, delay_wgrad: bool
-    ):
+    ``model`` provides ``layers`` (each with the node functions above), ``embed(tokens)`` and
+    ``head_loss(x, labels, normalizer)``: the reference ``MoEGPTModel`` does, and so does the Megatron-Core plan.
+    """
+
+    def __init__(self, model, microbatch: int, tokens, labels, normalizer: float, lane, delay_wgrad: bool):
         self.model, self.mb, self.lane = model, microbatch, lane
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
         self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in enumerate(model.layers)]

@@ -83,14 +83,9 @@ class StepResult:
     recorder: StepRecorder
 
 
-def delayable_linears(model: MoEGPTModel) -> list[GroupedLinear | TEGroupedLinear]:
-    """Linears whose wgrad the schedule defers: MoE experts' fc1/fc2 and attention projections."""
-    found = []
-    for layer in model.layers:
-        found += [layer.attention.qkv, layer.attention.proj]
-        if layer.is_moe:
-            found += [layer.fc1, layer.fc2]
-    return found
+def delayable_linears(model) -> list[GroupedLinear | TEGroupedLinear]:
+    """Linears whose wgrad the schedule may defer, over all layers of ``model``."""
+    return [linear for layer in model.layers for linear in layer.delayable_linears()]
 
 
 def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
@@ -228,7 +223,8 @@ class EPOverlapEngine:
         try:
             for i, (tokens, labels) in enumerate(microbatches):
                 for j, layer in enumerate(self.model.layers):
-                    layer.comm_observer = lambda op, event, j=j, i=i: observe(op, event, j, i)
+                    if hasattr(layer, "comm_observer"):
+                        layer.comm_observer = lambda op, event, j=j, i=i: observe(op, event, j, i)
                 loss = self.model(tokens, labels, normalizer)
                 loss.backward()
                 losses.append(loss)
@@ -236,5 +232,6 @@ class EPOverlapEngine:
             check_no_pending_wgrads(delayable_linears(self.model))
         finally:
             for layer in self.model.layers:
-                layer.comm_observer = None
+                if hasattr(layer, "comm_observer"):
+                    layer.comm_observer = None
         return losses
