@@ -128,7 +128,7 @@ def test_nothing_is_checked_with_overlap_off(fake_versions):
 
 
 def test_reference_engine_accepts_fp32(fake_versions):
-    found = violated(fake_versions, {"bf16": False, "ep_overlap_layer_impl": "reference"}, {})
+    found = violated(fake_versions, {"bf16": False, "ep_overlap_schedule": "bridge"}, {})
     assert found == {}
 
 

@@ -11,8 +11,9 @@ Contract:
       :mod:`megatron.bridge.utils.versions`); nothing imports CUDA code.
 
 Two rules depend on what runs the layers, not on the config alone:
-    * The bf16/fp16 rule is a Megatron-Core restriction (its ``TransformerConfig`` asserts it). Our reference
-      engine (``ep_overlap_layer_impl = "reference"`` on the model config) is bitwise-tested in fp32 too.
+    * The bf16/fp16 rule belongs to Megatron-Core's own combined-1F1B schedule (its ``TransformerConfig`` asserts
+      it). This project's schedule (``ep_overlap_schedule = "bridge"`` on the model config; the reference model
+      and the Megatron-Core plan set it) is bitwise-tested in fp32 too.
     * Transformer Engine version rules for delayed wgrad apply only when expert grouped GEMMs run through
       Transformer Engine. Our pure-torch grouped GEMM has no Transformer Engine requirement.
 """
@@ -32,7 +33,7 @@ OVERLAP_GRAD_REDUCE = "comm_overlap.overlap_grad_reduce"
 TORCH = "installed.torch"
 TE = "installed.transformer_engine"
 GROUPED_GEMM = "expert_grouped_gemm_backend"
-LAYER_IMPL = "model.ep_overlap_layer_impl"
+SCHEDULE = "model.ep_overlap_schedule"
 
 TE_GROUPED_GEMM = "transformer_engine"
 TORCH_GROUPED_GEMM = "torch"
@@ -138,7 +139,7 @@ def gather_facts(
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
     }
     facts["model.cuda_graph_scope"] = _graph_scopes(model_config)
-    facts[LAYER_IMPL] = getattr(model_config, "ep_overlap_layer_impl", "mcore")
+    facts[SCHEDULE] = getattr(model_config, "ep_overlap_schedule", "mcore")
     facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
     facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
     facts[OVERLAP_GRAD_REDUCE] = bool(overlap_grad_reduce)
@@ -213,11 +214,11 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "precision",
-        ("model.bf16", "model.fp16", LAYER_IMPL),
-        lambda f: f[OVERLAP] and f[LAYER_IMPL] == "mcore",
+        ("model.bf16", "model.fp16", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: bool(f["model.bf16"] or f["model.fp16"]),
-        "Megatron-Core's overlapped MoE layers support bf16 or fp16 models only.",
-        "set bf16=True (or fp16=True).",
+        "Megatron-Core's own overlapped schedule supports bf16 or fp16 models only.",
+        "set bf16=True (or fp16=True), or run this project's schedule (ep_overlap_schedule='bridge').",
     ),
     Rule(
         "torch_version",

@@ -21,8 +21,8 @@ class MoEGPTConfig(TransformerConfig):
     seq_length: int = 128
     # The reference model's token dispatcher is an all-to-all over the EP group.
     moe_token_dispatcher_type: str = "alltoall"
-    # Which layer implementation the EP-overlap rules check (see training/moe_overlap_rules.py).
-    ep_overlap_layer_impl: str = "reference"
+    # Which EP-overlap schedule runs this model; the rules differ (see training/moe_overlap_rules.py).
+    ep_overlap_schedule: str = "bridge"
 
     def activation_dtype(self) -> torch.dtype:
         """Dtype of parameters and activations: bf16, fp16, else fp32."""

@@ -1,0 +1,206 @@
+"""Megatron-Core models under the EP-overlap schedule: node functions for ``TransformerLayer`` and a GPTModel plan.
+
+Contract:
+    * :class:`McoreLayer` gives a Megatron-Core ``TransformerLayer`` (``MoELayer`` with the ``alltoall`` token
+      dispatcher, or a dense MLP) the node functions the schedule drives, built from Megatron-Core's own
+      sub-steps (supported: the installed 0.19.x line):
+          pre_dispatch  ``_forward_attention``, ``_forward_pre_mlp_layernorm``, ``mlp.shared_experts_compute``,
+                        ``mlp.route``, ``mlp.preprocess`` (dispatch preprocess: split counts, permute)
+          dispatch      the dispatcher's tokens and probs, all-to-all'd by the schedule's comm lane with the
+                        dispatcher's split sizes (what ``token_dispatch`` would do, but launched asynchronously)
+          experts       ``mlp.routed_experts_compute`` (sort by local expert, experts, unsort)
+          combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
+      These are exactly the ops of ``TransformerLayer.forward``, so losses and gradients stay bitwise equal.
+    * The dispatcher keeps one microbatch's routing state on itself between ``preprocess`` and ``postprocess``.
+      The schedule runs those steps for one microbatch at a time per layer (the other microbatch only runs
+      backward, which reads autograd's saved tensors), so that state is never overwritten mid-flight.
+    * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
+      it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
+      experts' backward. The adapter then logs one warning saying nothing is delayed (numerics are unchanged).
+    * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss)
+      for :class:`~megatron.bridge.training.ep_overlap.schedule.EPOverlapEngine`. It needs untied
+      embedding/output weights (``share_embeddings_and_output_weights=False``) and ``add_bias_linear=False``.
+"""
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from megatron.bridge.utils.logging import warn_rank0
+from megatron.bridge.utils.process_groups import EPGroups
+
+logger = logging.getLogger(__name__)
+
+
+def _as_list(splits) -> list[int]:
+    if isinstance(splits, torch.Tensor | np.ndarray):
+        return [int(v) for v in splits.tolist()]
+    return [int(v) for v in splits]
+
+
+def _uses_transformer_engine(module: torch.nn.Module) -> bool:
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in module.modules())
+
+
+@dataclass
+class McoreRouting:
+    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher."""
+
+    dispatcher: object
+    in_splits: list[int] = field(default_factory=list)
+    out_splits: list[int] = field(default_factory=list)
+
+
+class McoreLayer:
+    """Node functions for one Megatron-Core ``TransformerLayer`` (see the module docstring)."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, plan: "McoreGPTPlan"):
+        self.layer, self.plan = layer, plan
+        self.name = f"layer{index}"
+        self.is_moe = isinstance(layer.mlp, MoELayer)
+        config = layer.config
+        if config.add_bias_linear:
+            raise ValueError(f"{self.name}: the EP-overlap plan needs add_bias_linear=False")
+        if self.is_moe and config.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(
+                f"{self.name}: moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not supported by the "
+                "Megatron-Core plan yet; use 'alltoall'"
+            )
+        self.expert_wgrad_delayable = self.is_moe and _uses_transformer_engine(layer.mlp.experts)
+        self.attention_wgrad_delayable = _uses_transformer_engine(layer.self_attention)
+
+    # ---- node functions -----------------------------------------------------------------------------
+
+    def pre_dispatch(self, x_SBH: torch.Tensor):
+        layer = self.layer
+        if x_SBH.dim() != 3 or x_SBH.shape[-1] != layer.config.hidden_size:
+            raise ValueError(
+                f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
+                f"got {tuple(x_SBH.shape)}"
+            )
+        h, _ = layer._forward_attention(hidden_states=x_SBH, attention_mask=self.plan.attention_mask)
+        normed = layer._forward_pre_mlp_layernorm(h)
+        if isinstance(normed, tuple):
+            raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")
+        if not self.is_moe:
+            return h, (normed,), None, None
+        mlp = layer.mlp
+        shared = mlp.shared_experts_compute(normed)
+        probs, routing_map = mlp.route(normed)
+        tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
+        return h, (tokens, permuted_probs), shared, McoreRouting(mlp.token_dispatcher)
+
+    def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
+        """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
+        if routing is None:
+            return
+        dispatcher = routing.dispatcher
+        dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
+            "before_ep_alltoall", dispatcher.tokens_per_expert
+        )
+        routing.in_splits = _as_list(dispatcher.input_splits)
+        routing.out_splits = _as_list(dispatcher.output_splits)
+
+    def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
+        if routing is None:
+            output, bias = self.layer.mlp(received[0])
+            return output
+        tokens, probs = received
+        output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
+        return output
+
+    def combine(self, back: torch.Tensor, shared, h: torch.Tensor, routing: McoreRouting | None) -> torch.Tensor:
+        output = back if routing is None else self.layer.mlp.postprocess(back, shared)
+        return self.layer._forward_post_mlp((output, None), h)
+
+    # ---- delayed weight gradients -------------------------------------------------------------------
+
+    def delayable_linears(self) -> list:
+        return []  # Megatron-Core modules own their delay setting (config.delay_wgrad_compute at build time)
+
+    def expert_backward_dw(self) -> None:
+        if self.is_moe:
+            self.layer.mlp.backward_dw(routed_experts=True)
+
+    def attention_backward_dw(self) -> None:
+        self.layer.self_attention.backward_dw()
+
+
+class McoreGPTPlan:
+    """A Megatron-Core ``GPTModel`` as the EP-overlap engine runs it (the same interface as ``MoEGPTModel``).
+
+    Args:
+        model: The GPTModel (pre- and post-process stage, PP = 1).
+        delay_wgrad: Whether the engine will run with delayed wgrad (for the one warning described above).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
+        config = model.config
+        if model.share_embeddings_and_output_weights:
+            raise ValueError(
+                "the EP-overlap plan needs share_embeddings_and_output_weights=False: a tied weight gets its two "
+                "gradient contributions summed in a different order when the graph is cut into nodes"
+            )
+        self.model, self.config = model, config
+        # This project's schedule runs these layers, with its own rules (fp32 included).
+        config.ep_overlap_schedule = "bridge"
+        seq = model.max_sequence_length
+        device = next(model.parameters()).device
+        self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        self.layers = [McoreLayer(layer, i, self) for i, layer in enumerate(model.decoder.layers)]
+        if delay_wgrad:
+            undelayed = [layer.name for layer in self.layers if layer.is_moe and not layer.expert_wgrad_delayable]
+            if undelayed:
+                warn_rank0(
+                    logger,
+                    "delay_wgrad_compute: the experts of %s use Megatron-Core local linears, whose backward_dw() "
+                    "does nothing; their weight gradients stay in the experts' backward (nothing is delayed; "
+                    "numerics are unchanged). Build the model with Transformer Engine specs to delay them.",
+                    ", ".join(undelayed),
+                )
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def _positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return torch.arange(tokens_BS.shape[1], device=tokens_BS.device)[None].expand_as(tokens_BS)
+
+    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.model.embedding(input_ids=tokens_BS, position_ids=self._positions(tokens_BS))
+
+    def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+        hidden = self.model.decoder.final_layernorm(x_SBH)
+        logits, _ = self.model.output_layer(hidden, weight=None)
+        return self.model.compute_language_model_loss(labels_BS, logits).sum() / normalizer
+
+    def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """The plain path: GPTModel.forward returns per-token losses."""
+        losses = self.model(
+            input_ids=tokens_BS,
+            position_ids=self._positions(tokens_BS),
+            attention_mask=self.attention_mask,
+            labels=labels_BS,
+        )
+        return losses.sum() / normalizer
+
+
+def mcore_ep_groups(timeout) -> EPGroups:
+    """EPGroups over Megatron-Core's initialized expert-parallel groups (parallel_state must be initialized)."""
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    ep = torch.distributed.get_world_size(ep_group)
+    return EPGroups(
+        ep_size=ep,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=ep_group,
+        ep_meta_group=None,  # Megatron-Core's dispatcher exchanges split counts itself
+        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        timeout=timeout,
+    )

@@ -1,0 +1,72 @@
+"""Test-only: lets Megatron-Core's MoE layers run on CPU ranks (gloo). Never imported by product code.
+
+Megatron-Core calls a few ``torch.cuda`` stream/event/device functions directly, forks a CUDA RNG state for
+attention dropout, and passes all-to-all split sizes as tensors (gloo wants lists). On CPU these become no-op
+streams and events, the current device "cpu", a plain RNG context, and list splits.
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream(_Event):
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _Event()
+
+    def __eq__(self, other):
+        return isinstance(other, _Stream)
+
+    def __hash__(self):
+        return 0
+
+
+def install_cpu_stubs() -> None:
+    """Patches torch.cuda and dist for this (forked test) process only."""
+    current = _Stream()
+    torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
+    torch.cuda.current_stream = lambda *args, **kwargs: current
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
+    all_to_all_single = dist.all_to_all_single
+
+    def lists(splits):
+        return splits.tolist() if hasattr(splits, "tolist") else splits
+
+    def all_to_all_with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        return all_to_all_single(output, input, lists(output_split_sizes), lists(input_split_sizes), **kwargs)
+
+    dist.all_to_all_single = all_to_all_with_list_splits
+
+
+def init_megatron(expert_model_parallel_size: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
