@@ -12,8 +12,11 @@ timeout 420 "$py" -m pytest -q -m gpu -rs tests/ || status=1
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$gpus" -ge 2 ]; then
     echo "== A/B on $gpus GPUs (NCCL)"
-    timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/run_script.py --ab \
-        --device cuda --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) -ms 6 || status=1
+    for impl in reference mcore; do
+        timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/run_script.py --ab \
+            --device cuda --model_impl "$impl" --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) \
+            --precision bf16 -ms 6 || status=1
+    done
 else
     echo "== A/B skipped: needs 2+ GPUs for NCCL ranks (found $gpus)"
 fi

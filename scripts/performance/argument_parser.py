@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc_per_node", type=int, default=2, help="local ranks to spawn when not under torchrun")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument(
+        "--model_impl",
+        choices=["reference", "mcore"],
+        default="reference",
+        help="reference: this project's plain-PyTorch MoE GPT; mcore: a Megatron-Core GPTModel (needs CUDA)",
+    )
+    run.add_argument(
         "--link_gbps", type=float, default=None, help="emulate a G Gbit/s link between local ranks (root)"
     )
     run.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")

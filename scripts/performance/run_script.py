@@ -83,11 +83,15 @@ def plan_arms(recipe: RecipeConfig, ab: bool) -> list[dict]:
 
 
 def pick_device(args) -> str:
-    if args.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available on this host")
-    return args.device
+    if args.model_impl == "mcore" and device != "cuda":
+        raise ConfigError(
+            "--model_impl mcore runs Megatron-Core layers, which need CUDA (on CPU they run only under the test "
+            "fixture); this run is on CPU. Use --model_impl reference, or a host with a GPU"
+        )
+    return device
 
 
 def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: int) -> str:
@@ -117,12 +121,15 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
             f"delay_wgrad_compute={arm['delay_wgrad']}"
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
-    lines.append(f"  launch: {world} ranks, device {device}, link {link}")
+    lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
     return "\n".join(lines)
 
 
-def specs_for(arms: list[dict], recipe: RecipeConfig, device: str) -> list[ArmSpec]:
-    return [ArmSpec(a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device) for a in arms]
+def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference") -> list[ArmSpec]:
+    return [
+        ArmSpec(a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl)
+        for a in arms
+    ]
 
 
 def run_local(specs: list[ArmSpec], args, device: str) -> dict[str, list[dict]]:
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 "--link_gbps emulates links between local ranks; under torchrun the real network is used"
             )
-        specs = specs_for(arms, recipe, device)
+        specs = specs_for(arms, recipe, device, args.model_impl)
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

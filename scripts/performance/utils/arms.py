@@ -29,6 +29,7 @@ class ArmSpec:
     train: object  # TrainConfig
     device: str
     progress: bool = True
+    model_impl: str = "reference"
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -57,13 +58,44 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
+    """A Megatron-Core GPTModel (local specs) from the recipe's config, on this rank's GPU, and its EP groups."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
+
+    config = spec.model
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=config.expert_model_parallel_size)
+    torch.manual_seed(spec.train.seed)
+    model_parallel_cuda_manual_seed(spec.train.seed)
+    model = GPTModel(
+        config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.seq_length,
+        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=False,
+    ).cuda()
+    if config.bf16:
+        model = model.bfloat16()
+    return McoreGPTPlan(model, delay_wgrad=spec.delay_wgrad), mcore_ep_groups(timeout)
+
+
 def run_arm(rank: int, world: int, spec: ArmSpec) -> dict:
     """Trains one arm on this rank; returns step times, losses, comm stats, timeline and a parameter digest."""
     device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    groups = init_ep_groups(spec.model.expert_model_parallel_size, timedelta(seconds=spec.train.collective_timeout_s))
-    model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
+    timeout = timedelta(seconds=spec.train.collective_timeout_s)
+    if spec.model_impl == "mcore":
+        model, groups = build_mcore_plan(spec, timeout)
+    else:
+        groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout)
+        model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
     engine = EPOverlapEngine(model, groups, overlap=spec.overlap, delay_wgrad=spec.delay_wgrad)
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.train.lr)
     step_times, losses, loss_bits, comm, exposed, timeline = [], [], [], [], [], None

@@ -115,6 +115,12 @@ def test_delay_without_overlap_is_rejected(capsys):
     assert "delay_wgrad_needs_overlap" in capsys.readouterr().err
 
 
+def test_mcore_model_impl_needs_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(run_script.torch.cuda, "is_available", lambda: False)
+    assert run_script.main(TINY + ["--ab", "--model_impl", "mcore"]) == 2
+    assert "--model_impl mcore runs Megatron-Core layers, which need CUDA" in capsys.readouterr().err
+
+
 def test_link_without_root_says_so_and_fails(monkeypatch, capsys):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert run_script.main(TINY + ["--ab", "--link_gbps", "1"]) == 3

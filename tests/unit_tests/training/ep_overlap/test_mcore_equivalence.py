@@ -4,6 +4,7 @@ Runs Megatron-Core's own layers (alltoall dispatcher, local specs) on gloo ranks
 and compares losses and every parameter gradient bit for bit over several optimizer steps.
 """
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ class McoreCase:
     delay_wgrad: bool = False
     microbatches: int = 4
     steps: int = 2
+    device: str = "cpu"
 
 
 def build_gpt(case: McoreCase):
@@ -62,11 +64,16 @@ def build_gpt(case: McoreCase):
         position_embedding_type="learned_absolute",
         share_embeddings_and_output_weights=False,
     )
+    model = model.to(case.device)
     return model.bfloat16() if case.bf16 else model  # what Megatron's Float16Module does to the module
 
 
 def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
-    install_cpu_stubs()
+    if case.device == "cuda":
+        torch.cuda.set_device(0)
+        torch.use_deterministic_algorithms(True)
+    else:
+        install_cpu_stubs()
     init_megatron(world)
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
@@ -83,7 +90,9 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         losses, grads = [], []
         for step in range(case.steps):
             gen = torch.Generator().manual_seed(100 * step + rank)
-            data = [tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(case.microbatches)]
+            data = [
+                tuple(torch.randint(0, 64, (2, 2, 8), generator=gen).to(case.device)) for _ in range(case.microbatches)
+            ]
             result = engine.step(data)
             losses.append(torch.stack(result.losses))
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
@@ -106,10 +115,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
-    case = CASES[name]
-    outcomes = run_local_ranks(train_mcore, case.world, (case,), deadline_s=240)
+def check_equal(case: McoreCase, outcomes) -> None:
     for outcome in outcomes:
         plain, overlap = outcome.result["plain"], outcome.result["overlap"]
         assert plain["mlps"] == ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
@@ -119,3 +125,18 @@ def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
             for param, grad in plain["grads"][step].items():
                 assert_bitwise(grad, overlap["grads"][step][param], f"rank {outcome.rank} step {step} {param}")
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
+    case = CASES[name]
+    check_equal(case, run_local_ranks(train_mcore, case.world, (case,), deadline_s=240))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [False, True])
+def test_mcore_on_one_gpu_with_two_gloo_ranks(bf16):
+    # CUDA streams and events for real; gloo stages the all-to-all through host memory.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    case = McoreCase(bf16=bf16, device="cuda")
+    check_equal(case, run_local_ranks(train_mcore, 2, (case,), start_method="spawn", deadline_s=300))

@@ -21,6 +21,9 @@ class MoEGPTConfig(TransformerConfig):
     seq_length: int = 128
     # The reference model's token dispatcher is an all-to-all over the EP group.
     moe_token_dispatcher_type: str = "alltoall"
+    # The reference model has no dropout; zero also keeps a Megatron-Core model built from this config deterministic.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     # Which EP-overlap schedule runs this model; the rules differ (see training/moe_overlap_rules.py).
     ep_overlap_schedule: str = "bridge"
 
