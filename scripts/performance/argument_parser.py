@@ -2,6 +2,19 @@
 
 import argparse
 
+# Model-config fields that have a flag of the same name (integers).
+MODEL_INT_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "moe_ffn_hidden_size",
+    "num_moe_experts",
+    "moe_router_topk",
+    "seq_length",
+    "expert_model_parallel_size",
+)
+
 
 def bool_arg(text: str) -> bool:
     lowered = text.strip().lower()
@@ -41,17 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)
 
     model = parser.add_argument_group("model")
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "moe_ffn_hidden_size",
-        "num_moe_experts",
-        "moe_router_topk",
-        "seq_length",
-        "expert_model_parallel_size",
-    ):
+    for name in MODEL_INT_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
     model.add_argument("--precision", choices=["fp32", "bf16"], default=None)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from argument_parser import parse_cli_args  # noqa: E402
+from argument_parser import MODEL_INT_FLAGS, parse_cli_args  # noqa: E402
 from utils.arms import ArmSpec, run_arm  # noqa: E402
 from utils.netns import EmulatedLink, LinkUnavailable  # noqa: E402
 from utils.overrides import OverrideError, apply_flag_overrides, apply_overrides  # noqa: E402
@@ -97,21 +97,7 @@ def pick_device(args) -> str:
 def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: int) -> str:
     m, t = recipe.model, recipe.train
     lines = ["resolved config:"]
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "moe_ffn_hidden_size",
-        "num_moe_experts",
-        "moe_router_topk",
-        "moe_layer_freq",
-        "seq_length",
-        "vocab_size",
-        "expert_model_parallel_size",
-        "moe_token_dispatcher_type",
-        "bf16",
-    ):
+    for key in (*MODEL_INT_FLAGS, "moe_layer_freq", "vocab_size", "moe_token_dispatcher_type", "bf16"):
         lines.append(f"  model.{key} = {getattr(m, key)!r}")
     for key, value in vars(t).items():
         lines.append(f"  train.{key} = {value!r}")

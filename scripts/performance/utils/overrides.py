@@ -13,6 +13,8 @@ import ast
 import dataclasses
 from typing import Any
 
+from argument_parser import MODEL_INT_FLAGS
+
 from megatron.bridge.training.flex_dispatcher_backend import apply_flex_dispatcher_backend
 
 _WORDS = {"true": True, "false": False, "none": None, "null": None}
@@ -67,17 +69,7 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
     if args.precision is not None:
         model.bf16 = args.precision == "bf16"
         model.fp16 = False
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "moe_ffn_hidden_size",
-        "num_moe_experts",
-        "moe_router_topk",
-        "seq_length",
-        "expert_model_parallel_size",
-    ):
+    for name in MODEL_INT_FLAGS:
         value = getattr(args, name)
         if value is not None:
             setattr(model, name, value)

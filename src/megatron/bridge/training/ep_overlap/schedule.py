@@ -20,11 +20,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, TEGroupedLinear, check_no_pending_wgrads
 from megatron.bridge.models.moe_gpt.model import MoEGPTModel
+
+if TYPE_CHECKING:
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan
 from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.records import CommRecord, StepRecorder, StepStats
@@ -115,10 +119,12 @@ def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
 
 
 class EPOverlapEngine:
-    """Runs training steps of a reference MoE GPT with the paired EP-overlap schedule, or the plain path.
+    """Runs training steps with the paired EP-overlap schedule, or the plain path.
 
     Args:
-        model: The model (its ``config`` is checked against the EP-overlap rules when overlap is on).
+        model: A reference ``MoEGPTModel`` or a Megatron-Core ``McoreGPTPlan`` (anything with ``config``,
+            ``layers`` with node functions, ``embed``, ``head_loss``, ``parameters`` and a plain ``__call__``).
+            Its ``config`` is checked against the EP-overlap rules.
         groups: This rank's process groups.
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
         delay_wgrad: Defer expert/attention wgrad as described in the module docstring (needs overlap).
@@ -130,7 +136,7 @@ class EPOverlapEngine:
 
     def __init__(
         self,
-        model: MoEGPTModel,
+        model: "MoEGPTModel | McoreGPTPlan",
         groups: EPGroups,
         *,
         overlap: bool,
@@ -147,7 +153,7 @@ class EPOverlapEngine:
         self.high_priority_comm = high_priority_comm
 
     @classmethod
-    def from_config(cls, model: MoEGPTModel, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
+    def from_config(cls, model: "MoEGPTModel | McoreGPTPlan", groups: EPGroups, **kwargs) -> "EPOverlapEngine":
         """Reads ``overlap_moe_expert_parallel_comm`` and ``delay_wgrad_compute`` from ``model.config``."""
         config = model.config
         return cls(
