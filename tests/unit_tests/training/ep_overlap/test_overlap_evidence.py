@@ -62,14 +62,19 @@ def test_delayed_expert_wgrad_runs_under_dispatch_backward(records):
             assert len(wgrad) == 1 and ran_in_flight(op, wgrad[0])
 
 
-def test_attention_wgrad_follows_attention_dgrad_only_when_delayed(records):
+def test_attention_wgrad_follows_its_dgrad_under_an_all_to_all(records):
     _, outcomes = records
-    nodes = [c["node"] for c in outcomes[0].result["delayed"]["compute"]]
-    assert nodes.count("attention_wgrad") == nodes.count("pre_dispatch_bwd")
-    for i, node in enumerate(nodes):
-        if node == "attention_wgrad":
-            assert nodes[i - 1] == "pre_dispatch_bwd"
-    assert "attention_wgrad" not in {c["node"] for c in outcomes[0].result["overlap"]["compute"]}
+    for outcome in outcomes:
+        comm, compute = outcome.result["delayed"]["comm"], outcome.result["delayed"]["compute"]
+        dgrads = {(c["microbatch"], c["layer"]): c for c in compute if c["node"] == "pre_dispatch_bwd"}
+        wgrads = [c for c in compute if c["node"] == "attention_wgrad"]
+        assert len(wgrads) == len(dgrads)
+        for wgrad in wgrads:
+            dgrad = dgrads[(wgrad["microbatch"], wgrad["layer"])]
+            assert dgrad["end_host"] <= wgrad["start_host"]  # after its own dgrad
+            if wgrad["phase"] == "paired":  # and, in paired steps, while an all-to-all is in flight
+                assert any(ran_in_flight(op, wgrad) for op in comm if op["phase"] == "paired")
+        assert "attention_wgrad" not in {c["node"] for c in outcome.result["overlap"]["compute"]}
 
 
 def test_step_stats_are_reported(records):

@@ -5,7 +5,7 @@ can be back-propagated on its own: backward of a node runs ``torch.autograd.back
 hands the gradients of its detached inputs to the node before it.
 
     node          lane     forward                                   backward
-    pre_dispatch  compute  attention, pre-MLP norm, router, permute  dgrad (+ deferred attention wgrad after it)
+    pre_dispatch  compute  attention, pre-MLP norm, router, permute  dgrad (+ attention wgrad, deferred if delayed)
     dispatch      comm     split-size exchange, all-to-all          reverse all-to-all
     experts       compute  sort by local expert, grouped GEMMs       dgrad (+ expert wgrad, deferred if delayed)
     combine       comm     all-to-all back, unpermute, residual add  unpermute backward, reverse all-to-all
@@ -158,16 +158,19 @@ class LayerNodes:
                 self.layer.expert_backward_dw()
 
     def pre_dispatch_backward(self) -> torch.Tensor:
-        """Attention/router/norm dgrad, then the deferred attention wgrad. Returns the layer input's gradient."""
+        """Attention/router/norm dgrad (attention wgrad too, unless delayed). Returns the layer input's gradient."""
         grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
         with self._compute("pre_dispatch_bwd"):
             _backward([self.h, *self.send, self.keep], [self.h_in.grad, *grad_send, _grad(self.keep_in)])
-        if self.delay_wgrad:
-            with self._compute("attention_wgrad"):
-                self.layer.attention_backward_dw()
         grad_in = self.x.grad
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = None
         return grad_in
+
+    def attention_wgrad(self) -> None:
+        """Delayed attention weight gradients; the schedule runs this after attention dgrad."""
+        if self.delay_wgrad:
+            with self._compute("attention_wgrad"):
+                self.layer.attention_backward_dw()
 
     # ---- unpaired ---------------------------------------------------------------------------------------
 
@@ -183,7 +186,9 @@ class LayerNodes:
         self.experts_backward()
         self.dispatch_backward()
         self.expert_wgrad()
-        return self.pre_dispatch_backward()
+        grad_in = self.pre_dispatch_backward()
+        self.attention_wgrad()
+        return grad_in
 
 
 class MicrobatchNodes:

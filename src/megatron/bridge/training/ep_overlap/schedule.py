@@ -12,8 +12,10 @@ Contract:
     * A config the EP-overlap rules reject never reaches the engine: the constructor raises the same
       :class:`CommOverlapConfigError` that ``CommOverlapConfig.setup`` raises.
     * With ``delay_wgrad``: experts compute dgrad only in B.experts and their wgrad runs right after the
-      dispatch-backward all-to-all is launched; attention wgrad runs after attention dgrad. Every deferred wgrad
-      runs exactly once per backward; a leftover one at the end of a step is an error naming the module.
+      dispatch-backward all-to-all is launched (window 3); attention wgrad runs after attention dgrad, in the
+      next layer step's window 1, right after B's next combine-backward all-to-all is launched (windows 1 and 3
+      have the least compute of their own). Every deferred wgrad runs exactly once per backward, within the same
+      microbatch's backward; a leftover one at the end of a step is an error naming the module.
 """
 
 import logging
@@ -41,18 +43,25 @@ Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
 
 
 def layer_step(
-    f: LayerNodes, f_input: Callable[[], torch.Tensor], b: LayerNodes, b_grad_output: torch.Tensor
-) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    f: LayerNodes,
+    f_input: Callable[[], torch.Tensor],
+    b: LayerNodes,
+    b_grad_output: torch.Tensor,
+    b_previous_wgrad: Callable[[], None],
+) -> tuple[Callable[[], torch.Tensor], torch.Tensor, Callable[[], None]]:
     """One paired layer step: forward of ``f`` interleaved with backward of ``b``.
 
     ``f_input()`` yields F's input; for a layer after the first it finishes the previous layer's F.combine, so
-    that all-to-all is waited for only after B's next all-to-all is already launched.
+    that all-to-all is waited for only after B's next all-to-all is already launched. ``b_previous_wgrad()`` is
+    the delayed attention wgrad of B's previous layer (a no-op when wgrad is not delayed); it fills window 1.
 
     Returns:
-        (a callable that finishes F's combine and yields this layer's output, gradient of B's layer input).
+        (a callable that finishes F's combine and yields this layer's output, gradient of B's layer input,
+        B's delayed attention wgrad of this layer, for the next step's window 1).
     """
-    # window 1: B.combine backward (comm)   ||  F.pre_dispatch (compute)
+    # window 1: B.combine backward (comm)   ||  B's previous attention wgrad (if delayed), F.pre_dispatch (compute)
     b.combine_backward(b_grad_output)
+    b_previous_wgrad()
     f.pre_dispatch(f_input())
     # window 2: F.dispatch (comm)           ||  B.experts backward, dgrad (compute)
     f.dispatch()  # split-size host sync happens here, after F's compute was issued
@@ -61,19 +70,21 @@ def layer_step(
     b.dispatch_backward()
     b.expert_wgrad()
     f.experts()
-    # window 4: F.combine (comm)            ||  B.pre_dispatch backward, then attention wgrad (compute)
+    # window 4: F.combine (comm)            ||  B.pre_dispatch backward, dgrad (compute)
     f.combine()
     b_grad_input = b.pre_dispatch_backward()
-    return f.combine_finish, b_grad_input
+    return f.combine_finish, b_grad_input, b.attention_wgrad
 
 
 def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes) -> None:
     """F(i+1) + B(i): embedding and loss backward first, then every layer pair, then loss and embedding backward."""
     f_output = f.embed_forward
     grad = b.head_backward()
+    b_wgrad: Callable[[], None] = lambda: None  # noqa: E731
     num_layers = len(f.layers)
     for j in range(num_layers):
-        f_output, grad = layer_step(f.layers[j], f_output, b.layers[num_layers - 1 - j], grad)
+        f_output, grad, b_wgrad = layer_step(f.layers[j], f_output, b.layers[num_layers - 1 - j], grad, b_wgrad)
+    b_wgrad()  # B's first layer: its attention wgrad runs while F's last combine is in flight
     b.embed_backward(grad)
     f.head_forward(f_output())
 
