@@ -11,7 +11,8 @@ run: install
 	@bash tools/run_main_job.sh
 
 bench: install
-	.venv/bin/python scripts/performance/bench_overlap.py --out docs/performance/ep-overlap-benchmark.md
+	.venv/bin/python scripts/performance/bench_overlap.py --steps 6
+	.venv/bin/python scripts/performance/bench_overlap.py --steps 6 --delay_wgrad_compute
 
 test: install
 	$(VENV_PY) -m pytest -q tests/
