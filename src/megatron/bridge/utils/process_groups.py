@@ -34,11 +34,6 @@ class EPGroups:
     dp_group: dist.ProcessGroup | None
     timeout: timedelta
 
-    @property
-    def rank(self) -> int:
-        """Global rank (0 without a process group)."""
-        return dist.get_rank() if dist.is_initialized() else 0
-
 
 def single_process_groups() -> EPGroups:
     """Groups for a model with EP = 1 and no process group (all communication is the identity)."""

@@ -44,10 +44,6 @@ class Routing:
         counts_E = torch.bincount(flat_P, minlength=num_experts)
         return cls(order_P, inverse_P, counts_E, num_experts // ep_size, ep_size)
 
-    @property
-    def exchanged(self) -> bool:
-        return self.sort_R is not None
-
 
 def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
     """Tells every EP rank how many rows it receives per local expert; fills the host-side split sizes.
