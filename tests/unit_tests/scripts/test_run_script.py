@@ -185,3 +185,15 @@ def test_stale_namespaces_of_killed_runs_are_removed():
     subprocess.run(["ip", "netns", "add", name], check=True)
     assert name in netns.remove_stale_namespaces()
     assert name not in netns._netns_names()
+
+
+def test_ab_under_torchrun_on_cpu(tmp_path):
+    # The cluster path: torchrun provides the environment; every process runs both arms, rank 0 reports.
+    json_path = tmp_path / "ab.json"
+    script = run_script.Path(run_script.__file__)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "--ab"]
+    cmd += ["--device", "cpu", *TINY, "--json", str(json_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.count("losses and final parameters bitwise equal: yes") == 1  # rank 0 only
+    assert json.loads(json_path.read_text())["numerics"]["bitwise_equal"] is True
