@@ -103,7 +103,34 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx_MK, dw_GKN, None, None
 
 
-class GroupedLinear(torch.nn.Module):
+class _GradReadyHooks:
+    """Grad-ready hooks over ``group_weights``: run once per backward, after each weight's gradient is complete.
+
+    Undelayed, autograd accumulates the wgrad and its post-accumulate hook fires them; delayed, ``backward_dw``
+    fires them (autograd runs the post-accumulate hook then too, with no wgrad, so it must not fire).
+    """
+
+    def _init_grad_ready_hooks(self) -> None:
+        self._grad_ready_hooks: list[GradReadyHook] = []
+        for param in self.group_weights:
+            param.register_post_accumulate_grad_hook(self._on_autograd_accumulated)
+
+    def register_grad_ready_hook(self, hook: GradReadyHook) -> None:
+        """Runs ``hook(weight)`` once per backward, after the weight's gradient is complete."""
+        self._grad_ready_hooks.append(hook)
+
+    def _on_autograd_accumulated(self, param: torch.nn.Parameter) -> None:
+        if not self.delay_wgrad:
+            for hook in self._grad_ready_hooks:
+                hook(param)
+
+    def _fire_grad_ready(self) -> None:
+        for param in self.group_weights:
+            for hook in self._grad_ready_hooks:
+                hook(param)
+
+
+class GroupedLinear(_GradReadyHooks, torch.nn.Module):
     """``G`` independent linears applied to row blocks, with optional delayed weight gradient.
 
     Args:
@@ -119,9 +146,7 @@ class GroupedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(num_groups, in_features, out_features))
         self.delay_wgrad = False
         self._pending: deque = deque()
-        self._grad_ready_hooks: list[GradReadyHook] = []
-        # Undelayed: autograd accumulates the wgrad, and this fires the grad-ready hooks right after.
-        self.weight.register_post_accumulate_grad_hook(self._on_autograd_accumulated)
+        self._init_grad_ready_hooks()
 
     def forward(self, x_MK: torch.Tensor, group_sizes: Sequence[int]) -> torch.Tensor:
         return _GroupedLinearFn.apply(x_MK, self.weight, tuple(group_sizes), self)
@@ -145,10 +170,6 @@ class GroupedLinear(torch.nn.Module):
         """Sets group ``group``'s weight from a [K, N] tensor (the layout-independent way to initialize)."""
         self.weight[group].copy_(w_KN)
 
-    def register_grad_ready_hook(self, hook: GradReadyHook) -> None:
-        """Runs ``hook(weight)`` once per backward, after the weight's gradient is complete."""
-        self._grad_ready_hooks.append(hook)
-
     def backward_dw(self) -> None:
         """Computes one delayed weight gradient (FIFO order), accumulates it, then runs the grad-ready hooks."""
         if not self._pending:
@@ -157,15 +178,6 @@ class GroupedLinear(torch.nn.Module):
         with torch.no_grad():
             accumulate_grad(self.weight, grouped_wgrad(x_MK, grad_MN, sizes))
         self._fire_grad_ready()
-
-    def _on_autograd_accumulated(self, param: torch.nn.Parameter) -> None:
-        # Autograd runs this hook even when backward returned no wgrad (delayed); backward_dw fires then.
-        if not self.delay_wgrad:
-            self._fire_grad_ready()
-
-    def _fire_grad_ready(self) -> None:
-        for hook in self._grad_ready_hooks:
-            hook(self.weight)
 
 
 def check_no_pending_wgrads(linears) -> None:
@@ -179,7 +191,7 @@ def check_no_pending_wgrads(linears) -> None:
         )
 
 
-class TEGroupedLinear(torch.nn.Module):
+class TEGroupedLinear(_GradReadyHooks, torch.nn.Module):
     """Transformer Engine's ``GroupedLinear`` behind the :class:`GroupedLinear` interface (CUDA only).
 
     Transformer Engine fixes ``delay_wgrad_compute`` when the module is built, so ``delay_wgrad`` can be set
@@ -194,7 +206,6 @@ class TEGroupedLinear(torch.nn.Module):
         self.name = name
         self._delay = delay_wgrad
         self._pending_count = 0
-        self._grad_ready_hooks: list[GradReadyHook] = []
         self.inner = te.GroupedLinear(
             num_groups,
             in_features,
@@ -204,8 +215,7 @@ class TEGroupedLinear(torch.nn.Module):
             device="cuda",
             delay_wgrad_compute=delay_wgrad,
         )
-        for param in self.group_weights:
-            param.register_post_accumulate_grad_hook(self._on_autograd_accumulated)
+        self._init_grad_ready_hooks()
 
     @property
     def delay_wgrad(self) -> bool:
@@ -246,25 +256,12 @@ class TEGroupedLinear(torch.nn.Module):
         self._pending_count += 1
         return grad
 
-    def register_grad_ready_hook(self, hook: GradReadyHook) -> None:
-        self._grad_ready_hooks.append(hook)
-
     def backward_dw(self) -> None:
         if not self._pending_count:
             raise RuntimeError(f"{self.name}: backward_dw() called with no delayed wgrad queued")
         self.inner.backward_dw()
         self._pending_count -= 1
         self._fire_grad_ready()
-
-    def _on_autograd_accumulated(self, param: torch.nn.Parameter) -> None:
-        if not self._delay:
-            for hook in self._grad_ready_hooks:
-                hook(param)
-
-    def _fire_grad_ready(self) -> None:
-        for param in self.group_weights:
-            for hook in self._grad_ready_hooks:
-                hook(param)
 
 
 def make_expert_linear(
