@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.bridge.utils.process_groups import EPGroups, all_to_all, wait_work
+from megatron.bridge.utils.process_groups import EPGroups, all_to_all
 
 
 @dataclass
@@ -55,10 +55,8 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
     routing.in_splits = send_counts.sum(1).tolist()
     if groups.ep_meta_group is None:
         recv_counts = send_counts
-    else:
-        recv_counts = torch.empty_like(send_counts)
-        work = torch.distributed.all_to_all_single(recv_counts, send_counts, group=groups.ep_meta_group, async_op=True)
-        wait_work(work, op=op, timeout=groups.timeout)
+    else:  # row r of the counts goes to EP rank r
+        recv_counts = all_to_all(send_counts, [1] * ep, [1] * ep, groups.ep_meta_group, op=op, timeout=groups.timeout)
     routing.out_splits = recv_counts.sum(1).tolist()
     routing.local_group_sizes = recv_counts.sum(0).tolist()
     # Received rows come in (source rank, local expert) blocks; experts want (local expert, source rank).
