@@ -66,8 +66,11 @@ class _Lane:
     def _after_compute(self, microbatch: int) -> None:
         pass
 
-    def _record(self, op: str, layer: int, microbatch: int, launch) -> CommRecord:
-        record = CommRecord(op, layer, microbatch, self.recorder.phase, launch, time.perf_counter())
+    def record_comm(self, op: str, layer: int, microbatch: int, stream=None) -> CommRecord:
+        """Records that an all-to-all is being launched now (on ``stream``, for the CUDA clock)."""
+        record = CommRecord(
+            op, layer, microbatch, self.recorder.phase, self.recorder.clock.mark(stream), time.perf_counter()
+        )
         self.recorder.comm.append(record)
         return record
 
@@ -80,7 +83,7 @@ class CpuLane(_Lane):
     ) -> Pending:
         clock = self.recorder.clock
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        record = self._record(op, layer, microbatch, clock.mark())
+        record = self.record_comm(op, layer, microbatch)
         work = dist.all_to_all_single(
             out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group, async_op=True
         )
@@ -123,7 +126,7 @@ class CudaLane(_Lane):
         else:
             self.comm_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.comm_stream):
-            record = self._record(op, layer, microbatch, self.recorder.clock.mark(self.comm_stream))
+            record = self.record_comm(op, layer, microbatch, self.comm_stream)
             out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group)
             record.done = self.recorder.clock.mark(self.comm_stream)

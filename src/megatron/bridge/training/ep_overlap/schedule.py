@@ -223,18 +223,18 @@ class EPOverlapEngine:
                 linear.delay_wgrad = value
 
     def _plain(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
-        recorder, clock = lane.recorder, lane.recorder.clock
+        lane.recorder.phase = "plain"
         open_ops: dict[str, CommRecord] = {}
 
         def observe(op: str, event: str, layer: int, microbatch: int) -> None:
+            # Blocking all-to-alls: launched and waited for at once.
             if event == "start":
-                record = CommRecord(op, layer, microbatch, "plain", clock.mark(), time.perf_counter())
+                record = lane.record_comm(op, layer, microbatch)
                 record.wait_start_host = record.launch_host
-                recorder.comm.append(record)
                 open_ops[op] = record
             else:
                 record = open_ops.pop(op)
-                record.done, record.wait_end_host = clock.mark(), time.perf_counter()
+                record.done, record.wait_end_host = lane.recorder.clock.mark(), time.perf_counter()
 
         losses = []
         try:
