@@ -8,6 +8,7 @@ gets its own network namespace behind a link shaped to that rate, so all-to-all 
 Config errors are printed as the rules' one error, without a traceback, and exit with status 2.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -122,10 +123,7 @@ def run_local(specs: list[ArmSpec], args, device: str) -> dict[str, list[dict]]:
     """Each arm in fresh local rank processes (so each arm's peak memory is its own)."""
     backend = "nccl" if device == "cuda" else "gloo"
     results = {}
-    link = EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else None
-    try:
-        if link is not None:
-            link.__enter__()
+    with EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else contextlib.nullcontext() as link:
         for spec in specs:
             print(f"running arm '{spec.name}' on {args.nproc_per_node} ranks ...", flush=True)
             outcomes = run_local_ranks(
@@ -138,9 +136,6 @@ def run_local(specs: list[ArmSpec], args, device: str) -> dict[str, list[dict]]:
                 master_addr=link.master_addr if link else "127.0.0.1",
             )
             results[spec.name] = [o.result for o in outcomes]
-    finally:
-        if link is not None:
-            link.close()
     return results
 
 
