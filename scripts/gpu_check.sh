@@ -13,7 +13,7 @@ gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$gpus" -ge 2 ]; then
     echo "== A/B on $gpus GPUs (NCCL)"
     for impl in reference mcore; do
-        timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/run_script.py --ab \
+        timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/ep_overlap_ab.py --ab \
             --device cuda --model_impl "$impl" --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) \
             --precision bf16 -ms 6 || status=1
     done

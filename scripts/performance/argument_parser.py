@@ -29,14 +29,14 @@ def backend_arg(text: str) -> str | None:
     lowered = text.strip().lower()
     if lowered in ("none", "null", ""):
         return None
-    if lowered not in ("deepep", "hybridep"):
-        raise argparse.ArgumentTypeError(f"expected deepep, hybridep or None, got {text!r}")
+    if lowered not in ("deepep", "hybridep", "ncclep"):
+        raise argparse.ArgumentTypeError(f"expected deepep, hybridep, ncclep or None, got {text!r}")
     return lowered
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="run_script.py",
+        prog="ep_overlap_ab.py",
         description="MoE EP-overlap performance harness: one arm, or a matched A/B of overlap off vs on.",
         epilog="Trailing key=value overrides (e.g. comm_overlap.overlap_moe_expert_parallel_comm=true) apply last.",
     )
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     overlap.add_argument("--delay_wgrad_compute", type=bool_arg, default=None, help="true/false: delayed expert wgrad")
     overlap.add_argument(
-        "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep or None"
+        "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)
 

@@ -1,11 +1,12 @@
 """Applying command-line flags and Hydra-style ``key=value`` overrides to a recipe.
 
-Fixes of upstream gotchas:
-    * ``--moe_a2a_overlap true`` turns on plain EP overlap only; delayed wgrad has its own flag,
-      ``--delay_wgrad_compute``.
+The EP-overlap flags go through upstream's helper name, ``_set_moe_a2a_overlap_overrides``, plus a separate
+``_set_delay_wgrad_overrides``. Deliberate changes from upstream's helper (its gotchas):
+    * ``--moe_a2a_overlap true`` turns on plain EP overlap only (upstream also turned on delayed wgrad);
+      delayed wgrad has its own flag, ``--delay_wgrad_compute``.
     * ``--moe_a2a_overlap false`` really turns overlap off, and with it delayed wgrad (which needs overlap),
-      even when the recipe enabled them, unless ``--delay_wgrad_compute true`` asks for it explicitly (which
-      then fails validation with a message saying why).
+      even when the recipe enabled them (upstream left the recipe's values), unless ``--delay_wgrad_compute
+      true`` asks for it explicitly (which then fails validation with a message saying why).
     * ``key=value`` overrides come last and win; ``false``/``none`` there mean what they say.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
+from megatron.bridge.training.comm_overlap import CommOverlapConfig
 from megatron.bridge.training.flex_dispatcher_backend import apply_flex_dispatcher_backend
 
 _WORDS = {"true": True, "false": False, "none": None, "null": None}
@@ -53,17 +55,35 @@ def apply_overrides(recipe: Any, overrides: list[str]) -> None:
         setattr(target, name, parse_value(raw))
 
 
+def _set_moe_a2a_overlap_overrides(recipe: Any, moe_a2a_overlap: bool | None = False) -> Any:
+    """EP all-to-all overlap on (plain overlap, shared-expert overlap off) or off (delayed wgrad off with it).
+
+    None leaves the recipe as it is. Delayed wgrad is :func:`_set_delay_wgrad_overrides`, applied after this.
+    """
+    if moe_a2a_overlap is None:
+        return recipe
+    if recipe.comm_overlap is None:
+        recipe.comm_overlap = CommOverlapConfig(tp_comm_overlap=recipe.model.tensor_model_parallel_size > 1)
+    recipe.comm_overlap.overlap_moe_expert_parallel_comm = moe_a2a_overlap
+    if moe_a2a_overlap:
+        recipe.model.moe_shared_expert_overlap = False
+    else:
+        recipe.comm_overlap.delay_wgrad_compute = False  # delayed wgrad needs overlap; off means off
+    return recipe
+
+
+def _set_delay_wgrad_overrides(recipe: Any, delay_wgrad_compute: bool | None = None) -> Any:
+    """Delayed expert wgrad on or off, as asked; None leaves the recipe (and the a2a flag's choice) as it is."""
+    if delay_wgrad_compute is not None:
+        recipe.comm_overlap.delay_wgrad_compute = delay_wgrad_compute
+    return recipe
+
+
 def apply_flag_overrides(recipe: Any, args: Any) -> None:
     """Applies the named command-line flags that map onto recipe fields (None leaves the recipe's value)."""
-    model, overlap, train = recipe.model, recipe.comm_overlap, recipe.train
-    if args.moe_a2a_overlap is not None:
-        overlap.overlap_moe_expert_parallel_comm = args.moe_a2a_overlap
-        if args.moe_a2a_overlap:
-            model.moe_shared_expert_overlap = False
-        elif args.delay_wgrad_compute is None:
-            overlap.delay_wgrad_compute = False  # delayed wgrad needs overlap; off means off
-    if args.delay_wgrad_compute is not None:
-        overlap.delay_wgrad_compute = args.delay_wgrad_compute
+    _set_moe_a2a_overlap_overrides(recipe, args.moe_a2a_overlap)
+    _set_delay_wgrad_overrides(recipe, args.delay_wgrad_compute)
+    model, train = recipe.model, recipe.train
     if args.cuda_graph_impl is not None:
         model.cuda_graph_impl = args.cuda_graph_impl
     if args.precision is not None:

@@ -1,5 +1,6 @@
-"""CommOverlapConfig.setup: resolution of TP/PP/DP overlap, MoE rules, and respect for model-config values."""
+"""CommOverlapConfig: resolution of TP/PP/DP overlap, MoE rules, input types, and respect for model-config values."""
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -8,8 +9,17 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.models.gpt import GPTModelConfig
 
-from megatron.bridge.training.comm_overlap import CommOverlapConfig, CommOverlapConfigError, comm_overlap_violations
+from megatron.bridge.training import comm_overlap
+from megatron.bridge.training.comm_overlap import (
+    CommOverlapConfig,
+    CommOverlapConfigError,
+    comm_overlap_violations,
+    userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192,
+    userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora,
+)
+from megatron.bridge.utils.config_values import is_explicitly_set
 
 
 def moe_model(**overrides) -> TransformerConfig:
@@ -94,27 +104,27 @@ def test_non_dataclass_model_values_count_as_set(fake_versions):
 
 
 @pytest.mark.parametrize(
-    "overrides, te, expected, reason",
+    "overrides, have_te, expected, reason",
     [
-        (dict(tensor_model_parallel_size=1), "2.8.0", False, "tensor_model_parallel_size < 2"),
-        (dict(tensor_model_parallel_size=2), "2.8.0", False, "sequence_parallel=False"),
-        (
-            dict(tensor_model_parallel_size=2, sequence_parallel=True),
-            None,
-            False,
-            "Transformer Engine is not installed",
-        ),
-        (dict(tensor_model_parallel_size=2, sequence_parallel=True), "2.8.0", True, None),
+        (dict(tensor_model_parallel_size=1), True, False, "TP size < 2"),
+        (dict(tensor_model_parallel_size=2), True, False, "sequence_parallel=False"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), False, False, "TE not detected"),
+        (dict(tensor_model_parallel_size=2, sequence_parallel=True), True, True, None),
     ],
 )
-def test_tp_overlap_resolution(fake_versions, caplog, overrides, te, expected, reason):
-    fake_versions(te=te)
+def test_tp_overlap_resolution(fake_versions, monkeypatch, caplog, overrides, have_te, expected, reason):
+    monkeypatch.setattr(comm_overlap, "HAVE_TE", have_te)
     model = moe_model(**overrides)
     with caplog.at_level(logging.WARNING):
-        CommOverlapConfig(tp_comm_overlap=True).setup(model)
+        CommOverlapConfig(
+            tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192
+        ).setup(model)
     assert model.tp_comm_overlap is expected
     if reason:
-        assert reason in caplog.text
+        # Upstream's wording, on the root logger: Bridge tooling matches on it.
+        assert f"Disabling tensor parallel communication overlap due to {reason}." in caplog.text
+    else:
+        assert model.tp_comm_overlap_cfg["proj_fprop"]["num_splits"] == 4
 
 
 @pytest.mark.parametrize(
@@ -176,12 +186,109 @@ def test_finalize_accepts_defaults():
     CommOverlapConfig(tp_comm_overlap=False).finalize()
 
 
-def test_tp_overlap_cfg_is_written_when_tp_overlap_is_on(fake_versions):
-    fake_versions(te="2.8.0")
+def test_tp_overlap_cfg_is_written_as_a_dict_without_none(fake_versions, monkeypatch):
+    monkeypatch.setattr(comm_overlap, "HAVE_TE", True)
     model = moe_model(tensor_model_parallel_size=2, sequence_parallel=True)
-    overlap_cfg = {"qkv_dgrad": {"method": "bulk"}}
-    CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=overlap_cfg, tp_comm_bootstrap_backend="nccl").setup(
+    overlap_cfg = {"qkv_dgrad": {"method": "bulk"}, "qkv_wgrad": None}
+    CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=overlap_cfg, tp_comm_bootstrap_backend="mpi").setup(
         model
     )
-    assert model.tp_comm_overlap_cfg == overlap_cfg
-    assert model.tp_comm_bootstrap_backend == "nccl"
+    assert model.tp_comm_overlap_cfg == {"qkv_dgrad": {"method": "bulk"}}
+    assert model.tp_comm_bootstrap_backend == "mpi"
+
+
+def test_bootstrap_backend_defaults_to_nccl_as_upstream(fake_versions, monkeypatch):
+    monkeypatch.setattr(comm_overlap, "HAVE_TE", True)
+    model = moe_model(tensor_model_parallel_size=2, sequence_parallel=True)
+    CommOverlapConfig(tp_comm_overlap=True).setup(model)
+    assert (model.tp_comm_overlap_cfg, model.tp_comm_bootstrap_backend) == (None, "nccl")
+
+
+def test_lora_preset_leaves_wgrad_gemms_to_te():
+    as_dict = dataclasses.asdict(userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora)
+    assert as_dict["qkv_wgrad"] is None and as_dict["fc1_wgrad"] is None
+    assert as_dict["fc1_dgrad"] == dict(
+        num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True, atomic_gemm=False, method="pipeline"
+    )
+    assert as_dict["qkv_fprop"]["aggregate"] is True
+
+
+def test_moe_rule_errors_are_caught_as_assertion_errors(fake_versions):
+    """Code written against upstream caught AssertionError from the MoE checks; it still does, with all of them."""
+    cfg = CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True)
+    cfg.finalize()
+    model = moe_model(recompute_modules=["moe"], mtp_num_layers=2)
+    with pytest.raises(AssertionError) as raised:
+        cfg._get_model_comm_overlap_cfgs(model, DistributedDataParallelConfig())
+    text = str(raised.value)
+    assert "moe in recompute_modules" in text and "MTP supports at most one layer" in text
+    assert isinstance(raised.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("overlap_moe_expert_parallel_comm", "false"),
+        ("delay_wgrad_compute", 1),
+        ("bucket_size", "128M"),
+        ("bucket_size", True),
+        ("data_parallel_size", 2.0),
+    ],
+)
+def test_wrong_types_are_refused_not_coerced(field, value):
+    # bool("false") is True: a string here used to switch overlap on.
+    cfg = CommOverlapConfig(tp_comm_overlap=False, **{field: value})
+    with pytest.raises(CommOverlapConfigError) as raised:
+        cfg.finalize()
+    (violation,) = raised.value.violations
+    assert violation.name == field
+    assert f"comm_overlap.{field}={value!r}" in str(violation)
+
+
+def test_every_wrong_type_is_listed_at_once():
+    cfg = CommOverlapConfig(tp_comm_overlap="yes", overlap_p2p_comm="no", wgrad_deferral_limit="-1")
+    with pytest.raises(CommOverlapConfigError) as raised:
+        cfg.finalize()
+    assert [v.name for v in raised.value.violations] == ["tp_comm_overlap", "overlap_p2p_comm", "wgrad_deferral_limit"]
+
+
+def gpt_model_config(**transformer):
+    """Megatron's GPTModelConfig: every TransformerConfig field is proxied to ``.transformer``."""
+    settings = dict(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_dtype=torch.float32)
+    settings.update(transformer)
+    return GPTModelConfig(transformer=TransformerConfig(**settings), vocab_size=128)
+
+
+def test_forwarded_fields_of_gpt_model_config_get_auto_values(fake_versions):
+    model = gpt_model_config(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    assert not is_explicitly_set(model, "overlap_p2p_comm")
+    CommOverlapConfig(tp_comm_overlap=False).setup(model)
+    assert (model.overlap_p2p_comm, model.batch_p2p_comm) == (True, False)
+
+
+def test_forwarded_fields_raise_no_false_conflict(fake_versions):
+    model = gpt_model_config()
+    CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=True, data_parallel_size=4).setup(
+        model, OptimizerConfig(), DistributedDataParallelConfig(use_distributed_optimizer=True)
+    )
+    assert model.overlap_p2p_comm is True
+
+
+def test_forwarded_field_set_explicitly_still_counts(fake_versions):
+    model = gpt_model_config(batch_p2p_comm=False)
+    assert is_explicitly_set(model, "batch_p2p_comm")
+    found = comm_overlap_violations(CommOverlapConfig(tp_comm_overlap=False, batch_p2p_comm=True), model)
+    assert [v.name for v in found] == ["conflict"]
+
+
+def test_explicit_ddp_value_stands_when_comm_overlap_leaves_it_auto(fake_versions):
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    CommOverlapConfig(tp_comm_overlap=False, data_parallel_size=1).setup(moe_model(), OptimizerConfig(), ddp)
+    assert ddp.overlap_grad_reduce is True  # DP=1 would auto-resolve it off
+
+
+def test_violations_function_leaves_the_users_request_untouched(fake_versions):
+    cfg = CommOverlapConfig(tp_comm_overlap=True)
+    comm_overlap_violations(cfg, moe_model())  # TP overlap is infeasible here (TP=1)
+    cfg.finalize()
+    assert cfg.user_comm_overlap_cfg.tp_comm_overlap is True

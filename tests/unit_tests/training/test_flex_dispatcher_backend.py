@@ -1,25 +1,42 @@
-"""Flex dispatcher activation: GPU gating per generation, CPU-host safety, and the inactive-backend warning."""
+"""Flex dispatcher activation: GPU gating, CPU-host safety, fallbacks, and the inactive-backend warning."""
 
 import logging
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.bridge.training import flex_dispatcher_backend as flex
 from megatron.bridge.training.flex_dispatcher_backend import (
-    DeviceProperties,
     FlexDispatcherConfigError,
     apply_flex_dispatcher_backend,
     validate_flex_dispatcher_backend,
 )
 
-A100 = DeviceProperties("NVIDIA A100-SXM4-80GB", 8, 0)
-H100 = DeviceProperties("NVIDIA H100 80GB HBM3", 9, 0)
-B200 = DeviceProperties("NVIDIA B200", 10, 0)
-GB200 = DeviceProperties("NVIDIA GB200", 10, 0)
-RTX5090 = DeviceProperties("NVIDIA GeForce RTX 5090", 12, 0)
-V100 = DeviceProperties("Tesla V100-SXM2-32GB", 7, 0)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from scripts.performance.utils.utils import finalize_config_overrides  # noqa: E402
+
+A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8)
+H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9)
+B200 = SimpleNamespace(name="NVIDIA B200", major=10)
+GB200 = SimpleNamespace(name="NVIDIA GB200", major=10)
+RTX5090 = SimpleNamespace(name="NVIDIA GeForce RTX 5090", major=12)
+V100 = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """gpu(device) makes this host look like one with that GPU (None: no CUDA); returns the probe calls."""
+    calls = []
+
+    def pretend(device):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: device is not None)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: calls.append(index) or device)
+        return calls
+
+    return pretend
 
 
 def moe_model(**overrides):
@@ -48,77 +65,104 @@ def moe_model(**overrides):
         (GB200, "hybridep", True),
         (RTX5090, "hybridep", False),
         (V100, "hybridep", False),
-        (None, "deepep", False),
-        (None, "hybridep", False),
+        (A100, "ncclep", False),
+        (H100, "ncclep", True),
+        (GB200, "ncclep", True),
+        (RTX5090, "ncclep", False),
     ],
 )
-def test_gating_per_gpu_generation(monkeypatch, caplog, device, backend, active):
-    monkeypatch.setattr(flex, "device_properties", lambda: device)
+def test_gating_per_gpu_generation(gpu, caplog, device, backend, active):
+    calls = gpu(device)
     model = moe_model()
     with caplog.at_level(logging.WARNING):
-        assert apply_flex_dispatcher_backend(model, backend) is active
+        apply_flex_dispatcher_backend(model, backend)
+    assert calls == [0]
     if active:
-        assert model.moe_token_dispatcher_type == "flex"
-        assert model.moe_flex_dispatcher_backend == backend
+        assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", backend)
         assert model.moe_shared_expert_overlap is False
     else:
-        assert model.moe_token_dispatcher_type == "alltoall"
-        assert "Falling back to the alltoall dispatcher" in caplog.text
+        # The fallback clears the backend, so nothing downstream can switch flex back on.
+        assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
+        assert model.moe_shared_expert_overlap is True
+        assert f"Current GPU: {device.name}. Falling back to alltoall." in caplog.text
 
 
-def test_real_host_never_crashes():
-    # On a CPU-only host this must fall back, not raise from torch.cuda.
+@pytest.mark.parametrize("backend", ["deepep", "hybridep", "ncclep"])
+def test_cpu_host_records_backend_without_touching_cuda(gpu, backend):
+    calls = gpu(None)
     model = moe_model()
-    active = apply_flex_dispatcher_backend(model, "deepep")
-    assert model.moe_token_dispatcher_type == ("flex" if active else "alltoall")
+    apply_flex_dispatcher_backend(model, backend)
+    assert calls == []
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", backend)
 
 
-def test_backend_none_uses_model_value(monkeypatch):
-    monkeypatch.setattr(flex, "device_properties", lambda: H100)
-    model = moe_model(moe_flex_dispatcher_backend="hybridep")
-    assert apply_flex_dispatcher_backend(model) is True
-    assert model.moe_flex_dispatcher_backend == "hybridep"
-
-
-def test_backend_none_everywhere_applies_nothing(monkeypatch):
-    monkeypatch.setattr(flex, "device_properties", lambda: H100)
+@pytest.mark.parametrize("backend", [None, "nvshmem"])
+def test_invalid_backend_warns_and_changes_nothing_even_on_a_cpu_host(gpu, caplog, backend):
+    calls = gpu(None)
     model = moe_model()
-    assert apply_flex_dispatcher_backend(model) is False
-    assert model.moe_token_dispatcher_type == "alltoall"
-
-
-def test_non_moe_model_warns_and_keeps_alltoall(monkeypatch, caplog):
-    monkeypatch.setattr(flex, "device_properties", lambda: H100)
-    model = moe_model(num_moe_experts=None)
     with caplog.at_level(logging.WARNING):
-        assert apply_flex_dispatcher_backend(model, "deepep") is False
+        apply_flex_dispatcher_backend(model, backend)
+    assert calls == []
+    assert model == moe_model()
+    assert "Not a valid flex dispatcher backend" in caplog.text
+
+
+@pytest.mark.parametrize("experts", [None, 0])
+def test_non_moe_model_warns_and_leaves_the_dispatcher_alone(gpu, caplog, experts):
+    gpu(H100)
+    model = moe_model(num_moe_experts=experts, moe_token_dispatcher_type="allgather")
+    with caplog.at_level(logging.WARNING):
+        apply_flex_dispatcher_backend(model, "deepep")
+    assert model.moe_token_dispatcher_type == "allgather"
+    assert "only applicable to MoE models" in caplog.text
+
+
+def test_unsupported_gpu_fallback_survives_override_finalization(gpu):
+    """A recipe that asked for DeepEP on a GB200 stays on alltoall after the perf scripts' last pass."""
+    gpu(GB200)
+    config = SimpleNamespace(model=moe_model(moe_flex_dispatcher_backend="deepep"), ddp=SimpleNamespace(nccl_ub=False))
+    apply_flex_dispatcher_backend(config.model, "deepep")
+    finalize_config_overrides(config)
+    validate_flex_dispatcher_backend(config.model)
+    assert (config.model.moe_token_dispatcher_type, config.model.moe_flex_dispatcher_backend) == ("alltoall", None)
+
+
+def test_cleared_backend_restores_alltoall(gpu):
+    gpu(H100)
+    model = moe_model()
+    apply_flex_dispatcher_backend(model, "deepep")
+    model.moe_flex_dispatcher_backend = None
+    validate_flex_dispatcher_backend(model)
     assert model.moe_token_dispatcher_type == "alltoall"
-    assert "for MoE models" in caplog.text
 
 
-def test_unknown_backend_is_an_error():
-    with pytest.raises(FlexDispatcherConfigError, match="'nvshmem' is not supported"):
-        apply_flex_dispatcher_backend(moe_model(), "nvshmem")
-
-
-def test_validate_flex_on_unsupported_gpu_raises(monkeypatch):
-    monkeypatch.setattr(flex, "device_properties", lambda: V100)
-    with pytest.raises(FlexDispatcherConfigError, match="DeepEP supports Ampere, Hopper, B200 and B300"):
+def test_validate_flex_on_unsupported_gpu_raises(gpu):
+    gpu(V100)
+    with pytest.raises(FlexDispatcherConfigError, match=r"DeepEP is supported for Ampere, Hopper, and Blackwell"):
         validate_flex_dispatcher_backend(
             moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
         )
 
 
-def test_validate_flex_on_cpu_host_raises(monkeypatch):
-    monkeypatch.setattr(flex, "device_properties", lambda: None)
-    with pytest.raises(FlexDispatcherConfigError, match="needs a CUDA GPU"):
+def test_validate_flex_on_cpu_host_raises_a_clear_error(gpu):
+    calls = gpu(None)
+    with pytest.raises(FlexDispatcherConfigError, match="needs a CUDA GPU and this host has none"):
         validate_flex_dispatcher_backend(
             moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
         )
+    assert calls == []
 
 
-def test_validate_flex_on_supported_gpu_passes(monkeypatch):
-    monkeypatch.setattr(flex, "device_properties", lambda: GB200)
+def test_validate_flex_with_unknown_backend_raises(gpu):
+    gpu(H100)
+    with pytest.raises(FlexDispatcherConfigError, match="'nvshmem' is not supported"):
+        validate_flex_dispatcher_backend(
+            moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="nvshmem")
+        )
+
+
+def test_validate_flex_on_supported_gpu_passes(gpu):
+    gpu(GB200)
     validate_flex_dispatcher_backend(
         moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
     )
@@ -138,3 +182,31 @@ def test_validate_is_quiet_about_the_class_default_backend(caplog):
     with caplog.at_level(logging.WARNING):
         validate_flex_dispatcher_backend(model)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        (moe_model(moe_flex_dispatcher_backend="hybridep"), ("flex", False)),
+        (moe_model(moe_flex_dispatcher_backend="hybridep", num_moe_experts=None), ("alltoall", True)),
+        (moe_model(moe_token_dispatcher_type="flex"), ("alltoall", True)),
+    ],
+)
+def test_finalize_config_overrides_settles_the_dispatcher(model, expected):
+    config = SimpleNamespace(model=model, ddp=SimpleNamespace())
+    assert finalize_config_overrides(config) is config
+    assert (model.moe_token_dispatcher_type, model.moe_shared_expert_overlap) == expected
+
+
+@pytest.mark.parametrize(
+    "ddp, expected",
+    [
+        (dict(nccl_ub=True, use_megatron_fsdp=True, fsdp_manual_registration=False), (False, True)),
+        (dict(nccl_ub=True, use_megatron_fsdp=False, fsdp_manual_registration=False), (False, False)),
+        (dict(nccl_ub=False, fsdp_manual_registration=True), (True, False)),
+    ],
+)
+def test_finalize_config_overrides_settles_nccl_userbuffers(ddp, expected):
+    config = SimpleNamespace(model=moe_model(), ddp=SimpleNamespace(average_in_collective=True, **ddp))
+    finalize_config_overrides(config)
+    assert (config.ddp.average_in_collective, config.ddp.fsdp_manual_registration) == expected

@@ -1,41 +1,297 @@
 """Communication-overlap settings for Megatron-Bridge training: TP, PP, DP and MoE expert-parallel overlap.
 
+This module keeps Megatron-Bridge's public surface (the TP-overlap config dataclasses, the ``userbuffers_*``
+presets, ``_CommOverlapConfig`` and ``CommOverlapConfig`` with ``finalize``/``setup`` and their private
+helpers), so upstream code and tests keep working against it. On top of it:
+
 Contract:
-    * ``CommOverlapConfig`` fields are user intent; ``None`` means "auto" (resolve from the parallel layout).
-    * ``setup(model_config, optimizer_config, ddp_config)`` resolves every field, checks everything, and only
-      then writes the resolved values into the configs. It raises one :class:`CommOverlapConfigError` that
-      lists every problem, and on error writes nothing.
+    * ``CommOverlapConfig`` fields are user intent; ``None`` means "auto" (resolved from the parallel layout).
+      ``tp_comm_overlap`` is always stated by the user and turned off, with a warning, where it cannot work.
+    * ``finalize()`` checks this config's own values (types and ranges) and raises one
+      :class:`CommOverlapConfigError` listing every bad value.
+    * ``setup(model_config, optimizer_config, ddp_config)`` resolves every field, checks everything (the MoE
+      EP-overlap rules of :mod:`moe_overlap_rules`, and conflicts), and only then writes. It raises one
+      :class:`CommOverlapConfigError` listing every problem and writes nothing on error. The error is also an
+      ``AssertionError``, as upstream's first failed assert was, and each line carries upstream's phrase.
     * A value the user set on the model (or DDP/optimizer) config is never silently discarded: when this
-      config leaves a field ``None`` the explicit value stands; when both are set and disagree, that is an
-      error. "Set" means different from the config class's dataclass default. For objects that are not
-      dataclasses every present attribute counts as set.
+      config leaves the field ``None`` the explicit value stands; when both are set and disagree, that is a
+      ``conflict`` problem. "Set" means different from the config class's default
+      (:func:`megatron.bridge.utils.config_values.is_explicitly_set`, which follows proxied sub-configs).
     * :func:`comm_overlap_violations` returns the same problems as a list, without raising or writing.
 """
 
+import copy
 import dataclasses
+import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
+    graph_modules,
 )
 from megatron.bridge.utils import versions
 from megatron.bridge.utils.config_values import is_explicitly_set
-from megatron.bridge.utils.logging import warn_rank0
+from megatron.bridge.utils.logging import is_rank0, warn_rank0
 
-__all__ = ["CommOverlapConfig", "CommOverlapConfigError", "Violation", "comm_overlap_violations"]
+__all__ = [
+    "BulkOverlapCfg",
+    "CommOverlapConfig",
+    "CommOverlapConfigError",
+    "PipelineOverlapCfg",
+    "RingExchangeOverlapCfg",
+    "TPOverlapCfg",
+    "TransformerLayerTPOverlapCfg",
+    "Violation",
+    "comm_overlap_violations",
+]
 
 logger = logging.getLogger(__name__)
 
+# Probed without importing: importing Transformer Engine initialises CUDA extensions.
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+def get_te_version() -> Version:
+    """Installed Transformer Engine version; 0.0.0 without Transformer Engine (as Megatron-Core reports it)."""
+    return versions.te_version() or Version("0.0.0")
+
+
+def is_te_min_version(version: str, check_equality: bool = True) -> bool:
+    """True when the installed Transformer Engine is at least (or, without equality, above) ``version``."""
+    installed = versions.te_version()
+    if installed is None:
+        return False
+    return installed >= Version(version) if check_equality else installed > Version(version)
+
+
+def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
+    """True when the installed PyTorch is at least (or, without equality, above) ``version``."""
+    installed = versions.torch_version()
+    if installed is None:
+        return False
+    return installed >= Version(version) if check_equality else installed > Version(version)
+
+
+try:  # Megatron-Bridge's own helper where the full package is installed; the same test otherwise.
+    from megatron.bridge.utils.cuda_graph import has_cuda_graph_module
+except ImportError:
+
+    def has_cuda_graph_module(config: Any, module: Any) -> bool:
+        """True when ``module`` is among the config's per-layer CUDA-graph modules (new or legacy field)."""
+        return getattr(module, "name", module) in graph_modules(config)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tensor-parallel overlap settings handed to Transformer Engine userbuffers (one entry per GEMM of a layer).
+
+
+@dataclass
+class TPOverlapCfg:
+    """Base of the per-GEMM TP overlap methods."""
+
+
+@dataclass
+class PipelineOverlapCfg(TPOverlapCfg):
+    """Split the GEMM into ``num_splits`` chunks pipelined with their communication."""
+
+    num_sm: int
+    cga_size: int
+    num_splits: int
+    set_sm_margin: bool
+    fp8_buf: bool = (False,)  # upstream's default, kept as is so presets resolve to the same dict
+    atomic_gemm: bool = False
+    method: str = "pipeline"
+
+
+@dataclass
+class RingExchangeOverlapCfg(TPOverlapCfg):
+    """Overlap by exchanging chunks around the TP ring (point-to-point)."""
+
+    aggregate: bool = False
+    method: str = "ring_exchange"
+    num_sm: int = 1
+    cga_size: int = 1
+    set_sm_margin: bool = False
+    fp8_buf: bool = False
+    atomic_gemm: bool = False
+
+
+@dataclass
+class BulkOverlapCfg(TPOverlapCfg):
+    """Overlap one bulk collective with an independent GEMM."""
+
+    num_sm: int
+    cga_size: int
+    set_sm_margin: bool
+    method: str = "bulk"
+
+
+@dataclass
+class TransformerLayerTPOverlapCfg:
+    """The TP overlap method of every GEMM in a transformer layer; ``None`` leaves a GEMM to TE's default."""
+
+    qkv_dgrad: TPOverlapCfg
+    qkv_wgrad: TPOverlapCfg
+    fc1_dgrad: TPOverlapCfg
+    fc1_wgrad: TPOverlapCfg
+    qkv_fprop: TPOverlapCfg
+    proj_dgrad: TPOverlapCfg
+    fc1_fprop: TPOverlapCfg
+    fc2_dgrad: TPOverlapCfg
+    proj_fprop: TPOverlapCfg
+    fc2_fprop: TPOverlapCfg
+
+
+def _bulk(num_sm: int) -> BulkOverlapCfg:
+    return BulkOverlapCfg(num_sm=num_sm, cga_size=2, set_sm_margin=False)
+
+
+def _pipelined(num_sm: int, **extra: Any) -> PipelineOverlapCfg:
+    return PipelineOverlapCfg(num_sm=num_sm, cga_size=2, num_splits=4, set_sm_margin=True, **extra)
+
+
+def _ring_one_sm() -> RingExchangeOverlapCfg:
+    return RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True)
+
+
+def _layer(
+    bulk_sms: tuple[int, int, int, int],
+    proj_fprop: TPOverlapCfg,
+    fc2_fprop: TPOverlapCfg,
+    ring: dict[str, Any] | None = None,
+) -> TransformerLayerTPOverlapCfg:
+    """The common layout: bulk overlap for qkv/fc1 dgrad and wgrad (SM counts in that order), ring exchange
+    for qkv_fprop, proj_dgrad, fc1_fprop and fc2_dgrad, and the given methods for proj_fprop and fc2_fprop."""
+    qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad = (_bulk(sms) for sms in bulk_sms)
+    ring = ring or {"aggregate": False}
+    return TransformerLayerTPOverlapCfg(
+        qkv_dgrad=qkv_dgrad,
+        qkv_wgrad=qkv_wgrad,
+        fc1_dgrad=fc1_dgrad,
+        fc1_wgrad=fc1_wgrad,
+        qkv_fprop=RingExchangeOverlapCfg(**ring),
+        proj_dgrad=RingExchangeOverlapCfg(**ring),
+        fc1_fprop=RingExchangeOverlapCfg(**ring),
+        fc2_dgrad=RingExchangeOverlapCfg(**ring),
+        proj_fprop=proj_fprop,
+        fc2_fprop=fc2_fprop,
+    )
+
+
+def _lora_layer(ring: dict[str, Any], proj_fprop: TPOverlapCfg, fc2_fprop: TPOverlapCfg):
+    """LoRA fine-tuning freezes the base weights: no qkv/fc1 wgrad overlap, fp8 fc1 dgrad pipelined."""
+    cfg = _layer((2, 2, 2, 2), proj_fprop, fc2_fprop, ring=ring)
+    cfg.qkv_wgrad = cfg.fc1_wgrad = None
+    cfg.fc1_dgrad = _pipelined(16, fp8_buf=True)
+    return cfg
+
+
+# Presets by precision, GPU, hidden size, TP (and CP), micro-batch size and sequence length. The figures are
+# Megatron-Bridge's, tuned per model on that hardware.
+# Llama-3 70B class (hidden 8192)
+userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _pipelined(24), _pipelined(16))
+userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _ring_one_sm(), _ring_one_sm())
+userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192 = _layer((16, 24, 2, 4), _pipelined(32), _pipelined(16))
+userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _ring_one_sm(), _ring_one_sm())
+# Llama-3.1 405B (hidden 16384)
+userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer((2, 24, 2, 2), _pipelined(24), _pipelined(8))
+userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer((2, 24, 2, 2), _ring_one_sm(), _ring_one_sm())
+userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer((8, 24, 2, 2), _pipelined(32), _pipelined(8))
+userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
+# LoRA: Llama-3 70B and Llama-3.1 405B
+userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora = _lora_layer(
+    {"set_sm_margin": True},
+    RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
+    RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
+)
+userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora = _lora_layer(
+    {"aggregate": True}, _pipelined(32, fp8_buf=True), _pipelined(16, fp8_buf=True)
+)
+# GPT-3 20B (hidden 6144) and 175B (hidden 12288)
+userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048 = _layer((8, 16, 4, 16), _pipelined(16), _pipelined(24))
+userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
+    (8, 16, 4, 16), _pipelined(16, fp8_buf=True), _pipelined(24, fp8_buf=True)
+)
+userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048 = _layer((4, 4, 2, 4), _pipelined(24), _ring_one_sm())
+userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048 = _layer((4, 4, 2, 4), _ring_one_sm(), _ring_one_sm())
+userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048 = _layer((4, 16, 2, 8), _ring_one_sm(), _ring_one_sm())
+userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048 = _layer((4, 16, 2, 8), _ring_one_sm(), _ring_one_sm())
+# Nemotron 15B (hidden 6144) and 340B (hidden 18432)
+userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
+userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _pipelined(24))
+userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Resolution
+
+
+@dataclass
+class _CommOverlapConfig:
+    """One resolved (or user-requested) set of overlap values; ``None`` means "not decided here"."""
+
+    # Tensor parallel (Transformer Engine userbuffers)
+    tp_comm_overlap: bool = None
+    tp_comm_overlap_cfg: dict = None
+    tp_comm_bootstrap_backend: str = None
+    # Pipeline parallel
+    overlap_p2p_comm: bool = None
+    batch_p2p_comm: bool = None
+    # Data parallel
+    overlap_grad_reduce: bool = None
+    overlap_param_gather: bool = None
+    overlap_param_gather_with_optimizer_step: bool = None
+    align_param_gather: bool = None
+    bucket_size: int = None
+    # Pipeline bubble
+    defer_embedding_wgrad_compute: bool = None
+    wgrad_deferral_limit: int = None
+    # MoE expert parallel
+    overlap_moe_expert_parallel_comm: bool = None
+    delay_wgrad_compute: bool = None
+
+
 _DP_BUCKET_SIZE = 128 * 1024 * 1024
 _TP_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
+# Fields resolved for the model config where an explicit model value stands (tp_comm_overlap is always the
+# user's, so it is not among them).
+_MODEL_RESOLVED = (
+    "overlap_p2p_comm",
+    "batch_p2p_comm",
+    "defer_embedding_wgrad_compute",
+    "wgrad_deferral_limit",
+    "overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute",
+)
+_DP_RESOLVED = (
+    "bucket_size",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "overlap_param_gather_with_optimizer_step",
+    "align_param_gather",
+)
+_BOOL_FIELDS = (
+    "tp_comm_overlap",
+    "overlap_p2p_comm",
+    "batch_p2p_comm",
+    "overlap_grad_reduce",
+    "overlap_param_gather",
+    "overlap_param_gather_with_optimizer_step",
+    "align_param_gather",
+    "defer_embedding_wgrad_compute",
+    "overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute",
+)
+_INT_FIELDS = ("bucket_size", "wgrad_deferral_limit", "data_parallel_size")
 
 
 @dataclass(kw_only=True)
@@ -44,27 +300,28 @@ class CommOverlapConfig:
 
     Attributes:
         tp_comm_overlap: Tensor-parallel comm overlap (Transformer Engine userbuffers). Required.
-        tp_comm_overlap_cfg: Per-GEMM TP overlap settings (an object or dict), used when TP overlap is on.
+        tp_comm_overlap_cfg: Per-GEMM TP overlap settings (a ``TransformerLayerTPOverlapCfg``, another dataclass,
+            or a dict), used when TP overlap is on. None lets Transformer Engine use its defaults.
         tp_comm_bootstrap_backend: Backend used to bootstrap TP userbuffers: "nccl", "mpi" or "gloo".
         overlap_p2p_comm: Overlap pipeline send/recv with compute (auto: on with PP > 1 and VPP).
         batch_p2p_comm: Batch pipeline send/recv (auto: on with PP > 1 without VPP).
         overlap_grad_reduce: Overlap DP gradient reduce-scatter (auto: on with DP > 1 and distributed optimizer).
         overlap_param_gather: Overlap DP parameter all-gather (auto: as overlap_grad_reduce).
-        overlap_param_gather_with_optimizer_step: Overlap param all-gather with the optimizer step.
-        align_param_gather: Align param all-gathers across virtual stages (auto: on with PP > 1 and VPP).
+        overlap_param_gather_with_optimizer_step: Overlap param all-gather with the optimizer step (auto: off).
+        align_param_gather: Align param all-gathers across virtual stages (auto: on with DP > 1, PP > 1 and VPP).
         bucket_size: DP bucket size in elements (auto: 128 Mi with DP > 1 and distributed optimizer).
-        defer_embedding_wgrad_compute: Defer the embedding wgrad into the pipeline bubble.
-        wgrad_deferral_limit: Number of microbatches the embedding wgrad may be deferred (-1: no limit).
-        overlap_moe_expert_parallel_comm: Hide MoE expert-parallel all-to-all behind the other microbatch's
-            compute (1F1B-interleaved layer schedule). Auto keeps the model config's value.
-        delay_wgrad_compute: Compute expert weight gradients under the dispatch-backward all-to-all.
-            Needs overlap_moe_expert_parallel_comm. Auto keeps the model config's value.
+        defer_embedding_wgrad_compute: Defer the embedding wgrad into the pipeline bubble (auto: off).
+        wgrad_deferral_limit: Number of microbatches the embedding wgrad may be deferred (auto: -1, no limit).
         data_parallel_size: DP size (auto: world size / (TP * PP * CP) when a process group exists, else 1).
+        overlap_moe_expert_parallel_comm: Hide MoE expert-parallel all-to-all behind the other microbatch's
+            compute (1F1B-interleaved layer schedule). Auto keeps the model config's value, else off.
+        delay_wgrad_compute: Compute expert weight gradients under the dispatch-backward all-to-all.
+            Needs overlap_moe_expert_parallel_comm. Auto keeps the model config's value, else off.
     """
 
     tp_comm_overlap: bool
-    tp_comm_overlap_cfg: Any | None = None
-    tp_comm_bootstrap_backend: str | None = None
+    tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | Any | None = None
+    tp_comm_bootstrap_backend: str | None = "nccl"
     overlap_p2p_comm: bool | None = None
     batch_p2p_comm: bool | None = None
     overlap_grad_reduce: bool | None = None
@@ -74,135 +331,224 @@ class CommOverlapConfig:
     bucket_size: int | None = None
     defer_embedding_wgrad_compute: bool | None = None
     wgrad_deferral_limit: int | None = None
+    data_parallel_size: int | None = None
     overlap_moe_expert_parallel_comm: bool | None = None
     delay_wgrad_compute: bool | None = None
-    data_parallel_size: int | None = None
 
     def finalize(self) -> None:
-        """Checks this config's own values (not the model's). Raises CommOverlapConfigError listing all."""
+        """Checks this config's own values and records them as the user's request (``user_comm_overlap_cfg``).
+
+        Raises:
+            CommOverlapConfigError: Listing every field of the wrong type or out of range.
+        """
         problems = self._own_violations()
         if problems:
             raise CommOverlapConfigError(problems)
+        # A re-run of finalize keeps the request recorded first (setup may have narrowed it, e.g. TP off).
+        if getattr(self, "user_comm_overlap_cfg", None) is not None:
+            return
+        self.user_comm_overlap_cfg = _CommOverlapConfig(
+            **{f.name: getattr(self, f.name) for f in fields(_CommOverlapConfig)}
+        )
 
     def setup(self, model_config: Any, optimizer_config: Any = None, ddp_config: Any = None) -> None:
         """Resolves every field, validates, then writes the values into the given configs.
 
         Args:
-            model_config: The model config (e.g. a Megatron-Core ``TransformerConfig`` or a Bridge provider).
+            model_config: The model config (a Megatron-Core ``TransformerConfig``, a Bridge model provider or
+                ``GPTModelConfig``, or any object with the same attribute names).
             optimizer_config: Optional optimizer config; receives DP overlap values with a distributed optimizer.
             ddp_config: Optional DDP config; receives DP overlap values with a distributed optimizer.
 
         Raises:
             CommOverlapConfigError: One error listing every violated rule and every model/overlap conflict.
         """
-        plan, problems = self._resolve(model_config, optimizer_config, ddp_config)
+        plan, problems = self._plan(model_config, optimizer_config, ddp_config)
         if problems:
             raise CommOverlapConfigError(problems)
-        for target, values in plan:
-            for name, value in values.items():
-                setattr(target, name, value)
-        if getattr(model_config, "tp_comm_overlap", False) and self.tp_comm_overlap_cfg is not None:
-            cfg = self.tp_comm_overlap_cfg
-            model_config.tp_comm_overlap_cfg = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-            model_config.tp_comm_bootstrap_backend = self.tp_comm_bootstrap_backend
+        for resolved, target in plan:
+            self._apply_cfgs(resolved, target)
+        if getattr(model_config, "tp_comm_overlap", False):
+            model_config.tp_comm_overlap_cfg = self._tp_overlap_dict(plan[0][0].tp_comm_overlap_cfg)
+            model_config.tp_comm_bootstrap_backend = plan[0][0].tp_comm_bootstrap_backend
         self._set_cuda_device_max_connections(model_config)
 
-    # ----------------------------------------------------------------------------------------------------
-    # resolution
+    # --------------------------------------------------------------------------------------------------------
+    # Megatron-Bridge's resolution steps (upstream code calls and tests these directly)
 
-    def _resolve(
-        self, model_config: Any, optimizer_config: Any, ddp_config: Any
-    ) -> tuple[list[tuple[Any, dict[str, Any]]], list[Violation]]:
-        """Returns (what to write where, every problem found); writes nothing."""
-        problems = self._own_violations()
-        plan: list[tuple[Any, dict[str, Any]]] = []
-
-        model_values = self._merge_into(model_config, self._model_auto_values(model_config), problems)
-        # The user always states tp_comm_overlap; it is turned off (with a warning) where it cannot work.
-        model_values["tp_comm_overlap"] = model_values["tp_comm_overlap"] and self._tp_overlap_feasible(model_config)
-        plan.append((model_config, model_values))
-
-        overlap_grad_reduce = bool(getattr(ddp_config, "overlap_grad_reduce", False))
-        if (
-            ddp_config is not None
-            and optimizer_config is not None
-            and getattr(ddp_config, "use_distributed_optimizer", False)
-        ):
-            dp_auto = self._dp_auto_values(model_config)
-            for target in (optimizer_config, ddp_config):
-                applicable = {name: value for name, value in dp_auto.items() if hasattr(target, name)}
-                values = self._merge_into(target, applicable, problems)
-                plan.append((target, values))
-                overlap_grad_reduce = values.get("overlap_grad_reduce", overlap_grad_reduce)
-
-        problems += check_moe_overlap(
-            model_config,
-            overlap_moe_expert_parallel_comm=model_values["overlap_moe_expert_parallel_comm"],
-            delay_wgrad_compute=model_values["delay_wgrad_compute"],
-            overlap_grad_reduce=overlap_grad_reduce,
-        )
-        return plan, problems
-
-    def _model_auto_values(self, model_config: Any) -> dict[str, Any]:
-        """Auto values for the fields written into the model config (before user/model precedence)."""
-        pp = getattr(model_config, "pipeline_model_parallel_size", 1) or 1
-        vpp = getattr(model_config, "virtual_pipeline_model_parallel_size", None) or 1
-        return {
-            "tp_comm_overlap": False,
-            "overlap_p2p_comm": pp > 1 and vpp > 1,
-            "batch_p2p_comm": pp > 1 and vpp == 1,
-            "defer_embedding_wgrad_compute": False,
-            "wgrad_deferral_limit": -1,
-            "overlap_moe_expert_parallel_comm": False,
-            "delay_wgrad_compute": False,
-        }
-
-    def _tp_overlap_feasible(self, model_config: Any) -> bool:
-        """False, with a rank-0 warning, where TP overlap cannot work."""
-        reason = None
-        if (getattr(model_config, "tensor_model_parallel_size", 1) or 1) < 2:
-            reason = "tensor_model_parallel_size < 2"
-        elif not getattr(model_config, "sequence_parallel", False):
-            reason = "sequence_parallel=False"
-        elif versions.te_version() is None:
-            reason = "Transformer Engine is not installed"
-        if reason is not None:
-            warn_rank0(logger, "Disabling tensor-parallel communication overlap: %s.", reason)
-            return False
-        return True
-
-    def _dp_auto_values(self, model_config: Any) -> dict[str, Any]:
-        """Auto values for data-parallel overlap (distributed optimizer only)."""
-        dp = self.data_parallel_size or _infer_data_parallel_size(model_config)
-        pp = getattr(model_config, "pipeline_model_parallel_size", 1) or 1
-        vpp = getattr(model_config, "virtual_pipeline_model_parallel_size", None) or 1
-        return {
-            "bucket_size": _DP_BUCKET_SIZE if dp > 1 else None,
-            "overlap_grad_reduce": dp > 1,
-            "overlap_param_gather": dp > 1,
-            "overlap_param_gather_with_optimizer_step": False,
-            "align_param_gather": dp > 1 and pp > 1 and vpp > 1,
-        }
-
-    def _merge_into(self, target: Any, auto: dict[str, Any], problems: list[Violation]) -> dict[str, Any]:
-        """Applies precedence user > explicit target value > auto; records user/target disagreements."""
-        resolved = {}
-        for name, auto_value in auto.items():
-            user = getattr(self, name)
-            current = getattr(target, name, None)
-            explicit = is_explicitly_set(target, name)
-            if user is not None:
-                if explicit and current != user:
-                    problems.append(_conflict(target, name, current, user))
-                resolved[name] = user
-            elif explicit:
-                resolved[name] = current
-            else:
-                resolved[name] = auto_value
+    def _get_model_comm_overlap_cfgs(self, model_cfg: Any, ddp_config: Any) -> _CommOverlapConfig:
+        """Resolved values for the model config. Raises CommOverlapConfigError for every problem found."""
+        resolved, problems = self._resolve_model(model_cfg, _grad_reduce_requested(self._user(), ddp_config))
+        if problems:
+            raise CommOverlapConfigError(problems)
         return resolved
+
+    def _get_optimizer_overlap_cfgs(self, model_cfg: Any) -> _CommOverlapConfig:
+        """Resolved data-parallel values for the optimizer and DDP configs (distributed optimizer only)."""
+        dp = self.data_parallel_size or _infer_data_parallel_size(model_cfg)
+        pp, vpp = _pipeline_sizes(model_cfg)
+        cfg = _CommOverlapConfig(
+            bucket_size=None,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            # Left off upstream as well: with it, checkpointing of the optimizer state misbehaves.
+            overlap_param_gather_with_optimizer_step=False,
+            align_param_gather=False,
+        )
+        if dp > 1:
+            cfg.bucket_size = _DP_BUCKET_SIZE
+            cfg.overlap_grad_reduce = True
+            cfg.overlap_param_gather = True
+            cfg.align_param_gather = pp > 1 and vpp > 1
+        return self._override_user_cfgs(cfg)
+
+    def _apply_cfgs(self, src_cfg: Any, dest_cfg: Any) -> None:
+        """Copies every field of ``src_cfg`` that ``dest_cfg`` has onto it."""
+        for field in fields(src_cfg):
+            if hasattr(dest_cfg, field.name):
+                setattr(dest_cfg, field.name, getattr(src_cfg, field.name))
+
+    def _override_user_cfgs(self, comm_overlap_cfg: _CommOverlapConfig) -> _CommOverlapConfig:
+        """Replaces values of ``comm_overlap_cfg`` with every value the user set (not None)."""
+        user = getattr(self, "user_comm_overlap_cfg", None)
+        if isinstance(user, _CommOverlapConfig):
+            for field in fields(user):
+                value = getattr(user, field.name)
+                if value is not None:
+                    setattr(comm_overlap_cfg, field.name, value)
+        return comm_overlap_cfg
+
+    # --------------------------------------------------------------------------------------------------------
+    # Resolution with every problem collected
+
+    def _user(self) -> _CommOverlapConfig:
+        if getattr(self, "user_comm_overlap_cfg", None) is None:
+            self.finalize()
+        return self.user_comm_overlap_cfg
+
+    def _plan(
+        self, model_config: Any, optimizer_config: Any, ddp_config: Any
+    ) -> tuple[list[tuple[_CommOverlapConfig, Any]], list[Violation]]:
+        """What to write where, and every problem found; writes nothing."""
+        problems = self._own_violations()
+        if problems:
+            return [], problems
+        user = self._user()
+        dp_plan: list[tuple[_CommOverlapConfig, Any]] = []
+        grad_reduce = _grad_reduce_requested(user, ddp_config)
+        # Data-parallel overlap needs Megatron's DDP with the distributed optimizer.
+        if optimizer_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
+            dp_cfg = self._get_optimizer_overlap_cfgs(model_config)
+            for target in (optimizer_config, ddp_config):
+                dp_plan.append((self._keep_explicit(dp_cfg, target, _DP_RESOLVED, problems), target))
+            grad_reduce = bool(dp_plan[-1][0].overlap_grad_reduce)
+        model_cfg, model_problems = self._resolve_model(model_config, grad_reduce)
+        return [(model_cfg, model_config), *dp_plan], model_problems + problems
+
+    def _resolve_model(self, model_cfg: Any, overlap_grad_reduce: bool) -> tuple[_CommOverlapConfig, list[Violation]]:
+        """Model-config values: defaults by layout, then explicit model values, then the user's; and the checks."""
+        user = self._user()
+        pp, vpp = _pipeline_sizes(model_cfg)
+        cfg = _CommOverlapConfig(
+            tp_comm_overlap=False,
+            tp_comm_overlap_cfg=None,
+            overlap_p2p_comm=pp > 1 and vpp > 1,
+            batch_p2p_comm=pp > 1 and vpp == 1,
+            defer_embedding_wgrad_compute=False,
+            wgrad_deferral_limit=-1,
+            overlap_moe_expert_parallel_comm=False,
+            delay_wgrad_compute=False,
+        )
+        if user.tp_comm_overlap is True and not self._tp_overlap_feasible(model_cfg):
+            user.tp_comm_overlap = False
+        problems: list[Violation] = []
+        cfg = self._keep_explicit(self._override_user_cfgs(cfg), model_cfg, _MODEL_RESOLVED, problems)
+        if cfg.overlap_moe_expert_parallel_comm and not hasattr(model_cfg, "overlap_moe_expert_parallel_comm"):
+            problems.append(
+                Violation(
+                    "model_field",
+                    {"model": type(model_cfg).__name__},
+                    f"model_cfg {type(model_cfg).__name__} does not have overlap_moe_expert_parallel_comm.",
+                    "use a model config derived from Megatron-Core's TransformerConfig.",
+                )
+            )
+        problems += check_moe_overlap(
+            model_cfg,
+            overlap_moe_expert_parallel_comm=cfg.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=cfg.delay_wgrad_compute,
+            overlap_grad_reduce=overlap_grad_reduce,
+            # Looked up at call time, so code that patches this module's version checks is honoured.
+            torch_at_least=lambda minimum: is_torch_min_version(minimum),
+            te_at_least=lambda minimum: is_te_min_version(minimum),
+        )
+        return cfg, problems
+
+    def _keep_explicit(
+        self, resolved: _CommOverlapConfig, target: Any, names: tuple[str, ...], problems: list[Violation]
+    ) -> _CommOverlapConfig:
+        """A copy of ``resolved`` in which values set explicitly on ``target`` stand where the user said nothing.
+
+        A user value that disagrees with an explicit target value is recorded as a ``conflict`` problem.
+        """
+        out = copy.copy(resolved)
+        user = self._user()
+        for name in names:
+            if not is_explicitly_set(target, name):
+                continue
+            current, requested = getattr(target, name), getattr(user, name)
+            if requested is None:
+                setattr(out, name, current)
+            elif current != requested:
+                problems.append(_conflict(target, name, current, requested))
+        return out
+
+    def _tp_overlap_feasible(self, model_cfg: Any) -> bool:
+        """False, with upstream's warning, where TP overlap cannot work."""
+        reason = None
+        if (getattr(model_cfg, "tensor_model_parallel_size", 1) or 1) < 2:
+            reason = "TP size < 2"
+        elif not getattr(model_cfg, "sequence_parallel", False):
+            reason = "sequence_parallel=False"
+        elif not HAVE_TE:
+            reason = "TE not detected"
+        if reason is None:
+            return True
+        if is_rank0():
+            # The root logger, with upstream's exact wording: Bridge's tooling and tests match on it.
+            logging.warning(f"Disabling tensor parallel communication overlap due to {reason}.")
+        return False
+
+    @staticmethod
+    def _tp_overlap_dict(tp_cfg: Any) -> dict | None:
+        """The TP overlap settings as Transformer Engine takes them: a dict without None values."""
+        if tp_cfg is None:
+            if is_rank0():
+                logging.warning(
+                    "Tensor parallel overlap: No overlap config provided. "
+                    "Initializing TP comm overlap with the default config."
+                )
+            return None
+        as_dict = asdict(tp_cfg) if dataclasses.is_dataclass(tp_cfg) else dict(tp_cfg)
+        return {key: value for key, value in as_dict.items() if value is not None}
 
     def _own_violations(self) -> list[Violation]:
         problems = []
+        for name in _BOOL_FIELDS + _INT_FIELDS:
+            value = getattr(self, name)
+            expected = bool if name in _BOOL_FIELDS else int
+            # bool is an int subclass: a True/False integer field is as wrong as a string for a bool field.
+            if value is not None and (type(value) is not expected and not (expected is int and _is_int(value))):
+                problems.append(
+                    Violation(
+                        name,
+                        {f"comm_overlap.{name}": value},
+                        f"{name} must be {expected.__name__} or None, not {type(value).__name__}.",
+                        f"set comm_overlap.{name} to {'True or False' if expected is bool else 'an integer'}"
+                        " (None means auto).",
+                    )
+                )
+        if problems:
+            return problems
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             problems.append(
                 Violation(
@@ -227,7 +573,7 @@ class CommOverlapConfig:
                     "tp_comm_bootstrap_backend",
                     {"comm_overlap.tp_comm_bootstrap_backend": self.tp_comm_bootstrap_backend},
                     f"unknown TP bootstrap backend; expected one of {_TP_BOOTSTRAP_BACKENDS}.",
-                    "set tp_comm_bootstrap_backend to 'nccl', 'mpi' or 'gloo', or leave it None.",
+                    "set tp_comm_bootstrap_backend to 'nccl', 'mpi' or 'gloo'.",
                 )
             )
         if self.wgrad_deferral_limit is not None and self.wgrad_deferral_limit < -1:
@@ -267,8 +613,23 @@ def comm_overlap_violations(
     comm_overlap: CommOverlapConfig, model_config: Any, optimizer_config: Any = None, ddp_config: Any = None
 ) -> list[Violation]:
     """Every problem ``comm_overlap.setup`` would raise for these configs, as a list. Never raises or writes."""
-    _, problems = comm_overlap._resolve(model_config, optimizer_config, ddp_config)
-    return problems
+    probe = copy.deepcopy(comm_overlap)  # resolution may narrow the recorded request (TP off); keep the user's
+    return probe._plan(model_config, optimizer_config, ddp_config)[1]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pipeline_sizes(model_cfg: Any) -> tuple[int, int]:
+    pp = getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1
+    vpp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None) or 1
+    return pp, vpp
+
+
+def _grad_reduce_requested(user: _CommOverlapConfig, ddp_config: Any) -> bool:
+    """Upstream's reading of "DP grad reduce overlaps": on the DDP config, or asked for here."""
+    return bool(getattr(ddp_config, "overlap_grad_reduce", False) or user.overlap_grad_reduce)
 
 
 def _conflict(target: Any, name: str, target_value: Any, user_value: Any) -> Violation:

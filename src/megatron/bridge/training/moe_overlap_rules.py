@@ -8,7 +8,11 @@ Contract:
       line per violation, each naming the field(s), the value(s) seen and the fix.
     * Facts are read by attribute name, so a Megatron-Core ``TransformerConfig`` or any object with the same
       attribute names works. Installed versions come from package metadata (see
-      :mod:`megatron.bridge.utils.versions`); nothing imports CUDA code.
+      :mod:`megatron.bridge.utils.versions`) unless the caller passes its own version checks; nothing imports
+      CUDA code.
+    * The error is both a ``ValueError`` and an ``AssertionError`` (what Megatron-Bridge's asserts raised), and
+      each rule's message contains the phrase of Megatron-Bridge's assert for the same rule, so code that
+      catches or matches upstream's errors keeps working.
 
 Two rules depend on what runs the layers, not on the config alone:
     * The bf16/fp16 rule belongs to Megatron-Core's own combined-1F1B schedule (its ``TransformerConfig`` asserts
@@ -32,6 +36,8 @@ DELAY_WGRAD = "comm_overlap.delay_wgrad_compute"
 OVERLAP_GRAD_REDUCE = "comm_overlap.overlap_grad_reduce"
 TORCH = "installed.torch"
 TE = "installed.transformer_engine"
+TORCH_AT_LEAST = "check.torch_at_least"  # callable: minimum version string -> bool
+TE_AT_LEAST = "check.te_at_least"
 GROUPED_GEMM = "expert_grouped_gemm_backend"
 SCHEDULE = "model.ep_overlap_schedule"
 
@@ -101,8 +107,11 @@ def _show(value: Any) -> str:
     return str(value) if isinstance(value, Version) else repr(value)
 
 
-class CommOverlapConfigError(ValueError):
-    """Raised once with every violated rule listed, one per line."""
+class CommOverlapConfigError(ValueError, AssertionError):
+    """Raised once with every violated rule listed, one per line.
+
+    An ``AssertionError`` too: Megatron-Bridge raised that for the same rules, and callers catch it.
+    """
 
     def __init__(self, violations: Iterable[Violation]):
         self.violations = tuple(violations)
@@ -112,14 +121,19 @@ class CommOverlapConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _graph_scopes(model_config: Any) -> tuple[str, ...]:
-    """CUDA-graph scopes as plain names; Megatron-Core 0.19 renamed cuda_graph_scope to cuda_graph_modules."""
-    raw = getattr(model_config, "cuda_graph_modules", None) or getattr(model_config, "cuda_graph_scope", None)
-    if raw is None:
-        return ()
-    if isinstance(raw, str) or not isinstance(raw, Iterable):
-        raw = [raw]
-    return tuple(getattr(scope, "name", scope) for scope in raw)
+def graph_modules(model_config: Any) -> tuple[str, ...]:
+    """Per-layer CUDA-graph modules as plain names, from ``cuda_graph_modules`` and the legacy ``cuda_graph_scope``.
+
+    Megatron-Core 0.19 renamed the field; older Bridge configs still set the old one, so both count.
+    """
+    names: list[str] = []
+    for raw in (getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)):
+        if raw is None:
+            continue
+        if isinstance(raw, str) or not isinstance(raw, Iterable):
+            raw = [raw]
+        names += [getattr(scope, "name", scope) for scope in raw]
+    return tuple(names)
 
 
 def grouped_gemm_backend(te_version: Version | None) -> str:
@@ -133,12 +147,17 @@ def gather_facts(
     overlap_moe_expert_parallel_comm: bool,
     delay_wgrad_compute: bool,
     overlap_grad_reduce: bool = False,
+    torch_at_least: Callable[[str], bool] | None = None,
+    te_at_least: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
-    """Collects every value the rules read into one flat mapping keyed by where it comes from."""
+    """Collects every value the rules read into one flat mapping keyed by where it comes from.
+
+    ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions.
+    """
     facts: dict[str, Any] = {
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
     }
-    facts["model.cuda_graph_scope"] = _graph_scopes(model_config)
+    facts["model.cuda_graph_scope"] = graph_modules(model_config)
     facts[SCHEDULE] = getattr(model_config, "ep_overlap_schedule", "mcore")
     facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
     facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
@@ -146,6 +165,8 @@ def gather_facts(
     facts[TORCH] = versions.torch_version()
     facts[TE] = versions.te_version()
     facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
+    facts[TORCH_AT_LEAST] = torch_at_least or (lambda minimum: _at_least(facts[TORCH], minimum))
+    facts[TE_AT_LEAST] = te_at_least or (lambda minimum: _at_least(facts[TE], minimum))
     return facts
 
 
@@ -170,10 +191,12 @@ def _te_graphs(f: Mapping[str, Any]) -> bool:
 
 
 def _graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
-    """CUDA-graphed attention (or a graphed router whose shared experts are not overlapped) with delayed wgrad."""
+    """CUDA-graphed attention (or a graphed router whose shared experts are not overlapped) with delayed wgrad.
+
+    Judged by the graph modules alone, as Megatron-Bridge does: recipes set ``cuda_graph_impl`` separately, and
+    a module listed for capture is taken as a request to capture it.
+    """
     scopes = f["model.cuda_graph_scope"]
-    if f["model.cuda_graph_impl"] == "none":
-        return False
     router_with_plain_shared = (
         "moe_router" in scopes
         and f["model.moe_shared_expert_intermediate_size"] is not None
@@ -193,7 +216,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.expert_model_parallel_size",),
         _overlap_on,
         lambda f: (f["model.expert_model_parallel_size"] or 1) > 1,
-        "EP overlap hides expert-parallel all-to-all, so it needs expert parallelism.",
+        "EP overlap is only supported when expert_model_parallel_size > 1: it hides the expert-parallel all-to-all.",
         "set expert_model_parallel_size > 1, or turn overlap_moe_expert_parallel_comm off.",
     ),
     Rule(
@@ -201,7 +224,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.num_moe_experts",),
         _overlap_on,
         lambda f: (f["model.num_moe_experts"] or 0) > 1,
-        "EP overlap needs an MoE model with more than one expert.",
+        "EP overlap is only supported when num_moe_experts > 1.",
         "set num_moe_experts > 1, or turn overlap_moe_expert_parallel_comm off for a dense model.",
     ),
     Rule(
@@ -209,7 +232,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.moe_token_dispatcher_type",),
         _overlap_on,
         lambda f: f["model.moe_token_dispatcher_type"] in ("alltoall", "flex"),
-        "EP overlap works with the alltoall and flex token dispatchers only.",
+        "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
         "set moe_token_dispatcher_type='alltoall', or call apply_flex_dispatcher_backend(model, 'deepep'|'hybridep').",
     ),
     Rule(
@@ -217,15 +240,15 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.bf16", "model.fp16", SCHEDULE),
         lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: bool(f["model.bf16"] or f["model.fp16"]),
-        "Megatron-Core's own overlapped schedule supports bf16 or fp16 models only.",
+        "Megatron-Core's own overlapped schedule is only supported when using bf16 or fp16 models.",
         "set bf16=True (or fp16=True), or run this project's schedule (ep_overlap_schedule='bridge').",
     ),
     Rule(
         "torch_version",
         (TORCH,),
         _overlap_on,
-        lambda f: _at_least(f[TORCH], "2.6.0"),
-        "EP overlap can hang with PyTorch older than 2.6.0.",
+        lambda f: f[TORCH_AT_LEAST]("2.6.0"),
+        "EP overlap (A2A overlap) has a known hang issue with torch version < 2.6.0.",
         "upgrade PyTorch to >= 2.6.0.",
     ),
     Rule(
@@ -233,7 +256,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"),
         lambda f: f[OVERLAP] and (f["model.pipeline_model_parallel_size"] or 1) > 1,
         lambda f: f["model.virtual_pipeline_model_parallel_size"] is not None,
-        "with pipeline parallelism, EP overlap pairs microbatches across virtual stages and needs VPP.",
+        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1: EP overlap "
+        "pairs microbatches across virtual stages.",
         "set virtual_pipeline_model_parallel_size (e.g. 2), or pipeline_model_parallel_size=1.",
     ),
     Rule(
@@ -241,7 +265,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.recompute_granularity",),
         _overlap_on,
         lambda f: f["model.recompute_granularity"] != "full",
-        "full activation recompute re-runs whole layers and breaks the paired layer schedule.",
+        "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation.",
         "set recompute_granularity=None (or 'selective' without 'moe').",
     ),
     Rule(
@@ -249,7 +273,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.recompute_method",),
         _overlap_on,
         lambda f: f["model.recompute_method"] is None,
-        "a recompute method implies layer recompute, which EP overlap does not support.",
+        "a recompute method implies layer recompute, which EP overlap does not support: disable recomputation method.",
         "set recompute_method=None.",
     ),
     Rule(
@@ -257,7 +281,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.recompute_num_layers",),
         _overlap_on,
         lambda f: f["model.recompute_num_layers"] is None,
-        "recompute_num_layers implies layer recompute, which EP overlap does not support.",
+        "recompute_num_layers must be None with EP overlap: it implies layer recompute.",
         "set recompute_num_layers=None.",
     ),
     Rule(
@@ -265,7 +289,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.recompute_modules",),
         _overlap_on,
         lambda f: "moe" not in (f["model.recompute_modules"] or ()),
-        "recomputing the MoE module conflicts with the split MoE layer nodes.",
+        "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules.",
         "remove 'moe' from recompute_modules.",
     ),
     Rule(
@@ -273,7 +297,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.moe_shared_expert_overlap",),
         _overlap_on,
         lambda f: not f["model.moe_shared_expert_overlap"],
-        "moe_shared_expert_overlap schedules shared experts on its own and conflicts with EP overlap.",
+        "moe_shared_expert_overlap schedules shared experts on its own and conflicts with EP overlap: disable "
+        "moe_shared_expert_overlap.",
         "set moe_shared_expert_overlap=False (EP overlap already hides the all-to-all).",
     ),
     Rule(
@@ -281,7 +306,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.mtp_num_layers",),
         _overlap_on,
         lambda f: f["model.mtp_num_layers"] in (None, 0, 1),
-        "EP overlap supports at most one multi-token-prediction layer.",
+        "with EP overlap, MTP supports at most one layer (mtp_num_layers).",
         "set mtp_num_layers to None, 0 or 1.",
     ),
     Rule(
@@ -306,32 +331,34 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         (DELAY_WGRAD, OVERLAP),
         _delay_on,
         lambda f: f[OVERLAP],
-        "delayed wgrad is scheduled by the EP overlap layer step and does nothing without it.",
+        "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute: the EP overlap layer step schedules "
+        "the delayed wgrad.",
         "set comm_overlap.overlap_moe_expert_parallel_comm=True, or delay_wgrad_compute=False.",
     ),
     Rule(
         "delay_wgrad_grad_reduce_te",
         (OVERLAP_GRAD_REDUCE, TE),
         lambda f: _delay_with_te(f) and f[OVERLAP_GRAD_REDUCE],
-        lambda f: _at_least(f[TE], "2.7.0"),
-        "delayed wgrad with overlap_grad_reduce needs Transformer Engine >= 2.7.0" + _NO_TE_NOTE,
+        lambda f: f[TE_AT_LEAST]("2.7.0"),
+        "TE version >= 2.7.0 is required for overlap_grad_reduce when using delay_wgrad_compute" + _NO_TE_NOTE,
         "upgrade transformer-engine to >= 2.7.0, or set overlap_grad_reduce=False.",
     ),
     Rule(
         "delay_wgrad_grad_fusion_te",
         ("model.gradient_accumulation_fusion", TE),
         lambda f: _delay_with_te(f) and f["model.gradient_accumulation_fusion"],
-        lambda f: _at_least(f[TE], "2.7.0"),
-        "delayed wgrad with gradient_accumulation_fusion needs Transformer Engine >= 2.7.0" + _NO_TE_NOTE,
+        lambda f: f[TE_AT_LEAST]("2.7.0"),
+        "TE version >= 2.7.0 is required for gradient_accumulation_fusion when using delay_wgrad_compute"
+        + _NO_TE_NOTE,
         "upgrade transformer-engine to >= 2.7.0, or set gradient_accumulation_fusion=False.",
     ),
     Rule(
         "delay_wgrad_graph_te",
         ("model.cuda_graph_scope", TE),
         lambda f: _graph_scope_needs_te_wgrad(f) and f[GROUPED_GEMM] == TE_GROUPED_GEMM,
-        lambda f: _at_least(f[TE], "2.12.0"),
-        "delayed wgrad with CUDA-graphed attention (or router with non-overlapped shared experts) needs "
-        "Transformer Engine >= 2.12.0" + _NO_TE_NOTE,
+        lambda f: f[TE_AT_LEAST]("2.12.0"),
+        "CUDA graph with delay_wgrad_compute requires TE version >= 2.12.0 (graphed attention, or a graphed router "
+        "with non-overlapped shared experts)" + _NO_TE_NOTE,
         "upgrade transformer-engine to >= 2.12.0, or drop 'attn'/'moe_router' from cuda_graph_scope.",
     ),
     Rule(
@@ -339,8 +366,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.cuda_graph_scope", "model.gradient_accumulation_fusion"),
         _graph_scope_needs_te_wgrad,
         lambda f: bool(f["model.gradient_accumulation_fusion"]),
-        "delayed wgrad inside CUDA-graphed attention/router accumulates into main_grad and needs "
-        "gradient_accumulation_fusion.",
+        "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion: graphed wgrad needs the static "
+        "main_grad buffers.",
         "set gradient_accumulation_fusion=True, or drop 'attn'/'moe_router' from cuda_graph_scope.",
     ),
     Rule(
@@ -348,7 +375,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         ("model.cuda_graph_scope", "model.add_bias_linear", "model.add_qkv_bias"),
         _graph_scope_needs_te_wgrad,
         lambda f: not (f["model.add_bias_linear"] or f["model.add_qkv_bias"]),
-        "delayed wgrad inside CUDA-graphed attention does not support attention biases.",
+        "CUDA graph with delay_wgrad_compute does not support attention bias.",
         "set add_bias_linear=False and add_qkv_bias=False, or drop 'attn'/'moe_router' from cuda_graph_scope.",
     ),
 )
@@ -360,6 +387,8 @@ def check_moe_overlap(
     overlap_moe_expert_parallel_comm: bool,
     delay_wgrad_compute: bool,
     overlap_grad_reduce: bool = False,
+    torch_at_least: Callable[[str], bool] | None = None,
+    te_at_least: Callable[[str], bool] | None = None,
     rules: Iterable[Rule] = MOE_OVERLAP_RULES,
 ) -> list[Violation]:
     """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
@@ -369,6 +398,8 @@ def check_moe_overlap(
         overlap_moe_expert_parallel_comm: Resolved EP-overlap flag.
         delay_wgrad_compute: Resolved delayed-wgrad flag.
         overlap_grad_reduce: Resolved data-parallel grad-reduce overlap flag.
+        torch_at_least: Minimum-version check for PyTorch (default: the installed version).
+        te_at_least: Minimum-version check for Transformer Engine (default: the installed version).
         rules: The rule table; defaults to ``MOE_OVERLAP_RULES``.
     """
     facts = gather_facts(
@@ -376,6 +407,8 @@ def check_moe_overlap(
         overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=delay_wgrad_compute,
         overlap_grad_reduce=overlap_grad_reduce,
+        torch_at_least=torch_at_least,
+        te_at_least=te_at_least,
     )
     return [
         Violation(rule.name, {key: facts[key] for key in rule.fields}, rule.message, rule.fix)

@@ -1,6 +1,6 @@
 """MoE EP-overlap performance harness: one arm, or a matched A/B (overlap off vs on) in one invocation.
 
-    python scripts/performance/run_script.py --ab --link_gbps 1 --json out/ab.json --timeline out/timeline.png
+    python scripts/performance/ep_overlap_ab.py --ab --link_gbps 1 --json out/ab.json --timeline out/timeline.png
 
 Under torchrun it uses the launcher's environment (multi-node works as torchrun does). Started plainly it
 spawns ``--nproc_per_node`` local ranks: gloo on CPU, NCCL on GPU. With ``--link_gbps`` (root) each local rank
@@ -27,7 +27,10 @@ from utils.recipe import RecipeConfig, small_moe_recipe  # noqa: E402
 from utils.report import bitwise_equal, draw_timeline, format_table, summarize_arm, write_json  # noqa: E402
 
 from megatron.bridge.training.comm_overlap import CommOverlapConfigError  # noqa: E402
-from megatron.bridge.training.flex_dispatcher_backend import FlexDispatcherConfigError  # noqa: E402
+from megatron.bridge.training.flex_dispatcher_backend import (  # noqa: E402
+    FlexDispatcherConfigError,
+    validate_flex_dispatcher_backend,
+)
 from megatron.bridge.utils.multiprocess import RankFailure, launched_by_torchrun, run_local_ranks  # noqa: E402
 
 
@@ -44,10 +47,16 @@ def build_recipe(args) -> RecipeConfig:
         # Re-run the model config's own validation on the overridden values (Bridge's finalize()).
         recipe.model = dataclasses.replace(recipe.model)
         recipe.comm_overlap.finalize()
+        validate_flex_dispatcher_backend(recipe.model)
     except (OverrideError, FlexDispatcherConfigError, CommOverlapConfigError) as exc:
         raise ConfigError(str(exc)) from exc
     except (AssertionError, ValueError) as exc:
         raise ConfigError(f"model config: {exc}") from exc
+    if recipe.model.moe_token_dispatcher_type == "flex":
+        raise ConfigError(
+            f"moe_flex_dispatcher_backend={recipe.model.moe_flex_dispatcher_backend!r}: the harness's models run the "
+            "alltoall dispatcher only; drop --moe_flex_dispatcher_backend"
+        )
     if recipe.model.cuda_graph_impl != "none":
         raise ConfigError(
             f"cuda_graph_impl={recipe.model.cuda_graph_impl!r}: the harness's reference model does not capture CUDA "

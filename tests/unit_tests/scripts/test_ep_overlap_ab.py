@@ -7,11 +7,18 @@ import signal
 import subprocess
 import sys
 
+import ep_overlap_ab
 import pytest
-import run_script
 from argument_parser import parse_cli_args
 from utils import netns
-from utils.overrides import OverrideError, apply_flag_overrides, apply_overrides, parse_value
+from utils.overrides import (
+    OverrideError,
+    _set_delay_wgrad_overrides,
+    _set_moe_a2a_overlap_overrides,
+    apply_flag_overrides,
+    apply_overrides,
+    parse_value,
+)
 from utils.recipe import small_moe_recipe
 
 TINY = [
@@ -23,7 +30,7 @@ TINY = [
 
 def recipe_from(argv):
     args = parse_cli_args(argv)
-    return run_script.build_recipe(args)
+    return ep_overlap_ab.build_recipe(args)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +56,7 @@ def test_moe_a2a_overlap_false_turns_off_what_the_recipe_enabled(monkeypatch):
         recipe.comm_overlap.delay_wgrad_compute = True
         return recipe
 
-    monkeypatch.setattr(run_script, "small_moe_recipe", recipe_with_everything_on)
+    monkeypatch.setattr(ep_overlap_ab, "small_moe_recipe", recipe_with_everything_on)
     recipe = recipe_from(["--moe_a2a_overlap", "false"])
     assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is False
     assert recipe.comm_overlap.delay_wgrad_compute is False
@@ -87,13 +94,37 @@ def test_flags_map_onto_the_model():
     assert recipe.train.num_microbatches == 3 and recipe.train.max_steps == 3
 
 
-def test_flex_backend_on_a_cpu_host_falls_back_to_alltoall():
-    recipe = recipe_from(["--moe_flex_dispatcher_backend", "deepep"])
-    assert recipe.model.moe_token_dispatcher_type == "alltoall"
+def test_flex_backend_on_a_cpu_host_is_refused_up_front(capsys):
+    assert ep_overlap_ab.main(TINY + ["--moe_flex_dispatcher_backend", "deepep", "-d"]) == 2
+    assert "needs a CUDA GPU and this host has none" in capsys.readouterr().err
+
+
+def test_flex_backend_is_refused_by_the_harness_models(monkeypatch, capsys):
+    monkeypatch.setattr(ep_overlap_ab, "validate_flex_dispatcher_backend", lambda model: None)
+    assert ep_overlap_ab.main(TINY + ["--moe_flex_dispatcher_backend", "hybridep", "-d"]) == 2
+    assert "run the alltoall dispatcher only" in capsys.readouterr().err
+
+
+def test_upstream_named_overlap_helper_fixes_its_gotchas():
+    recipe = small_moe_recipe()
+    recipe.comm_overlap.overlap_moe_expert_parallel_comm = recipe.comm_overlap.delay_wgrad_compute = True
+    _set_moe_a2a_overlap_overrides(recipe, False)  # upstream left both on
+    assert (recipe.comm_overlap.overlap_moe_expert_parallel_comm, recipe.comm_overlap.delay_wgrad_compute) == (
+        False,
+        False,
+    )
+    _set_moe_a2a_overlap_overrides(recipe, True)  # upstream turned delayed wgrad on too
+    assert (recipe.comm_overlap.overlap_moe_expert_parallel_comm, recipe.comm_overlap.delay_wgrad_compute) == (
+        True,
+        False,
+    )
+    assert recipe.model.moe_shared_expert_overlap is False
+    _set_delay_wgrad_overrides(recipe, True)
+    assert recipe.comm_overlap.delay_wgrad_compute is True
 
 
 def test_dryrun_prints_resolved_config(capsys):
-    assert run_script.main(TINY + ["--ab", "--delay_wgrad_compute", "true", "-d"]) == 0
+    assert ep_overlap_ab.main(TINY + ["--ab", "--delay_wgrad_compute", "true", "-d"]) == 0
     out = capsys.readouterr().out
     assert "model.hidden_size = 32" in out
     assert "arm baseline: overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False" in out
@@ -102,7 +133,7 @@ def test_dryrun_prints_resolved_config(capsys):
 
 def test_config_errors_are_the_rules_errors_without_traceback(capsys):
     bad = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
-    code = run_script.main(TINY + ["--ab", "--expert_model_parallel_size", "1", "-d", *bad])
+    code = ep_overlap_ab.main(TINY + ["--ab", "--expert_model_parallel_size", "1", "-d", *bad])
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: overlap arm: communication overlap config has 4 problems:")
@@ -111,25 +142,25 @@ def test_config_errors_are_the_rules_errors_without_traceback(capsys):
 
 
 def test_delay_without_overlap_is_rejected(capsys):
-    assert run_script.main(TINY + ["--moe_a2a_overlap", "false", "--delay_wgrad_compute", "true", "-d"]) == 2
+    assert ep_overlap_ab.main(TINY + ["--moe_a2a_overlap", "false", "--delay_wgrad_compute", "true", "-d"]) == 2
     assert "delay_wgrad_needs_overlap" in capsys.readouterr().err
 
 
 def test_mcore_model_impl_needs_cuda(monkeypatch, capsys):
-    monkeypatch.setattr(run_script.torch.cuda, "is_available", lambda: False)
-    assert run_script.main(TINY + ["--ab", "--model_impl", "mcore"]) == 2
+    monkeypatch.setattr(ep_overlap_ab.torch.cuda, "is_available", lambda: False)
+    assert ep_overlap_ab.main(TINY + ["--ab", "--model_impl", "mcore"]) == 2
     assert "--model_impl mcore runs Megatron-Core layers, which need CUDA" in capsys.readouterr().err
 
 
 def test_link_without_root_says_so_and_fails(monkeypatch, capsys):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
-    assert run_script.main(TINY + ["--ab", "--link_gbps", "1"]) == 3
+    assert ep_overlap_ab.main(TINY + ["--ab", "--link_gbps", "1"]) == 3
     assert "--link_gbps needs root" in capsys.readouterr().err
 
 
 def test_ab_smoke_on_loopback(tmp_path, capsys):
     json_path, png_path = tmp_path / "ab.json", tmp_path / "timeline.png"
-    code = run_script.main(TINY + ["--ab", "--json", str(json_path), "--timeline", str(png_path)])
+    code = ep_overlap_ab.main(TINY + ["--ab", "--json", str(json_path), "--timeline", str(png_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "losses and final parameters bitwise equal: yes" in out
@@ -165,7 +196,7 @@ def test_emulated_link_is_removed_after_an_exception():
 def test_emulated_link_is_removed_on_ctrl_c():
     code = (
         "import os, signal, sys, time\n"
-        f"sys.path.insert(0, {str(run_script.Path(run_script.__file__).parent)!r})\n"
+        f"sys.path.insert(0, {str(ep_overlap_ab.Path(ep_overlap_ab.__file__).parent)!r})\n"
         "from utils.netns import EmulatedLink\n"
         "with EmulatedLink(2, 1.0) as link:\n"
         "    print(' '.join(link.namespaces), flush=True)\n"
@@ -190,7 +221,7 @@ def test_stale_namespaces_of_killed_runs_are_removed():
 def test_ab_under_torchrun_on_cpu(tmp_path):
     # The cluster path: torchrun provides the environment; every process runs both arms, rank 0 reports.
     json_path = tmp_path / "ab.json"
-    script = run_script.Path(run_script.__file__)
+    script = ep_overlap_ab.Path(ep_overlap_ab.__file__)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "--ab"]
     cmd += ["--device", "cpu", *TINY, "--json", str(json_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
