@@ -262,6 +262,10 @@ class MoEGPTModel(torch.nn.Module):
                     gen = torch.Generator().manual_seed(key)
                     fc.load_group_weight(le, torch.randn(shape, generator=gen) * std)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings, flattened to [T, D]."""
         B, S = tokens_BS.shape
@@ -272,7 +276,10 @@ class MoEGPTModel(torch.nn.Module):
         return x_BSD.reshape(B * S, -1)
 
     def head_loss(self, x_TD: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """Final norm, LM head, cross-entropy summed over tokens and divided by ``normalizer``."""
+        """Final norm, LM head, cross-entropy summed over tokens and divided by ``normalizer``.
+
+        Labels of -100 (``F.cross_entropy``'s default ``ignore_index``) add nothing to the sum.
+        """
         logits_TV = self.output_layer(self.final_ln(x_TD))
         return F.cross_entropy(logits_TV.float(), labels_BS.reshape(-1), reduction="sum") / normalizer
 

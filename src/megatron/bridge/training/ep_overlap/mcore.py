@@ -30,6 +30,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups
 
@@ -146,6 +147,7 @@ class McoreGPTPlan:
                 "gradient contributions summed in a different order when the graph is cut into nodes"
             )
         self.model, self.config = model, config
+        self.vocab_size = model.vocab_size
         # This project's schedule runs these layers, with its own rules (fp32 included).
         config.ep_overlap_schedule = "bridge"
         seq = model.max_sequence_length
@@ -175,20 +177,28 @@ class McoreGPTPlan:
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.model.embedding(input_ids=tokens_BS, position_ids=self._positions(tokens_BS))
 
+    @staticmethod
+    def _masked(labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Labels Megatron's cross-entropy can index (ignored ones become 0) and the mask that drops them again."""
+        keep_BS = labels_BS != IGNORE_INDEX
+        return labels_BS.masked_fill(~keep_BS, 0), keep_BS
+
     def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         hidden = self.model.decoder.final_layernorm(x_SBH)
         logits, _ = self.model.output_layer(hidden, weight=None)
-        return self.model.compute_language_model_loss(labels_BS, logits).sum() / normalizer
+        labels_BS, keep_BS = self._masked(labels_BS)
+        return (self.model.compute_language_model_loss(labels_BS, logits) * keep_BS).sum() / normalizer
 
     def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         """The plain path: GPTModel.forward returns per-token losses."""
+        labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.model(
             input_ids=tokens_BS,
             position_ids=self._positions(tokens_BS),
             attention_mask=self.attention_mask,
             labels=labels_BS,
         )
-        return losses.sum() / normalizer
+        return (losses * keep_BS).sum() / normalizer
 
 
 def mcore_ep_groups(timeout) -> EPGroups:

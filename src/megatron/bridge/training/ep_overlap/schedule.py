@@ -11,6 +11,11 @@ Contract:
       gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once.
     * A config the EP-overlap rules reject never reaches the engine: the constructor raises the same
       :class:`CommOverlapConfigError` that ``CommOverlapConfig.setup`` raises.
+    * The loss of a step is the sum of token cross-entropies over every microbatch of every rank, divided by the
+      number of tokens that count: labels equal to :data:`IGNORE_INDEX` count in neither. Microbatches may differ
+      in size within a step and across ranks. Token ids and labels outside the vocabulary are refused on every
+      rank at once (one small all-reduce per step carries the token count and any rank's bad input), with an
+      error naming the rank and the microbatch, before any layer runs.
     * With ``delay_wgrad``: experts compute dgrad only in B.experts and their wgrad runs right after the
       dispatch-backward all-to-all is launched (window 3); attention wgrad runs after attention dgrad, in the
       next layer step's window 1, right after B's next combine-backward all-to-all is launched (windows 1 and 3
@@ -40,6 +45,7 @@ from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 logger = logging.getLogger(__name__)
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
+IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
 
 
 def layer_step(
@@ -129,12 +135,47 @@ def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
             offset += g.numel()
 
 
+def _microbatch_problems(microbatches: list[Microbatch], vocab_size: int) -> list[str]:
+    """What is wrong with this rank's microbatches (empty when nothing is), each naming the microbatch."""
+    problems = []
+    flags = []
+    for i, (tokens, labels) in enumerate(microbatches):
+        if tokens.dim() != 2 or tokens.shape != labels.shape:
+            problems.append(
+                f"microbatch {i}: tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]"
+            )
+        elif tokens.is_floating_point() or labels.is_floating_point():
+            problems.append(
+                f"microbatch {i}: tokens and labels must be integer ids, not {tokens.dtype}/{labels.dtype}"
+            )
+        else:
+            bad_tokens = ((tokens < 0) | (tokens >= vocab_size)).any()
+            bad_labels = (((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)).any()
+            flags.append((i, torch.stack([bad_tokens, bad_labels])))
+    if flags:
+        found = torch.stack([f for _, f in flags]).tolist()  # one host sync for every microbatch
+        for (i, _), (bad_tokens, bad_labels) in zip(flags, found):
+            tokens, labels = microbatches[i]
+            if bad_tokens:
+                problems.append(
+                    f"microbatch {i}: token ids must be in [0, {vocab_size}), found {int(tokens.min())}.."
+                    f"{int(tokens.max())}"
+                )
+            if bad_labels:
+                problems.append(
+                    f"microbatch {i}: labels must be in [0, {vocab_size}) or {IGNORE_INDEX} (ignored), found "
+                    f"{int(labels.min())}..{int(labels.max())}"
+                )
+    return problems
+
+
 class EPOverlapEngine:
     """Runs training steps with the paired EP-overlap schedule, or the plain path.
 
     Args:
         model: A reference ``MoEGPTModel`` or a Megatron-Core ``McoreGPTPlan`` (anything with ``config``,
-            ``layers`` with node functions, ``embed``, ``head_loss``, ``parameters`` and a plain ``__call__``).
+            ``vocab_size``, ``layers`` with node functions, ``embed``, ``head_loss`` and a plain ``__call__`` that
+            ignore :data:`IGNORE_INDEX` labels, and ``parameters``).
             Its ``config`` is checked against the EP-overlap rules.
         groups: This rank's process groups.
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
@@ -181,8 +222,7 @@ class EPOverlapEngine:
             raise ValueError("a step needs at least one microbatch")
         device = next(self.model.parameters()).device
         lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        normalizer = float(microbatches[0][0].numel() * len(microbatches) * world)
+        normalizer = self._loss_token_count(microbatches, device)
         if forward_only:
             with torch.no_grad():
                 losses = [self.model(tokens, labels, normalizer) for tokens, labels in microbatches]
@@ -195,6 +235,34 @@ class EPOverlapEngine:
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
+
+    def _loss_token_count(self, microbatches: list[Microbatch], device: torch.device) -> float:
+        """Tokens that count in the loss, over every microbatch of every rank; refuses malformed input everywhere.
+
+        Raises:
+            ValueError: On every rank, when any rank's microbatch has mismatched shapes, a non-integer dtype, or
+                token ids/labels outside the vocabulary; the offending rank's message names the microbatch.
+        """
+        initialized = torch.distributed.is_initialized()
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if initialized else (0, 1)
+        problems = [f"rank {rank}: {p}" for p in _microbatch_problems(microbatches, self.model.vocab_size)]
+        # [tokens that count, then one "bad input" flag per rank]: one small collective for both.
+        tally = torch.zeros(1 + world, dtype=torch.float64, device=device)
+        if problems:
+            tally[1 + rank] = 1
+        else:
+            tally[0] = float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches))
+        if initialized:
+            all_reduce(tally, None, op="loss token count", timeout=self.groups.timeout)
+        bad_ranks = [r for r in range(world) if tally[1 + r] > 0]
+        if bad_ranks:
+            here = "; ".join(problems) if problems else "this rank's input is fine"
+            raise ValueError(f"bad microbatch input on rank(s) {bad_ranks}: {here}")
+        if tally[0] == 0:
+            raise ValueError(
+                f"every label of this step is IGNORE_INDEX ({IGNORE_INDEX}): there is no loss to train on"
+            )
+        return float(tally[0])
 
     # ---- the two paths ------------------------------------------------------------------------------
 

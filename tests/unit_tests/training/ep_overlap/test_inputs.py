@@ -1,0 +1,95 @@
+"""Microbatch input: correct loss normalisation for any sizes and ignored labels; bad ids refused on every rank."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.bridge.models.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX
+from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.utils.process_groups import init_ep_groups
+
+from .workers import Case
+
+CASE = Case(layer_freq=(1, 0), microbatches=3)
+SIZES = {0: (2, 1, 3), 1: (1, 3, 1)}  # micro-batch sizes differ within a step and across ranks
+
+
+def _data(rank: int, ignore: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7 + rank)
+    out = []
+    for size in SIZES[rank]:
+        tokens = torch.randint(0, 64, (size, CASE.seq_length), generator=gen)
+        labels = torch.randint(0, 64, (size, CASE.seq_length), generator=gen)
+        if ignore:
+            labels[:, : CASE.seq_length // 2] = IGNORE_INDEX  # e.g. a prompt that is not trained on
+        out.append((tokens, labels))
+    return out
+
+
+def _global_mean_vs_engine(rank: int, world: int, ignore: bool) -> dict:
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    data = _data(rank, ignore)
+    results = {}
+    for overlap in (False, True):
+        model = MoEGPTModel(CASE.config(), groups)
+        with torch.no_grad():  # the definition: summed token cross-entropy over counted tokens, all ranks
+            ce = torch.stack([model(tokens, labels, 1.0) for tokens, labels in data]).sum()
+            counted = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in data)))
+        dist.all_reduce(ce)
+        dist.all_reduce(counted)
+        loss = torch.stack(EPOverlapEngine(model, groups, overlap=overlap).step(data).losses).sum()
+        dist.all_reduce(loss)
+        results[overlap] = (loss, ce / counted)
+    return results
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_loss_is_the_mean_over_counted_tokens_of_every_rank(ignore):
+    for outcome in run_local_ranks(_global_mean_vs_engine, 2, (ignore,)):
+        (plain, expected), (overlapped, _) = outcome.result[False], outcome.result[True]
+        assert torch.equal(plain.view(torch.int32), overlapped.view(torch.int32))  # bitwise, as always
+        torch.testing.assert_close(plain, expected, rtol=1e-6, atol=0)
+
+
+def _step_with(rank: int, world: int, bad_rank: int, corrupt: str) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    data = _data(rank, ignore=False)
+    if rank == bad_rank:
+        tokens, labels = data[2]
+        if corrupt == "token":
+            tokens[0, 1] = 64
+        elif corrupt == "label":
+            labels[0, 0] = -5
+        else:
+            labels.fill_(IGNORE_INDEX)
+    if corrupt == "all_ignored":
+        for _, labels in data:
+            labels.fill_(IGNORE_INDEX)
+    EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "corrupt, detail",
+    [
+        ("token", "rank 1: microbatch 2: token ids must be in [0, 64), found "),
+        ("label", "rank 1: microbatch 2: labels must be in [0, 64) or -100 (ignored), found -5.."),
+    ],
+)
+def test_out_of_range_ids_fail_every_rank_at_once_naming_rank_and_microbatch(corrupt, detail):
+    outcomes = run_local_ranks(_step_with, 2, (1, corrupt), raise_on_error=False, collective_timeout_s=30)
+    assert "bad microbatch input on rank(s) [1]" in outcomes[0].error
+    assert "this rank's input is fine" in outcomes[0].error
+    assert detail in outcomes[1].error
+    for outcome in outcomes:
+        assert "ValueError" in outcome.error and "CollectiveError" not in outcome.error
+
+
+def test_a_step_with_every_label_ignored_is_refused():
+    outcomes = run_local_ranks(_step_with, 2, (-1, "all_ignored"), raise_on_error=False)
+    for outcome in outcomes:
+        assert "every label of this step is IGNORE_INDEX (-100)" in outcome.error
