@@ -34,11 +34,25 @@ def backend_arg(text: str) -> str | None:
     return lowered
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Flag errors as one line and exit status 2, like every other bad input of the harness."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="ep_overlap_ab.py",
         description="MoE EP-overlap performance harness: one arm, or a matched A/B of overlap off vs on.",
-        epilog="Trailing key=value overrides (e.g. comm_overlap.overlap_moe_expert_parallel_comm=true) apply last.",
+        epilog=(
+            "Trailing key=value overrides (e.g. comm_overlap.overlap_moe_expert_parallel_comm=true) apply last; "
+            "values are parsed by OmegaConf and type-checked against the field. Every flag and override is "
+            "checked before any rank starts. A run has no wall-clock limit: it ends when it finishes, when a rank "
+            "fails (a rank blocked in one collective fails after train.collective_timeout_s, default 120 s), or "
+            "when no rank finishes a step for 10 x train.collective_timeout_s (default 20 min). SIGINT/SIGTERM "
+            "stop every rank within seconds; finished steps are kept in --json."
+        ),
     )
     overlap = parser.add_argument_group("overlap")
     overlap.add_argument(
@@ -81,7 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--link_gbps", type=float, default=None, help="emulate a G Gbit/s link between local ranks (root)"
     )
     run.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
-    run.add_argument("--timeline", default=None, help="draw one steady step of each arm to this PNG")
+    run.add_argument(
+        "-v", "--verbose", action="store_true", help="show third-party import warnings and full rank tracebacks"
+    )
+    run.add_argument("--timeline", default=None, help="draw one steady step of each arm to this .png/.pdf/.svg")
     run.add_argument("overrides", nargs="*", help="Hydra-style section.field=value overrides")
     return parser
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from argument_parser import parse_cli_args  # noqa: E402
-from ep_overlap_ab import build_recipe, plan_arms, run_local, specs_for, summarize  # noqa: E402
+from utils.ab_run import build_recipe, plan_arms, run_local, specs_for, summarize  # noqa: E402
 
 
 def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -> dict:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.utils.multiprocess import report_progress
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 
@@ -118,6 +119,10 @@ def run_arm(rank: int, world: int, spec: ArmSpec) -> dict:
         exposed.append(result.stats.exposed_comm_s)
         comm_iv, compute_iv = result.recorder.intervals()
         timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
+        report_progress(
+            {"arm": spec.name, "step": step + 1, "step_time_s": step_times[-1], "loss": losses[-1],
+             "comm_s": comm[-1], "exposed_comm_s": exposed[-1]}
+        )  # fmt: skip
         if spec.progress and rank == 0:
             print(
                 f"  [{spec.name}] step {step + 1}/{spec.train.max_steps}: {step_times[-1]:.3f} s, "

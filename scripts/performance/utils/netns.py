@@ -71,6 +71,7 @@ class EmulatedLink:
         self.namespaces = [f"{PREFIX}{self.owner}-r{k}" for k in range(nranks)]
         self._previous_handlers: dict[int, object] = {}
         self._up = False
+        self.removed_stale: list[str] = []  # namespaces of killed runs that entering this link removed
 
     def address(self, rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"
@@ -86,7 +87,7 @@ class EmulatedLink:
 
     def __enter__(self) -> "EmulatedLink":
         check_available()
-        remove_stale_namespaces()
+        self.removed_stale = remove_stale_namespaces()
         atexit.register(self.close)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous_handlers[sig] = signal.signal(sig, self._on_signal)

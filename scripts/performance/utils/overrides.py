@@ -7,52 +7,115 @@ The EP-overlap flags go through upstream's helper name, ``_set_moe_a2a_overlap_o
     * ``--moe_a2a_overlap false`` really turns overlap off, and with it delayed wgrad (which needs overlap),
       even when the recipe enabled them (upstream left the recipe's values), unless ``--delay_wgrad_compute
       true`` asks for it explicitly (which then fails validation with a message saying why).
-    * ``key=value`` overrides come last and win; ``false``/``none`` there mean what they say.
+    * ``key=value`` overrides come last and win; ``false``/``none`` there mean what they say. Values are parsed
+      by OmegaConf (as upstream Megatron-Bridge parses its overrides) and type-checked against the field.
 """
 
-import ast
 import dataclasses
-from typing import Any
+import functools
+import types
+import typing
+from typing import Any, Literal, Union
 
 from argument_parser import MODEL_INT_FLAGS
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
 from megatron.bridge.training.flex_dispatcher_backend import apply_flex_dispatcher_backend
 
-_WORDS = {"true": True, "false": False, "none": None, "null": None}
-
-
-class OverrideError(ValueError):
-    """An override names an unknown field or has a malformed form."""
-
 
 def parse_value(text: str) -> Any:
-    """``true``/``false``/``none``/``null`` (any case), Python literals (numbers, lists), else the string."""
-    lowered = text.strip().lower()
-    if lowered in _WORDS:
-        return _WORDS[lowered]
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+    """A value as OmegaConf (YAML) reads it: ``true``/``false``, numbers, ``[1, 0]``, ``null``; ``none`` (any
+    case) also means None, as in Bridge's overrides; anything else is a string."""
+    if text.strip().lower() == "none":
+        return None
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))["value"]
 
 
-def apply_overrides(recipe: Any, overrides: list[str]) -> None:
-    """Applies ``section.field=value`` strings (e.g. ``comm_overlap.delay_wgrad_compute=true``) in order."""
+def apply_overrides(recipe: Any, overrides: list[str]) -> list[str]:
+    """Applies ``section.field=value`` strings (e.g. ``comm_overlap.delay_wgrad_compute=true``) in order.
+
+    Every override is checked (form, field, and the value's type against the field's annotation); the good ones
+    are applied. Returns one line per bad override, naming the field, the expected type and the value.
+    """
+    problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or "." not in key:
-            raise OverrideError(f"override {item!r} is not of the form section.field=value (e.g. model.num_layers=4)")
+            problems.append(f"override {item!r}: not of the form section.field=value (e.g. model.num_layers=4)")
+            continue
         *path, name = key.strip().split(".")
         target = recipe
         for part in path:
-            if not hasattr(target, part):
-                raise OverrideError(f"override {item!r}: {type(target).__name__} has no section {part!r}")
+            if not dataclasses.is_dataclass(target) or not hasattr(target, part):
+                problems.append(f"override {item!r}: {type(target).__name__} has no section {part!r}")
+                break
             target = getattr(target, part)
-        known = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set(vars(target))
-        if name not in known:
-            raise OverrideError(f"override {item!r}: {type(target).__name__} has no field {name!r}")
-        setattr(target, name, parse_value(raw))
+        else:
+            hints = _field_types(type(target))
+            if name not in hints:
+                problems.append(f"override {item!r}: {type(target).__name__} has no field {name!r}")
+                continue
+            try:
+                value = parse_value(raw)
+            except OmegaConfBaseException as exc:
+                problems.append(f"override {item!r}: cannot parse the value ({str(exc).splitlines()[0]})")
+                continue
+            if not _matches(value, hints[name]):
+                problems.append(f"override {key}={raw!r}: expected {_describe(hints[name])}, got {value!r}")
+                continue
+            setattr(target, name, value)
+    return problems
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> type annotation (resolved where possible, else the raw annotation)."""
+    try:
+        resolved = typing.get_type_hints(cls)
+    except Exception:  # an annotation that names something not importable here: fall back per field
+        resolved = {}
+    return {f.name: resolved.get(f.name, f.type) for f in dataclasses.fields(cls)}
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits the annotation ``hint`` (bool is not an int; an int is a float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        return not args or all(_matches(v, args[0]) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return False  # a callable, a dtype, a forward reference: not settable from the command line
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple):
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _set_moe_a2a_overlap_overrides(recipe: Any, moe_a2a_overlap: bool | None = False) -> Any:

@@ -75,6 +75,29 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def partial_summary(status: str, finished: dict[str, list[dict]], config: dict[str, Any]) -> dict[str, Any]:
+    """What a run that did not finish still has: its status and, per arm, every step some rank finished.
+
+    Args:
+        status: Why the run ended, in one line.
+        finished: Per arm, the step reports (one per rank and step) received before the end.
+        config: The run's configuration, as in a complete summary.
+    """
+    steps: dict[str, dict[int, dict[str, Any]]] = {}
+    for arm, reports in finished.items():
+        for report in reports:
+            step = steps.setdefault(arm, {}).setdefault(report["step"], {"step": report["step"], "ranks": 0})
+            step["ranks"] += 1
+            step["step_time_s"] = max(step.get("step_time_s", 0.0), report["step_time_s"])
+            for key in ("loss", "comm_s", "exposed_comm_s"):
+                step.setdefault(key, report[key])
+    return {
+        "status": status,
+        "config": config,
+        "completed_steps": {arm: [by_step[k] for k in sorted(by_step)] for arm, by_step in steps.items()},
+    }
+
+
 def write_json(summary: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(summary, f, indent=2, default=str)

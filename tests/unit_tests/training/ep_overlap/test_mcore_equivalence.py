@@ -130,7 +130,7 @@ def check_equal(case: McoreCase, outcomes) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
     case = CASES[name]
-    check_equal(case, run_local_ranks(train_mcore, case.world, (case,), deadline_s=240))
+    check_equal(case, run_local_ranks(train_mcore, case.world, (case,)))
 
 
 @pytest.mark.gpu
@@ -139,4 +139,4 @@ def test_mcore_on_one_gpu_with_two_gloo_ranks(bf16):
     # CUDA streams and events for real; gloo stages the all-to-all through host memory.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     case = McoreCase(bf16=bf16, device="cuda")
-    check_equal(case, run_local_ranks(train_mcore, 2, (case,), start_method="spawn", deadline_s=300))
+    check_equal(case, run_local_ranks(train_mcore, 2, (case,), start_method="spawn"))

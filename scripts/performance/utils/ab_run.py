@@ -1,0 +1,311 @@
+"""The A/B harness's run: recipe, validation, arms, launching, summary. Imported by ``ep_overlap_ab.py`` once the
+command line is parsed, so ``--help`` and flag errors never import torch.
+
+Every check runs in the parent before any rank starts: a problem is one line (field, value, fix) and exit
+status 2. A run ends when it finishes, fails, is stopped (SIGINT/SIGTERM), or no rank reports a finished step
+for the stall timeout; whatever steps finished are kept in the JSON.
+"""
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from argument_parser import MODEL_INT_FLAGS
+
+from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
+from megatron.bridge.utils.multiprocess import (
+    RankFailure,
+    launched_by_torchrun,
+    run_local_ranks,
+)
+from utils.arms import ArmSpec, run_arm
+from utils.checks import lift_model_overlap_flags, recipe_problems, run_problems
+from utils.netns import EmulatedLink, LinkUnavailable
+from utils.overrides import apply_flag_overrides, apply_overrides
+from utils.recipe import RecipeConfig, small_moe_recipe
+from utils.report import bitwise_equal, draw_timeline, format_table, partial_summary, summarize_arm, write_json
+
+
+class ConfigError(Exception):
+    """Configuration problems, printed one per line without a traceback (exit status 2)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = [" ".join(str(p).split()) for p in problems]
+        super().__init__("\n".join(self.problems))
+
+
+def _violation_lines(exc: CommOverlapConfigError, prefix: str = "") -> list[str]:
+    return [f"{prefix}{violation}" for violation in exc.violations]
+
+
+def build_recipe(args) -> RecipeConfig:
+    """The recipe with flags, then key=value overrides, applied and every value checked.
+
+    Raises:
+        ConfigError: Listing every problem found.
+    """
+    recipe, problems = _recipe_with_problems(args)
+    if problems:
+        raise ConfigError(problems)
+    return _finalized(recipe)
+
+
+def _recipe_with_problems(args) -> tuple[RecipeConfig, list[str]]:
+    """Flags and overrides applied (bad overrides are reported, not applied), and every problem of the result."""
+    recipe = small_moe_recipe()
+    apply_flag_overrides(recipe, args)
+    problems = apply_overrides(recipe, args.overrides)
+    problems += lift_model_overlap_flags(recipe)
+    problems += recipe_problems(recipe)
+    return recipe, problems
+
+
+def _finalized(recipe: RecipeConfig) -> RecipeConfig:
+    """The comm_overlap and Megatron-Core's own model-config validation, once our checks found nothing."""
+    try:
+        recipe.comm_overlap.finalize()
+    except CommOverlapConfigError as exc:
+        raise ConfigError(_violation_lines(exc)) from exc
+    try:
+        # Re-run the model config's own validation on the overridden values (Bridge's finalize()).
+        recipe.model = dataclasses.replace(recipe.model)
+    except (AssertionError, ValueError) as exc:
+        raise ConfigError([f"model config: {exc}"]) from exc
+    return recipe
+
+
+def resolve_arm(recipe: RecipeConfig, name: str, overlap: bool | None, delay: bool | None) -> dict:
+    """Resolves one arm's model config through CommOverlapConfig.setup (the rules run here)."""
+    model = dataclasses.replace(recipe.model)
+    comm_overlap = dataclasses.replace(recipe.comm_overlap)
+    if overlap is not None:
+        comm_overlap.overlap_moe_expert_parallel_comm = overlap
+    if delay is not None:
+        comm_overlap.delay_wgrad_compute = delay
+    try:
+        comm_overlap.setup(model)
+    except CommOverlapConfigError as exc:
+        raise ConfigError(_violation_lines(exc, f"{name} arm: ")) from exc
+    return {
+        "name": name,
+        "model": model,
+        "overlap": bool(model.overlap_moe_expert_parallel_comm),
+        "delay_wgrad": bool(model.delay_wgrad_compute),
+    }
+
+
+def plan_arms(recipe: RecipeConfig, ab: bool) -> list[dict]:
+    if not ab:
+        return [resolve_arm(recipe, "run", None, None)]
+    # The overlap arm keeps the config's delayed-wgrad choice; the baseline turns both knobs off.
+    return [resolve_arm(recipe, "baseline", False, False), resolve_arm(recipe, "overlap", True, None)]
+
+
+def pick_device(args) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+
+
+def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: int) -> str:
+    m, t = recipe.model, recipe.train
+    lines = ["resolved config:"]
+    for key in (*MODEL_INT_FLAGS, "moe_layer_freq", "vocab_size", "moe_token_dispatcher_type", "bf16"):
+        lines.append(f"  model.{key} = {getattr(m, key)!r}")
+    for key, value in vars(t).items():
+        lines.append(f"  train.{key} = {value!r}")
+    for arm in arms:
+        lines.append(
+            f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
+            f"delay_wgrad_compute={arm['delay_wgrad']}"
+        )
+    link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
+    lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
+    return "\n".join(lines)
+
+
+def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference") -> list[ArmSpec]:
+    return [
+        ArmSpec(a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl)
+        for a in arms
+    ]
+
+
+@dataclass
+class Progress:
+    """Steps finished so far, per arm (one report per rank and step), and the arm running now."""
+
+    finished: dict[str, list[dict]] = field(default_factory=dict)
+    running: str | None = None
+
+    def record(self, rank: int, report: dict) -> None:
+        self.finished.setdefault(report["arm"], []).append(report)
+
+    def describe(self, steps: int) -> str:
+        done = [f"{arm} {max(r['step'] for r in reports)}/{steps}" for arm, reports in self.finished.items()]
+        return ", ".join(done) or "none"
+
+
+def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None = None) -> dict[str, list[dict]]:
+    """Each arm in fresh local rank processes (so each arm's peak memory is its own)."""
+    progress = progress if progress is not None else Progress()
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = {}
+    with EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else contextlib.nullcontext() as link:
+        if link is not None and link.removed_stale:
+            print(
+                f"note: removed {len(link.removed_stale)} network namespace(s) left by a run that was killed: "
+                f"{' '.join(link.removed_stale)}",
+                flush=True,
+            )
+        for spec in specs:
+            progress.running = spec.name
+            print(f"running arm '{spec.name}' on {args.nproc_per_node} ranks ...", flush=True)
+            outcomes = run_local_ranks(
+                _local_rank_main,
+                args.nproc_per_node,
+                (spec,),
+                backend=backend,
+                collective_timeout_s=spec.train.collective_timeout_s,
+                rank_setup=link.rank_setup() if link else None,
+                master_addr=link.master_addr if link else "127.0.0.1",
+                on_progress=progress.record,
+            )
+            results[spec.name] = [o.result for o in outcomes]
+        progress.running = None
+    return results
+
+
+def _local_rank_main(rank: int, world: int, spec: ArmSpec) -> dict:
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return run_arm(rank, world, spec)
+
+
+def run_torchrun(specs: list[ArmSpec], device: str) -> dict[str, list[dict]] | None:
+    """All arms in this process, one after the other; rank 0 gets every rank's results."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        results = {}
+        for spec in specs:
+            mine = run_arm(dist.get_rank(), dist.get_world_size(), spec)
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            results[spec.name] = gathered
+        return results if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
+    """The settings a result was measured under, as the JSON records them."""
+    keys = ("num_layers", "hidden_size", "num_moe_experts", "moe_router_topk", "seq_length")
+    return {
+        "model": {k: getattr(recipe.model, k) for k in (*keys, "expert_model_parallel_size", "bf16")},
+        "train": vars(recipe.train),
+        "world_size": world,
+        "device": device,
+        "link_gbps": args.link_gbps,
+    }
+
+
+def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device: str, world: int) -> dict:
+    t, m = recipe.train, recipe.model
+    tokens_per_step = world * t.num_microbatches * t.micro_batch_size * m.seq_length
+    link = f"{args.link_gbps:g} Gbit/s emulated link" if args.link_gbps else "loopback"
+    summary = {
+        "title": (
+            f"EP overlap {'A/B' if args.ab else 'run'}: {world} ranks, EP {m.expert_model_parallel_size}, "
+            f"{t.num_microbatches} microbatches x {t.micro_batch_size * m.seq_length} tokens, "
+            f"{'bf16' if m.bf16 else 'fp32'}, {device}, {link}; steady steps {t.warmup_steps + 1}..{t.max_steps}"
+        ),
+        "config": run_config(recipe, args, device, world),
+        "arms": {name: summarize_arm(per_rank, t.warmup_steps, tokens_per_step) for name, per_rank in results.items()},
+    }
+    if args.ab:
+        summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
+        summary["speedup"] = (
+            summary["arms"]["baseline"]["median_step_time_s"] / summary["arms"]["overlap"]["median_step_time_s"]
+        )
+    return summary
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every cleanup (ranks, namespaces), like Ctrl-C
+
+
+def run(args) -> int:
+    """The harness after argument parsing: check everything, run, report. Returns the exit status."""
+    progress, recipe, partial_to = Progress(), None, None
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        recipe, problems = _recipe_with_problems(args)
+        torchrun = launched_by_torchrun()
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
+        cuda = torch.cuda.is_available()
+        problems += run_problems(args, world, recipe.model.expert_model_parallel_size, torchrun, cuda)
+        if problems:
+            raise ConfigError(problems)
+        recipe = _finalized(recipe)
+        arms = plan_arms(recipe, args.ab)
+        device = pick_device(args)
+        if args.dryrun:
+            print(describe(recipe, arms, args, device, world))
+            return 0
+        partial_to = run_config(recipe, args, device, world)
+        specs = specs_for(arms, recipe, device, args.model_impl)
+        results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    except LinkUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except RankFailure as exc:
+        for outcome in exc.outcomes:
+            if outcome.error:
+                lines = outcome.error.strip().splitlines()
+                print(f"error: rank {outcome.rank}: {lines[-1]}", file=sys.stderr)
+                if args.verbose:
+                    print(outcome.error, file=sys.stderr)
+        _keep_partial(args, progress, partial_to, f"failed in arm '{progress.running}'")
+        return 1
+    except (KeyboardInterrupt, SystemExit) as exc:
+        code = 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
+        name = signal.Signals(code - 128).name if code > 128 else "an interrupt"
+        where = f" while arm '{progress.running}' was running" if progress.running else ""
+        steps = recipe.train.max_steps if recipe else 0
+        saved = _keep_partial(args, progress, partial_to, f"stopped by {name}")
+        print(
+            f"stopped by {name}{where}; every rank stopped; finished steps: {progress.describe(steps)}"
+            + (f"; partial results written to {saved}" if saved else ""),
+            file=sys.stderr,
+        )
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if results is None:  # torchrun ranks other than 0
+        return 0
+    summary = summarize(results, recipe, args, device, world)
+    print(format_table(summary))
+    if args.json_path:
+        write_json(summary, args.json_path)
+        print(f"results written to {args.json_path}")
+    if args.timeline:
+        draw_timeline(summary, args.timeline)
+        print(f"timeline of one steady step per arm drawn to {args.timeline}")
+    return 0
+
+
+def _keep_partial(args, progress: Progress, config: dict | None, status: str) -> str | None:
+    """Writes what finished to --json (when given and a run had started); returns the path written."""
+    if not args.json_path or config is None:
+        return None
+    write_json(partial_summary(status, progress.finished, config), args.json_path)
+    return args.json_path

@@ -1,0 +1,131 @@
+"""Everything the harness checks before any rank starts. Each problem is one line: the field, its value, the fix."""
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from argument_parser import MODEL_INT_FLAGS
+
+TIMELINE_FORMATS = (".png", ".pdf", ".svg")
+
+
+def _at_least(problems: list[str], name: str, value: Any, minimum: int | float, why: str = "") -> None:
+    if value is None or value < minimum:
+        problems.append(f"{name}={value!r}: must be at least {minimum}{why}")
+
+
+def lift_model_overlap_flags(recipe: Any) -> list[str]:
+    """Moves EP-overlap flags set on the model (``model.overlap_moe_expert_parallel_comm=true``) to comm_overlap.
+
+    Both spellings then go through the same rules (``CommOverlapConfig.setup``), and each A/B arm sets the flag
+    in one place. A model value that disagrees with an explicit comm_overlap value is a problem.
+    """
+    problems = []
+    defaults = {f.name: f.default for f in dataclasses.fields(recipe.model)}
+    for name in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
+        on_model, on_overlap = getattr(recipe.model, name), getattr(recipe.comm_overlap, name)
+        if on_model == defaults[name]:
+            continue
+        if on_overlap is not None and on_overlap != on_model:
+            problems.append(
+                f"model.{name}={on_model!r} but comm_overlap.{name}={on_overlap!r}: set it in one place "
+                f"(the harness's --moe_a2a_overlap/--delay_wgrad_compute, or comm_overlap.{name})"
+            )
+            continue
+        setattr(recipe.comm_overlap, name, on_model)
+        setattr(recipe.model, name, defaults[name])
+    return problems
+
+
+def recipe_problems(recipe: Any) -> list[str]:
+    """Model shape, training settings and what the harness's models support."""
+    model, train = recipe.model, recipe.train
+    problems: list[str] = []
+    for name in (*MODEL_INT_FLAGS, "vocab_size"):
+        _at_least(problems, f"model.{name}", getattr(model, name), 1)
+    if not problems:
+        if model.hidden_size % model.num_attention_heads:
+            problems.append(
+                f"model.hidden_size={model.hidden_size}: must be divisible by "
+                f"num_attention_heads={model.num_attention_heads}"
+            )
+        if model.num_moe_experts % model.expert_model_parallel_size:
+            problems.append(
+                f"model.num_moe_experts={model.num_moe_experts}: must be divisible by "
+                f"expert_model_parallel_size={model.expert_model_parallel_size} (experts are split evenly over EP)"
+            )
+        if model.moe_router_topk > model.num_moe_experts:
+            problems.append(
+                f"model.moe_router_topk={model.moe_router_topk}: must not exceed "
+                f"num_moe_experts={model.num_moe_experts}"
+            )
+    _at_least(problems, "train.warmup_steps", train.warmup_steps, 0)
+    if isinstance(train.warmup_steps, int) and train.warmup_steps >= 0:
+        _at_least(
+            problems,
+            "--max_steps",
+            train.max_steps,
+            train.warmup_steps + 1,
+            f" (train.warmup_steps={train.warmup_steps} warm-up step(s) are not measured; one steady step is needed)",
+        )
+    _at_least(problems, "--num_microbatches", train.num_microbatches, 1)
+    _at_least(problems, "--micro_batch_size", train.micro_batch_size, 1)
+    for name in ("collective_timeout_s", "lr"):
+        value = getattr(train, name)
+        if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            problems.append(f"train.{name}={value!r}: must be a positive number")
+    if model.moe_token_dispatcher_type == "flex":
+        problems.append(
+            f"--moe_flex_dispatcher_backend={model.moe_flex_dispatcher_backend!r}: the harness's models run the "
+            "alltoall dispatcher only; drop the flag"
+        )
+    if model.cuda_graph_impl != "none":
+        problems.append(
+            f"--cuda_graph_impl={model.cuda_graph_impl!r}: the harness's models do not capture CUDA graphs; use none"
+        )
+    return problems
+
+
+def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, cuda: bool) -> list[str]:
+    """Launch settings, devices and output paths (parent folders are created here)."""
+    problems: list[str] = []
+    _at_least(problems, "--nproc_per_node", args.nproc_per_node, 1)
+    if world >= 1 and expert_parallel >= 1 and world % expert_parallel:
+        problems.append(
+            f"{world} ranks cannot hold expert_model_parallel_size={expert_parallel}: use --nproc_per_node "
+            "(or torchrun's world size) that is a multiple of it"
+        )
+    if args.link_gbps is not None:
+        if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
+            problems.append(f"--link_gbps={args.link_gbps!r}: must be a positive number of Gbit/s, e.g. 0.2")
+        elif torchrun:
+            problems.append("--link_gbps emulates links between local ranks; under torchrun the real network is used")
+    if args.device == "cuda" and not cuda:
+        problems.append("--device=cuda: no CUDA device is available on this host")
+    if args.model_impl == "mcore" and not (cuda and args.device != "cpu"):
+        problems.append(
+            "--model_impl=mcore runs Megatron-Core layers, which need CUDA (on CPU they run only under the test "
+            "fixture); use --model_impl reference, or a host with a GPU"
+        )
+    for flag, path in (("--json", args.json_path), ("--timeline", args.timeline)):
+        if path is not None:
+            problems += _output_problems(flag, Path(path))
+    if args.timeline is not None and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
+        problems.append(f"--timeline={args.timeline!r}: use a file ending in one of {', '.join(TIMELINE_FORMATS)}")
+    return problems
+
+
+def _output_problems(flag: str, path: Path) -> list[str]:
+    """Creates the parent folder and checks the file can be written, so no run ends unable to save its results."""
+    if path.is_dir():
+        return [f"{flag}={str(path)!r}: is a folder; give a file name"]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return [f"{flag}={str(path)!r}: cannot create its folder ({exc.strerror})"]
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return [f"{flag}={str(path)!r}: not writable; choose another path"]
+    return []
