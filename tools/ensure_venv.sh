@@ -39,9 +39,15 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
     echo "creating $venv with $py"
     "$py" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 echo "installing project with extras [$extras] (first run downloads torch, ~2 min)"
-"$venv/bin/python" -m pip install -q -e ".[$extras]"
+# pip's and setuptools' notices are kept in a log, shown only when the install fails.
+log="$venv/install.log"
+if ! { "$venv/bin/python" -m pip install -q --upgrade pip && "$venv/bin/python" -m pip install -q -e ".[$extras]"; } \
+    >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "error: installing the project failed; the whole pip log is in $log" >&2
+    exit 1
+fi
 rm -f "$venv"/.installed-*
 touch "$stamp"
