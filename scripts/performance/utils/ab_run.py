@@ -23,12 +23,13 @@ from megatron.bridge.utils.multiprocess import (
     launched_by_torchrun,
     run_local_ranks,
 )
-from utils.arms import ArmSpec, run_arm
+from utils.arms import ArmSpec, run_arms
 from utils.checks import lift_model_overlap_flags, recipe_problems, run_problems
 from utils.netns import EmulatedLink, LinkUnavailable
 from utils.overrides import apply_flag_overrides, apply_overrides
 from utils.recipe import RecipeConfig, small_moe_recipe
 from utils.report import bitwise_equal, draw_timeline, format_table, partial_summary, summarize_arm, write_json
+from utils.stats import matched_ab
 
 
 class ConfigError(Exception):
@@ -150,10 +151,9 @@ class Progress:
 
 
 def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None = None) -> dict[str, list[dict]]:
-    """Each arm in fresh local rank processes (so each arm's peak memory is its own)."""
+    """Every arm in the same local ranks, step by step in ABBA order (see ``utils.arms.run_arms``)."""
     progress = progress if progress is not None else Progress()
     backend = "nccl" if device == "cuda" else "gloo"
-    results = {}
     with EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else contextlib.nullcontext() as link:
         if link is not None and link.removed_stale:
             print(
@@ -161,43 +161,40 @@ def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None
                 f"{' '.join(link.removed_stale)}",
                 flush=True,
             )
-        for spec in specs:
-            progress.running = spec.name
-            print(f"running arm '{spec.name}' on {args.nproc_per_node} ranks ...", flush=True)
-            outcomes = run_local_ranks(
-                _local_rank_main,
-                args.nproc_per_node,
-                (spec,),
-                backend=backend,
-                collective_timeout_s=spec.train.collective_timeout_s,
-                rank_setup=link.rank_setup() if link else None,
-                master_addr=link.master_addr if link else "127.0.0.1",
-                on_progress=progress.record,
-            )
-            results[spec.name] = [o.result for o in outcomes]
+        names = " and ".join(spec.name for spec in specs)
+        progress.running = f"arm{'s' if len(specs) > 1 else ''} {names}"
+        order = " interleaved step by step (ABBA)" if len(specs) > 1 else ""
+        print(f"running {progress.running} on {args.nproc_per_node} ranks{order} ...", flush=True)
+        outcomes = run_local_ranks(
+            _local_rank_main,
+            args.nproc_per_node,
+            (specs,),
+            backend=backend,
+            collective_timeout_s=specs[0].train.collective_timeout_s,
+            rank_setup=link.rank_setup() if link else None,
+            master_addr=link.master_addr if link else "127.0.0.1",
+            on_progress=progress.record,
+        )
         progress.running = None
-    return results
+    return {spec.name: [o.result[spec.name] for o in outcomes] for spec in specs}
 
 
-def _local_rank_main(rank: int, world: int, spec: ArmSpec) -> dict:
-    if spec.device == "cuda":
+def _local_rank_main(rank: int, world: int, specs: list[ArmSpec]) -> dict:
+    if specs[0].device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    return run_arm(rank, world, spec)
+    return run_arms(rank, world, specs)
 
 
 def run_torchrun(specs: list[ArmSpec], device: str) -> dict[str, list[dict]] | None:
-    """All arms in this process, one after the other; rank 0 gets every rank's results."""
+    """All arms in these processes, interleaved as locally; rank 0 gets every rank's results."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     try:
-        results = {}
-        for spec in specs:
-            mine = run_arm(dist.get_rank(), dist.get_world_size(), spec)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-            results[spec.name] = gathered
-        return results if dist.get_rank() == 0 else None
+        mine = run_arms(dist.get_rank(), dist.get_world_size(), specs)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return {spec.name: [g[spec.name] for g in gathered] for spec in specs} if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()
 
@@ -229,9 +226,8 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     }
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
-        summary["speedup"] = (
-            summary["arms"]["baseline"]["median_step_time_s"] / summary["arms"]["overlap"]["median_step_time_s"]
-        )
+        summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
+        summary["bound"] = (t.num_microbatches - 1) / t.num_microbatches
     return summary
 
 
@@ -274,12 +270,12 @@ def run(args) -> int:
                 print(f"error: rank {outcome.rank}: {lines[-1]}", file=sys.stderr)
                 if args.verbose:
                     print(outcome.error, file=sys.stderr)
-        _keep_partial(args, progress, partial_to, f"failed in arm '{progress.running}'")
+        _keep_partial(args, progress, partial_to, f"failed while running {progress.running}")
         return 1
     except (KeyboardInterrupt, SystemExit) as exc:
         code = 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
         name = signal.Signals(code - 128).name if code > 128 else "an interrupt"
-        where = f" while arm '{progress.running}' was running" if progress.running else ""
+        where = f" while running {progress.running}" if progress.running else ""
         steps = recipe.train.max_steps if recipe else 0
         saved = _keep_partial(args, progress, partial_to, f"stopped by {name}")
         print(

@@ -86,57 +86,105 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     return McoreGPTPlan(model, delay_wgrad=spec.delay_wgrad), mcore_ep_groups(timeout)
 
 
-def run_arm(rank: int, world: int, spec: ArmSpec) -> dict:
-    """Trains one arm on this rank; returns step times, losses, comm stats, timeline and a parameter digest."""
-    device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    timeout = timedelta(seconds=spec.train.collective_timeout_s)
-    if spec.model_impl == "mcore":
-        model, groups = build_mcore_plan(spec, timeout)
-    else:
-        groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout)
-        model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
-    engine = EPOverlapEngine(model, groups, overlap=spec.overlap, delay_wgrad=spec.delay_wgrad)
-    optimizer = torch.optim.Adam(model.parameters(), lr=spec.train.lr)
-    step_times, losses, loss_bits, comm, exposed, timeline = [], [], [], [], [], None
-    for step in range(spec.train.max_steps):
-        data = microbatches(spec, rank, step, device)
+def arm_order(step: int, names: list[str]) -> list[str]:
+    """The order the arms run in at ``step``: A B, then B A, and so on (ABBA), so a drift over time (thermal,
+    other load) weighs on both arms alike instead of counting as a difference between them."""
+    return names if step % 2 == 0 else names[::-1]
+
+
+class _Arm:
+    """One arm on this rank: its own model replica (same seed: identical weights), engine and optimizer."""
+
+    def __init__(self, spec: ArmSpec, rank: int, device: torch.device):
+        timeout = timedelta(seconds=spec.train.collective_timeout_s)
+        if spec.model_impl == "mcore":
+            self.model, groups = build_mcore_plan(spec, timeout)
+        else:
+            groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout)
+            self.model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
+        self.spec, self.rank, self.device = spec, rank, device
+        self.engine = EPOverlapEngine(self.model, groups, overlap=spec.overlap, delay_wgrad=spec.delay_wgrad)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
+        self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
+        self.peak_mb, self.timeline, self.records = 0.0, None, []
+
+    def step(self, step: int) -> None:
+        spec, device = self.spec, self.device
+        data = microbatches(spec, self.rank, step, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()  # start every step together
         start = time.perf_counter()
-        result = engine.step(data)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        result = self.engine.step(data)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        step_times.append(time.perf_counter() - start)
+        self.step_times.append(time.perf_counter() - start)
+        self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
         loss = torch.stack(result.losses).sum().reshape(1)
-        loss_bits.append(loss.detach().cpu().clone())
+        self.loss_bits.append(loss.detach().cpu().clone())
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
-        losses.append(global_loss.item())
-        comm.append(result.stats.comm_s)
-        exposed.append(result.stats.exposed_comm_s)
+        self.losses.append(global_loss.item())
+        self.comm.append(result.stats.comm_s)
+        self.exposed.append(result.stats.exposed_comm_s)
         comm_iv, compute_iv = result.recorder.intervals()
-        timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
+        self.timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
+        self.records.append(step_records(result.recorder))
         report_progress(
-            {"arm": spec.name, "step": step + 1, "step_time_s": step_times[-1], "loss": losses[-1],
-             "comm_s": comm[-1], "exposed_comm_s": exposed[-1]}
+            {"arm": spec.name, "step": step + 1, "step_time_s": self.step_times[-1], "loss": self.losses[-1],
+             "comm_s": self.comm[-1], "exposed_comm_s": self.exposed[-1]}
         )  # fmt: skip
-        if spec.progress and rank == 0:
+        if spec.progress and self.rank == 0:
             print(
-                f"  [{spec.name}] step {step + 1}/{spec.train.max_steps}: {step_times[-1]:.3f} s, "
-                f"loss {losses[-1]:.4f}, exposed comm {exposed[-1]:.3f} s",
+                f"  [{spec.name}] step {step + 1}/{spec.train.max_steps}: {self.step_times[-1]:.3f} s, "
+                f"loss {self.losses[-1]:.4f}, exposed comm {self.exposed[-1]:.3f} s",
                 flush=True,
             )
+
+    def result(self) -> dict:
+        return {
+            "rank": self.rank,
+            "step_times_s": self.step_times,
+            "losses": self.losses,
+            "loss_bits": self.loss_bits,
+            "comm_s": self.comm,
+            "exposed_comm_s": self.exposed,
+            "timeline": self.timeline,
+            "records": self.records,
+            "peak_memory_mb": self.peak_mb,
+            "param_digest": _digest(self.model),
+        }
+
+
+def run_arms(rank: int, world: int, specs: list[ArmSpec]) -> dict[str, dict]:
+    """Trains every arm on this rank, step by step in ABBA order; returns each arm's measurements.
+
+    The arms share the ranks, the data of each step, and the seed: only the overlap knobs differ. On CPU the
+    peak memory is the process's (both replicas together); on CUDA it is each arm's own steps' peak.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if specs[0].device == "cuda" else torch.device("cpu")
+    arms = {spec.name: _Arm(spec, rank, device) for spec in specs}
+    for step in range(specs[0].train.max_steps):
+        for name in arm_order(step, list(arms)):
+            arms[name].step(step)
+    return {name: arm.result() for name, arm in arms.items()}
+
+
+def step_records(recorder) -> dict:
+    """One step's records in plain numbers (seconds from the step start), for the planner and the JSON."""
+    seconds = recorder.clock.seconds
     return {
-        "rank": rank,
-        "step_times_s": step_times,
-        "losses": losses,
-        "loss_bits": loss_bits,
-        "comm_s": comm,
-        "exposed_comm_s": exposed,
-        "timeline": timeline,
-        "peak_memory_mb": _peak_memory_mb(device),
-        "param_digest": _digest(model),
-    }
+        "comm": [
+            {"op": r.op, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
+             "start_s": seconds(r.launch), "end_s": seconds(r.done), "bytes_sent": r.bytes_sent,
+             "bytes_received": r.bytes_received}
+            for r in recorder.comm if r.done is not None
+        ],
+        "compute": [
+            {"node": r.node, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
+             "start_s": seconds(r.start), "end_s": seconds(r.end)}
+            for r in recorder.compute if r.end is not None
+        ],
+    }  # fmt: skip

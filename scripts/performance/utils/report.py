@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from utils.stats import describe_matched
+
 
 def _steady(values: list[float], warmup: int) -> list[float]:
     return values[warmup:] if len(values) > warmup else values
@@ -32,6 +34,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
         "timeline": {r["rank"]: r["timeline"] for r in per_rank},
+        "records": {r["rank"]: r["records"] for r in per_rank},
     }
 
 
@@ -71,7 +74,7 @@ def format_table(summary: dict[str, Any]) -> str:
             f"(losses {numerics['losses_equal']}, parameters {numerics['params_equal']})"
         )
     if "speedup" in summary:
-        lines.append(f"speedup (baseline median / overlap median): {summary['speedup']:.3f}x")
+        lines += describe_matched(summary, summary["bound"])
     return "\n".join(lines)
 
 

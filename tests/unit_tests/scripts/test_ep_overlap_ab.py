@@ -11,6 +11,7 @@ import ep_overlap_ab
 import pytest
 from argument_parser import parse_cli_args
 from utils import ab_run, netns
+from utils.arms import arm_order
 from utils.overrides import (
     _set_delay_wgrad_overrides,
     _set_moe_a2a_overlap_overrides,
@@ -19,6 +20,7 @@ from utils.overrides import (
     parse_value,
 )
 from utils.recipe import small_moe_recipe
+from utils.stats import describe_matched, matched_ab
 
 TINY = [
     "--num_layers", "2", "--hidden_size", "32", "--num_attention_heads", "2", "--ffn_hidden_size", "64",
@@ -182,9 +184,14 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
         for key in ("median_step_time_s", "comm_s", "exposed_comm_s"):
             assert isinstance(data[key], float) and data[key] >= 0
     assert result["arms"]["baseline"]["losses"] == result["arms"]["overlap"]["losses"]
-    assert result["speedup"] == pytest.approx(
-        result["arms"]["baseline"]["median_step_time_s"] / result["arms"]["overlap"]["median_step_time_s"]
-    )
+    assert result["arms"]["baseline"]["timeline"]["0"]["compute"], "the baseline arm records its compute too"
+    for key in ("speedup", "h"):
+        lo, hi = result[key]["ci95"]
+        assert lo <= result[key]["median"] <= hi
+    for arm in ("baseline", "overlap"):
+        lo, hi = result["exposed_comm_s"][arm]["ci95"]
+        assert 0 <= lo <= result["exposed_comm_s"][arm]["median"] <= hi
+    assert result["speedup"]["verdict"] in ("no measurable difference", "overlap faster", "overlap slower")
     assert png_path.stat().st_size > 10_000
 
 
@@ -238,3 +245,40 @@ def test_ab_under_torchrun_on_cpu(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.count("losses and final parameters bitwise equal: yes") == 1  # rank 0 only
     assert json.loads(json_path.read_text())["numerics"]["bitwise_equal"] is True
+
+
+def _arm(step_times, comm, exposed):
+    return {"step_times_s": step_times, "comm_s": comm, "exposed_comm_s": exposed}
+
+
+def test_matched_statistics_pair_steps_and_bound_the_median():
+    # Two ranks; a step lasts as long as its slowest rank. Step 0 is warm-up.
+    baseline = [_arm([9, 4, 4.2, 4.1, 4.0], [1] * 5, [1] * 5), _arm([9, 4.1, 4.0, 4.0, 4.3], [1] * 5, [1] * 5)]
+    overlap = [_arm([9, 3.2, 3.1, 3.3, 3.0], [1] * 5, [0.2] * 5), _arm([9, 3.0, 3.2, 3.1, 3.2], [1] * 5, [0.2] * 5)]
+    matched = matched_ab(baseline, overlap, warmup=1)
+    ratios = [4.1 / 3.2, 4.2 / 3.2, 4.1 / 3.3, 4.3 / 3.2]
+    assert matched["steady_steps"] == 4
+    assert matched["speedup"]["median"] == pytest.approx(sorted(ratios)[1] / 2 + sorted(ratios)[2] / 2)
+    lo, hi = matched["speedup"]["ci95"]
+    assert min(ratios) <= lo <= hi <= max(ratios) and lo > 1
+    assert matched["speedup"]["verdict"] == "overlap faster"
+    hidden = [(4.1 - 3.2) / 1, (4.2 - 3.2) / 1, (4.1 - 3.3) / 1, (4.3 - 3.2) / 1]
+    assert matched["h"]["median"] == pytest.approx(sorted(hidden)[1] / 2 + sorted(hidden)[2] / 2)
+    assert matched["exposed_comm_s"]["overlap"] == {"median": 0.2, "ci95": [0.2, 0.2]}
+
+
+def test_an_interval_across_one_is_no_measurable_difference():
+    same = [_arm([1, 1.0, 1.1, 0.9, 1.0], [0.5] * 5, [0.5] * 5)]
+    other = [_arm([1, 1.05, 1.0, 0.95, 1.02], [0.5] * 5, [0.4] * 5)]
+    matched = matched_ab(same, other, warmup=1)
+    assert matched["speedup"]["verdict"] == "no measurable difference"
+    assert describe_matched(matched, 0.5)[0].startswith("speedup: no measurable difference")
+
+
+def test_arms_alternate_abba():
+    assert [arm_order(step, ["baseline", "overlap"]) for step in range(4)] == [
+        ["baseline", "overlap"],
+        ["overlap", "baseline"],
+        ["baseline", "overlap"],
+        ["overlap", "baseline"],
+    ]

@@ -135,7 +135,7 @@ def test_a_signal_stops_every_rank_within_5s_and_keeps_finished_steps(tmp_path, 
     assert time.monotonic() - start < 5
     assert proc.returncode == code
     (line,) = err.splitlines()
-    assert line.startswith(f"stopped by {sig.name} while arm 'baseline' was running; every rank stopped; ")
+    assert line.startswith(f"stopped by {sig.name} while running arms baseline and overlap; every rank stopped; ")
     assert f"partial results written to {tmp_path / 'ab.json'}" in line
     assert not [pid for pid in ranks if _alive(pid)]
     partial = json.loads((tmp_path / "ab.json").read_text())

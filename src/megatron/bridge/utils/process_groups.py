@@ -11,6 +11,7 @@ Contract:
       of hanging.
 """
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,3 +107,9 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, op: str, timeout: t
     """Blocking sum all-reduce under a timeout."""
     work = dist.all_reduce(x, group=group, async_op=True)
     wait_work(work, op=op, timeout=timeout)
+
+
+def exchanged_bytes(x: torch.Tensor, out_splits: list[int], in_splits: list[int], rank: int) -> tuple[int, int]:
+    """Bytes an all-to-all of ``x`` sends to other ranks and receives from them (the own slice stays local)."""
+    row = x[0].numel() * x.element_size() if x.shape[0] else math.prod(x.shape[1:]) * x.element_size()
+    return (sum(in_splits) - in_splits[rank]) * row, (sum(out_splits) - out_splits[rank]) * row

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.bridge.utils.process_groups import EPGroups, all_to_all
+from megatron.bridge.utils.process_groups import EPGroups, all_to_all, exchanged_bytes
 
 
 @dataclass
@@ -78,7 +78,8 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
     routing.unsort_R[routing.sort_R] = torch.arange(routing.sort_R.numel(), device=device)
 
 
-CommObserver = Callable[[str, str], None]  # (op, "start" | "end"), called around each blocking all-to-all
+# (op, "start" | "end", bytes this rank sends to others, bytes it receives), around each blocking all-to-all
+CommObserver = Callable[[str, str, int, int], None]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -98,10 +99,11 @@ class _AllToAll(torch.autograd.Function):
 
 def _observed(x, out_splits, in_splits, groups: EPGroups, op: str, where: str, observer) -> torch.Tensor:
     if observer is not None:
-        observer(op, "start")
+        sent, received = exchanged_bytes(x, out_splits, in_splits, groups.ep_rank)
+        observer(op, "start", sent, received)
     out = all_to_all(x, out_splits, in_splits, groups.ep_group, op=f"{where} {op}", timeout=groups.timeout)
     if observer is not None:
-        observer(op, "end")
+        observer(op, "end", 0, 0)
     return out
 
 

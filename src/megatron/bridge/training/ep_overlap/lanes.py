@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, CudaClock, HostClock, StepRecorder
-from megatron.bridge.utils.process_groups import EPGroups, wait_work
+from megatron.bridge.utils.process_groups import EPGroups, exchanged_bytes, wait_work
 
 
 class Pending:
@@ -66,11 +66,17 @@ class _Lane:
     def _after_compute(self, microbatch: int) -> None:
         pass
 
-    def record_comm(self, op: str, layer: int, microbatch: int, stream=None) -> CommRecord:
-        """Records that an all-to-all is being launched now (on ``stream``, for the CUDA clock)."""
+    def record_comm(
+        self, op: str, layer: int, microbatch: int, stream=None, exchanged: tuple[int, int] = (0, 0)
+    ) -> CommRecord:
+        """Records that an all-to-all is being launched now (on ``stream``, for the CUDA clock).
+
+        ``exchanged`` is (bytes sent to other ranks, bytes received from them).
+        """
         record = CommRecord(
             op, layer, microbatch, self.recorder.phase, self.recorder.clock.mark(stream), time.perf_counter()
         )
+        record.bytes_sent, record.bytes_received = exchanged
         self.recorder.comm.append(record)
         return record
 
@@ -83,7 +89,8 @@ class CpuLane(_Lane):
     ) -> Pending:
         clock = self.recorder.clock
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        record = self.record_comm(op, layer, microbatch)
+        exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
+        record = self.record_comm(op, layer, microbatch, exchanged=exchanged)
         work = dist.all_to_all_single(
             out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group, async_op=True
         )
@@ -126,7 +133,8 @@ class CudaLane(_Lane):
         else:
             self.comm_stream.wait_stream(compute_stream)
         with torch.cuda.stream(self.comm_stream):
-            record = self.record_comm(op, layer, microbatch, self.comm_stream)
+            exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
+            record = self.record_comm(op, layer, microbatch, self.comm_stream, exchanged)
             out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
             dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group)
             record.done = self.recorder.clock.mark(self.comm_stream)

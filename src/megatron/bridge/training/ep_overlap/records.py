@@ -49,7 +49,8 @@ class CommRecord:
     """One all-to-all. ``phase`` is "warmup", "paired" or "cooldown" (see the schedule).
 
     ``launch``/``done`` are clock marks (device time on CUDA); the ``*_host`` fields are host perf_counter
-    readings of when the host issued the op and when a consumer waited for its result.
+    readings of when the host issued the op and when a consumer waited for its result. ``bytes_sent`` and
+    ``bytes_received`` count what crossed the link (this rank's own slice stays local).
     """
 
     op: str
@@ -61,6 +62,8 @@ class CommRecord:
     done: object = None
     wait_start_host: float | None = None
     wait_end_host: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
 
 
 @dataclass

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan
 from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.records import CommRecord, StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, StepRecorder, StepStats
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
@@ -291,27 +291,53 @@ class EPOverlapEngine:
                 linear.delay_wgrad = value
 
     def _plain(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
-        lane.recorder.phase = "plain"
-        open_ops: dict[str, CommRecord] = {}
+        """Ordinary forward and backward per microbatch; the all-to-alls block.
 
-        def observe(op: str, event: str, layer: int, microbatch: int) -> None:
+        It records what the overlapped path records, so both arms of an A/B draw and compare alike: every
+        all-to-all, and the compute between them as one segment each, named ``plain <next>`` after the boundary
+        that ends it (``plain dispatch`` of layer j is everything computed since the previous all-to-all up to
+        layer j's dispatch; ``plain forward_end``/``plain backward_end`` close the forward and the backward).
+        """
+        lane.recorder.phase = "plain"
+        recorder, clock = lane.recorder, lane.recorder.clock
+        open_ops: dict[str, CommRecord] = {}
+        segment: list[ComputeRecord | None] = [None]
+
+        def start_compute(microbatch: int) -> None:
+            segment[0] = ComputeRecord("plain", -1, microbatch, "plain", clock.mark(), time.perf_counter())
+
+        def end_compute(next_boundary: str, layer: int) -> None:
+            record = segment[0]
+            record.node, record.layer = f"plain {next_boundary}", layer
+            record.end, record.end_host = clock.mark(), time.perf_counter()
+            recorder.compute.append(record)
+
+        def observe(op: str, event: str, sent: int, received: int, layer: int, microbatch: int) -> None:
             # Blocking all-to-alls: launched and waited for at once.
             if event == "start":
-                record = lane.record_comm(op, layer, microbatch)
+                end_compute(op, layer)
+                record = lane.record_comm(op, layer, microbatch, exchanged=(sent, received))
                 record.wait_start_host = record.launch_host
                 open_ops[op] = record
             else:
                 record = open_ops.pop(op)
-                record.done, record.wait_end_host = lane.recorder.clock.mark(), time.perf_counter()
+                record.done, record.wait_end_host = clock.mark(), time.perf_counter()
+                start_compute(microbatch)
 
         losses = []
         try:
             for i, (tokens, labels) in enumerate(microbatches):
                 for j, layer in enumerate(self.model.layers):
                     if hasattr(layer, "comm_observer"):
-                        layer.comm_observer = lambda op, event, j=j, i=i: observe(op, event, j, i)
+                        layer.comm_observer = lambda op, event, sent, got, j=j, i=i: observe(
+                            op, event, sent, got, j, i
+                        )
+                start_compute(i)
                 loss = self.model(tokens, labels, normalizer)
+                end_compute("forward_end", -1)
+                start_compute(i)
                 loss.backward()
+                end_compute("backward_end", -1)
                 losses.append(loss)
             # Nothing runs backward_dw() here: a module built to delay its wgrad would lose it.
             check_no_pending_wgrads(delayable_linears(self.model))
