@@ -4,6 +4,22 @@ Start at ``schedule.py``: ``layer_step`` is the paired layer step, ``EPOverlapEn
 """
 
 from megatron.bridge.training.ep_overlap.records import StepRecorder, StepStats
-from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX, EPOverlapEngine, StepResult, layer_step
+from megatron.bridge.training.ep_overlap.schedule import (
+    IGNORE_INDEX,
+    Action,
+    EPOverlapEngine,
+    StepResult,
+    layer_step,
+    schedule_actions,
+)
 
-__all__ = ["IGNORE_INDEX", "EPOverlapEngine", "StepRecorder", "StepResult", "StepStats", "layer_step"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Action",
+    "EPOverlapEngine",
+    "schedule_actions",
+    "StepRecorder",
+    "StepResult",
+    "StepStats",
+    "layer_step",
+]

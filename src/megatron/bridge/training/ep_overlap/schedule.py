@@ -95,6 +95,26 @@ def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes) -> None:
     f.head_forward(f_output())
 
 
+@dataclass(frozen=True)
+class Action:
+    """One step of the driver on this rank: the forward of a microbatch, its backward, or both paired."""
+
+    phase: str  # "warmup", "paired" or "cooldown"
+    forward: int | None
+    backward: int | None
+
+
+def schedule_actions(num_microbatches: int) -> list[Action]:
+    """The PP = 1 driver's order, as data (the engine runs it, the planner simulates it): F(0); F(i+1) paired with
+    B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired."""
+    n = num_microbatches
+    return [
+        Action("warmup", 0, None),
+        *(Action("paired", i + 1, i) for i in range(n - 1)),
+        Action("cooldown", None, n - 1),
+    ]
+
+
 @dataclass
 class StepResult:
     """Outcome of one step on this rank."""
@@ -276,13 +296,14 @@ class EPOverlapEngine:
                 MicrobatchNodes(self.model, i, tokens, labels, normalizer, lane, self.delay_wgrad)
                 for i, (tokens, labels) in enumerate(microbatches)
             ]
-            lane.recorder.phase = "warmup"
-            runs[0].forward()
-            for i in range(len(runs) - 1):
-                lane.recorder.phase = "paired"
-                paired_microbatch_step(runs[i + 1], runs[i])
-            lane.recorder.phase = "cooldown"
-            runs[-1].backward()
+            for action in schedule_actions(len(runs)):
+                lane.recorder.phase = action.phase
+                if action.forward is not None and action.backward is not None:
+                    paired_microbatch_step(runs[action.forward], runs[action.backward])
+                elif action.forward is not None:
+                    runs[action.forward].forward()
+                else:
+                    runs[action.backward].backward()
             check_no_pending_wgrads(linears)
             return [run.loss for run in runs]
         finally:

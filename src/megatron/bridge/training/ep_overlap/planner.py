@@ -1,0 +1,325 @@
+"""Predicts a training step with and without EP overlap: a discrete-event simulation of the engine's schedule.
+
+Contract:
+    * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.schedule.schedule_actions`
+      (F(0); F(i+1) paired with B(i); B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
+      windows in its host order, and the unpaired forward/backward of the plain path. ``simulate`` also returns the
+      order in which it launched the all-to-alls, which a test compares with what the engine recorded.
+    * One rank is simulated (EP ranks are symmetric): a compute resource that runs its ops in host order, each once
+      its inputs have arrived (the time it waits is exposed comm), and one FIFO link. An all-to-all occupies the
+      link for ``bytes / bandwidth`` (bytes: the larger of what the rank sends and receives) and arrives
+      ``latency`` later; it starts when launched and the link is free. The split-size exchange before each dispatch
+      is a blocking round trip queued behind whatever the link still carries.
+    * Costs are per layer and microbatch (:class:`StepCosts`): the compute segments between all-to-alls, which are
+      exactly what the plain path records (``plain dispatch`` of layer j: everything since the previous all-to-all,
+      up to layer j's dispatch), and the bytes of each all-to-all. They come from a measured step
+      (:func:`costs_from_records`) or from a model shape and a hardware profile (``cost_model.py``). Work outside the
+      schedule (gradient sync, optimizer) is ``other_s`` and is the same in both arms.
+    * Outputs: step time, compute, comm and exposed comm per phase for the plain path and the overlapped one, the
+      speedup and the hidden fraction h = (T_plain - T_overlap) / min(T_compute, T_comm); :func:`best_plan` searches
+      the microbatch count and delayed wgrad.
+"""
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megatron.bridge.training.ep_overlap.schedule import schedule_actions
+
+PHASES = ("warmup", "paired", "cooldown", "plain")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One layer for one microbatch on one rank: seconds of compute, bytes of each all-to-all (0 for dense).
+
+    Attributes:
+        f_pre: Forward from the previous all-to-all to this layer's dispatch: the previous layer's unpermute and
+            residual (the embedding for the first), attention, router, permute.
+        f_exp: Forward experts, between dispatch and combine.
+        b_exp: Expert backward, dgrad and wgrad.
+        b_pre: Backward from this layer's dispatch backward to the next all-to-all below: attention/router
+            backward, and the combine backward of the layer below (the embedding backward for the first).
+        dispatch_bytes: Bytes of the dispatch all-to-all (and of its backward).
+        combine_bytes: Bytes of the combine all-to-all (and of its backward).
+        expert_wgrad_share: Part of ``b_exp`` that is weight gradient (deferrable with delayed wgrad).
+        attention_wgrad_share: Part of ``b_pre`` that is attention weight gradient (deferrable).
+    """
+
+    f_pre: float
+    f_exp: float
+    b_exp: float
+    b_pre: float
+    dispatch_bytes: float = 0.0
+    combine_bytes: float = 0.0
+    expert_wgrad_share: float = 0.5  # dgrad and wgrad of a GEMM cost the same FLOPs
+    attention_wgrad_share: float = 0.3  # of attention/router/norm backward, about a third is projection wgrad
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Costs of one microbatch through the whole model, plus what a step adds outside the schedule."""
+
+    layers: tuple[LayerCosts, ...]
+    f_tail: float  # after the last combine: its unpermute, final norm, head and loss
+    b_head: float  # loss and head backward, and the last layer's unpermute backward
+    other_s: float = 0.0  # per step: gradient sync, optimizer
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's link: bandwidth in bytes/s, latency per all-to-all, and the split-size round trip."""
+
+    bandwidth_Bps: float
+    latency_s: float = 0.0
+    meta_s: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """One simulated step."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    launches: list[tuple[str, int, int]] = field(default_factory=list)  # (op, layer, microbatch), in order
+
+    @property
+    def exposed_total_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+
+class _Sim:
+    """The compute resource (host order) and the FIFO link of one rank."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.host = self.link_free = 0.0
+        self.arrived: dict[tuple[str, int, int], float] = {}
+        self.phase = "plain"
+        self.exposed: dict[str, float] = defaultdict(float)
+        self.compute_s = self.comm_s = 0.0
+        self.launches: list[tuple[str, int, int]] = []
+
+    def _wait_until(self, t: float) -> None:
+        if t > self.host:
+            self.exposed[self.phase] += t - self.host
+            self.host = t
+
+    def compute(self, seconds: float, after: tuple[str, int, int] | None = None) -> None:
+        if after is not None:
+            self._wait_until(self.arrived[after])
+        self.host += seconds
+        self.compute_s += seconds
+
+    def launch(self, key: tuple[str, int, int], nbytes: float, *, split_exchange: bool = False) -> None:
+        if nbytes <= 0:  # a dense layer: nothing crosses the link
+            self.arrived[key] = self.host
+            return
+        link = self.link
+        if split_exchange:  # a blocking round trip, behind the bytes still queued on the link
+            start = max(self.host, self.link_free)
+            self._wait_until(start + link.meta_s)
+            self.comm_s += link.meta_s
+        start = max(self.host, self.link_free)
+        self.link_free = start + nbytes / link.bandwidth_Bps
+        self.arrived[key] = self.link_free + link.latency_s
+        self.comm_s += self.arrived[key] - start
+        self.launches.append(key)
+
+
+def _forward(sim: _Sim, costs: StepCosts, mb: int) -> None:
+    previous = None
+    for j, layer in enumerate(costs.layers):
+        sim.compute(layer.f_pre, previous)
+        sim.launch(("dispatch", j, mb), layer.dispatch_bytes, split_exchange=True)
+        sim.compute(layer.f_exp, ("dispatch", j, mb))
+        sim.launch(("combine", j, mb), layer.combine_bytes)
+        previous = ("combine", j, mb)
+    sim.compute(costs.f_tail, previous)
+
+
+def _backward(sim: _Sim, costs: StepCosts, mb: int, delay_wgrad: bool) -> None:
+    sim.compute(costs.b_head)
+    for k in reversed(range(len(costs.layers))):
+        layer = costs.layers[k]
+        expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
+        attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
+        sim.launch(("combine_bwd", k, mb), layer.combine_bytes)
+        sim.compute(layer.b_exp - expert_wgrad, ("combine_bwd", k, mb))
+        sim.launch(("dispatch_bwd", k, mb), layer.dispatch_bytes)
+        sim.compute(expert_wgrad)
+        sim.compute(layer.b_pre - attention_wgrad, ("dispatch_bwd", k, mb))
+        sim.compute(attention_wgrad)
+
+
+def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool) -> None:
+    """``paired_microbatch_step``: head backward of B, then F layer j with B layer L-1-j, window by window."""
+    layers, num = costs.layers, len(costs.layers)
+    sim.compute(costs.b_head)
+    previous_attention_wgrad = 0.0
+    for j in range(num):
+        k = num - 1 - j
+        fl, bl = layers[j], layers[k]
+        expert_wgrad = bl.b_exp * bl.expert_wgrad_share if delay_wgrad else 0.0
+        attention_wgrad = bl.b_pre * bl.attention_wgrad_share if delay_wgrad else 0.0
+        # window 1: B.combine backward (comm) || B's previous attention wgrad, F.pre_dispatch (compute)
+        sim.launch(("combine_bwd", k, b), bl.combine_bytes)
+        sim.compute(previous_attention_wgrad)
+        sim.compute(fl.f_pre, ("combine", j - 1, f) if j else None)
+        # window 2: F.dispatch (comm) || B.experts backward, dgrad (compute)
+        sim.launch(("dispatch", j, f), fl.dispatch_bytes, split_exchange=True)
+        sim.compute(bl.b_exp - expert_wgrad, ("combine_bwd", k, b))
+        # window 3: B.dispatch backward (comm) || B.experts wgrad, F.experts (compute)
+        sim.launch(("dispatch_bwd", k, b), bl.dispatch_bytes)
+        sim.compute(expert_wgrad)
+        sim.compute(fl.f_exp, ("dispatch", j, f))
+        # window 4: F.combine (comm) || B.pre_dispatch backward, dgrad (compute)
+        sim.launch(("combine", j, f), fl.combine_bytes)
+        sim.compute(bl.b_pre - attention_wgrad, ("dispatch_bwd", k, b))
+        previous_attention_wgrad = attention_wgrad
+    sim.compute(previous_attention_wgrad)
+    sim.compute(costs.f_tail, ("combine", num - 1, f))
+
+
+def simulate(
+    costs: StepCosts, link: Link, num_microbatches: int, *, overlap: bool, delay_wgrad: bool = False
+) -> Prediction:
+    """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    sim = _Sim(link)
+    if not overlap:
+        sim.exposed["plain"] = 0.0
+        for mb in range(num_microbatches):
+            _forward(sim, costs, mb)
+            _backward(sim, costs, mb, delay_wgrad=False)
+    else:
+        for action in schedule_actions(num_microbatches):
+            sim.phase = action.phase
+            sim.exposed.setdefault(action.phase, 0.0)
+            if action.forward is not None and action.backward is not None:
+                _paired(sim, costs, action.forward, action.backward, delay_wgrad)
+            elif action.forward is not None:
+                _forward(sim, costs, action.forward)
+            else:
+                _backward(sim, costs, action.backward, delay_wgrad)
+    return Prediction(
+        step_s=sim.host + costs.other_s,
+        compute_s=sim.compute_s,
+        comm_s=sim.comm_s,
+        exposed_s={phase: sim.exposed.get(phase, 0.0) for phase in PHASES if phase in sim.exposed},
+        launches=sim.launches,
+    )
+
+
+@dataclass
+class Comparison:
+    """The plain path and the overlapped one for the same costs."""
+
+    baseline: Prediction
+    overlap: Prediction
+    num_microbatches: int
+    delay_wgrad: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.step_s / self.overlap.step_s
+
+    @property
+    def h(self) -> float:
+        """Hidden fraction of the hideable time: (T_plain - T_overlap) / min(T_compute, T_comm)."""
+        comm = self.baseline.exposed_total_s
+        compute = self.baseline.step_s - comm
+        hideable = min(compute, comm)
+        return 0.0 if hideable <= 0 else (self.baseline.step_s - self.overlap.step_s) / hideable
+
+
+def predict(costs: StepCosts, link: Link, num_microbatches: int, delay_wgrad: bool = False) -> Comparison:
+    """Plain vs overlapped step for one microbatch count."""
+    return Comparison(
+        simulate(costs, link, num_microbatches, overlap=False),
+        simulate(costs, link, num_microbatches, overlap=True, delay_wgrad=delay_wgrad),
+        num_microbatches,
+        delay_wgrad,
+    )
+
+
+def best_plan(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:
+    """Every (microbatch count, delayed wgrad) option, best throughput gain first.
+
+    The options differ in how many microbatches a step holds, so they are ranked by time per microbatch of the
+    overlapped step; ties keep the plainer option (fewer microbatches, no delayed wgrad).
+    """
+    options = [predict(costs, link, n, delay) for n in microbatch_counts for delay in (False, True)]
+    return sorted(options, key=lambda c: (c.overlap.step_s / c.num_microbatches, c.num_microbatches, c.delay_wgrad))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Costs from a measured step
+
+
+def costs_from_records(
+    steps: list[dict], step_times_s: list[float], link_gbps: float | None, num_layers: int
+) -> tuple[StepCosts, Link]:
+    """Costs from the plain path's records of one rank (the harness's baseline arm, ``records[rank]``).
+
+    Args:
+        steps: Per step, ``{"comm": [...], "compute": [...]}`` as the harness records them.
+        step_times_s: The measured time of the same steps (for ``other_s``: what a step spends outside the schedule).
+        link_gbps: The link's rate when known (an emulated link); without it the bandwidth is fitted to the
+            all-to-alls' durations with no latency.
+        num_layers: Layers of the model (dense ones have no all-to-all; their compute lies in the neighbouring
+            segments, as the plain path records it).
+    """
+    compute: dict[tuple[str, int], list[float]] = defaultdict(list)
+    comm: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)  # (bytes, seconds)
+    other = []
+    for step, total in zip(steps, step_times_s):
+        for r in step["compute"]:
+            compute[(r["node"], r["layer"])].append(r["end_s"] - r["start_s"])
+        for r in step["comm"]:
+            comm[(r["op"], r["layer"])].append((max(r["bytes_sent"], r["bytes_received"]), r["end_s"] - r["start_s"]))
+        ends = [r["end_s"] for r in step["compute"]] + [r["end_s"] for r in step["comm"]]
+        other.append(max(0.0, total - max(ends)))
+    # The plain path records one segment per (node, layer) and microbatch: medians are per-microbatch costs.
+    med = {key: statistics.median(values) for key, values in compute.items()}
+    moe = sorted({layer for _, layer in comm})
+
+    def seg(node: str, layer: int) -> float:
+        return med.get((node, layer), 0.0)
+
+    def nbytes(op: str, layer: int) -> float:
+        return statistics.median(b for b, _ in comm[(op, layer)]) if (op, layer) in comm else 0.0
+
+    layers = []
+    for j in range(num_layers):
+        below = [m for m in moe if m < j]
+        layers.append(
+            LayerCosts(
+                f_pre=seg("plain dispatch", j),
+                f_exp=seg("plain combine", j),
+                b_exp=seg("plain dispatch_bwd", j),
+                # from this layer's dispatch backward to the next all-to-all below (or the end of backward)
+                b_pre=seg("plain combine_bwd", below[-1]) if below else seg("plain backward_end", -1),
+                dispatch_bytes=nbytes("dispatch", j),
+                combine_bytes=nbytes("combine", j),
+            )
+            if j in moe
+            else LayerCosts(0.0, 0.0, 0.0, 0.0)
+        )
+    costs = StepCosts(
+        layers=tuple(layers),
+        f_tail=seg("plain forward_end", -1),
+        b_head=seg("plain combine_bwd", moe[-1]) if moe else 0.0,
+        other_s=statistics.median(other),
+    )
+    samples = [sample for values in comm.values() for sample in values]
+    if link_gbps:
+        bandwidth = link_gbps * 1e9 / 8
+        latency = max(0.0, statistics.median(t - b / bandwidth for b, t in samples)) if samples else 0.0
+    else:
+        bandwidth = sum(b for b, _ in samples) / max(sum(t for _, t in samples), 1e-12) if samples else 1e12
+        latency = 0.0
+    return costs, Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=0.0)

@@ -1,0 +1,110 @@
+"""The planner: exact answers on synthetic costs, the engine's own launch order, costs read from records."""
+
+from datetime import timedelta
+
+import pytest
+
+from megatron.bridge.models.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.planner import (
+    LayerCosts,
+    Link,
+    StepCosts,
+    best_plan,
+    costs_from_records,
+    predict,
+    simulate,
+)
+from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.utils.process_groups import init_ep_groups
+
+from .workers import Case, batches
+
+
+def balanced(layers: int, c: float = 1.0, head: float = 0.0) -> tuple[StepCosts, Link]:
+    """Every compute segment and every all-to-all takes c seconds (1 GB/s link, no latency)."""
+    layer = LayerCosts(c, c, c, c, dispatch_bytes=c * 1e9, combine_bytes=c * 1e9)
+    return StepCosts(layers=(layer,) * layers, f_tail=head, b_head=head), Link(1e9)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_comm_equal_to_compute_per_window_hides_exactly_the_pairing_bound(layers, n):
+    costs, link = balanced(layers)
+    comparison = predict(costs, link, n)
+    assert comparison.baseline.step_s == 8 * layers * n  # everything serial
+    assert comparison.overlap.step_s == 4 * layers * (n + 1)  # only F(0) and B(N-1) expose their comm
+    assert comparison.h == (n - 1) / n
+    assert comparison.overlap.exposed_s.get("paired", 0) == 0
+    assert comparison.overlap.exposed_s["warmup"] == comparison.overlap.exposed_s["cooldown"] == 2 * layers
+
+
+def test_one_microbatch_hides_nothing():
+    costs, link = balanced(2, head=0.5)
+    comparison = predict(costs, link, 1)
+    assert comparison.overlap.step_s == comparison.baseline.step_s and comparison.h == 0
+
+
+def test_a_slow_link_bounds_the_step_by_comm():
+    layer = LayerCosts(1, 1, 1, 1, dispatch_bytes=4e9, combine_bytes=4e9)  # 4 s per all-to-all
+    costs = StepCosts(layers=(layer,), f_tail=0, b_head=0)
+    overlapped = simulate(costs, Link(1e9), 16, overlap=True)
+    assert overlapped.step_s >= 16 * 16  # the link carries 16 s per microbatch whatever the schedule
+    assert overlapped.step_s < simulate(costs, Link(1e9), 16, overlap=False).step_s
+
+
+def test_delayed_wgrad_fills_the_dispatch_backward_window():
+    # Window 3 (dispatch backward) has no compute of its own unless the expert wgrad moves there.
+    layer = LayerCosts(f_pre=1, f_exp=0.2, b_exp=2, b_pre=1, dispatch_bytes=2e9, combine_bytes=1e9)
+    costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
+    plain, delayed = predict(costs, Link(1e9), 8), predict(costs, Link(1e9), 8, delay_wgrad=True)
+    assert delayed.overlap.step_s < plain.overlap.step_s
+    assert best_plan(costs, Link(1e9), [4, 8])[0].delay_wgrad is True
+
+
+def _launch_order(rank: int, world: int, case: Case) -> list[tuple[str, int, int]]:
+    groups = init_ep_groups(case.ep, timedelta(seconds=30))
+    engine = EPOverlapEngine(MoEGPTModel(case.config(), groups), groups, overlap=True, delay_wgrad=True)
+    recorder = engine.step(batches(case, rank, 0)).recorder
+    return [(r.op, r.layer, r.microbatch) for r in recorder.comm]
+
+
+@pytest.mark.parametrize("layer_freq", [(1, 1), (1, 0, 1)])
+def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_order(layer_freq):
+    case = Case(layer_freq=layer_freq, microbatches=3)
+    engine_order = run_local_ranks(_launch_order, 2, (case,))[0].result
+    moe = LayerCosts(1, 1, 1, 1, dispatch_bytes=1, combine_bytes=1)
+    dense = LayerCosts(1, 1, 1, 1)
+    costs = StepCosts(layers=tuple(moe if f else dense for f in layer_freq), f_tail=1, b_head=1)
+    assert simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True).launches == engine_order
+
+
+def _record(node_or_op: str, layer: int, mb: int, start: float, end: float, *, comm: bool = False) -> dict:
+    record = {"layer": layer, "microbatch": mb, "phase": "plain", "start_s": start, "end_s": end}
+    if comm:
+        return {**record, "op": node_or_op, "bytes_sent": 1000, "bytes_received": 1200}
+    return {**record, "node": node_or_op}
+
+
+def test_costs_are_read_from_the_plain_paths_segments():
+    # One MoE layer between two dense ones (layer 1), two microbatches of identical shape.
+    step = {"compute": [], "comm": []}
+    for mb in range(2):
+        t = 16.0 * mb
+        spans = [
+            ("plain dispatch", 1, 1.0), ("dispatch", 1, 0.5), ("plain combine", 1, 2.0), ("combine", 1, 0.5),
+            ("plain forward_end", -1, 3.0), ("plain combine_bwd", 1, 1.5), ("combine_bwd", 1, 0.5),
+            ("plain dispatch_bwd", 1, 4.0), ("dispatch_bwd", 1, 0.5), ("plain backward_end", -1, 2.5),
+        ]  # fmt: skip
+        for name, layer, seconds in spans:
+            is_comm = not name.startswith("plain")
+            step["comm" if is_comm else "compute"].append(_record(name, layer, mb, t, t + seconds, comm=is_comm))
+            t += seconds
+    costs, link = costs_from_records([step, step], [32.5, 32.5], link_gbps=3.2e-5, num_layers=3)  # 4000 B/s
+    assert costs.layers[0] == costs.layers[2] == LayerCosts(0.0, 0.0, 0.0, 0.0)
+    moe = costs.layers[1]
+    assert (moe.f_pre, moe.f_exp, moe.b_exp, moe.b_pre) == (1.0, 2.0, 4.0, 2.5)
+    assert (moe.dispatch_bytes, moe.combine_bytes) == (1200, 1200)
+    assert (costs.f_tail, costs.b_head, costs.other_s) == (3.0, 1.5, 0.5)
+    assert link.bandwidth_Bps == pytest.approx(4000)
+    assert link.latency_s == pytest.approx(0.5 - 1200 / 4000)  # what the 0.5 s all-to-alls took beyond the bytes
