@@ -9,5 +9,5 @@ if [ "$(id -u)" = 0 ] && command -v ip >/dev/null && command -v tc >/dev/null; t
 else
     echo "note: not root or no iproute2; running over loopback, where all-to-all is cheap and overlap gains little"
 fi
-exec .venv/bin/python scripts/performance/ep_overlap_ab.py --ab --device cpu "${link[@]}" \
+exec .venv/bin/python scripts/performance/ep_overlap_ab.py --ab --predict --device cpu "${link[@]}" \
     --json out/ab.json --timeline out/timeline.png "$@"

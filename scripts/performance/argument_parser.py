@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--ab", action="store_true", help="run baseline (overlap off) and overlap arms, same seed and data"
     )
+    run.add_argument(
+        "--predict",
+        action="store_true",
+        help="with --ab: also print the planner's prediction, fed with the baseline arm's records, beside the "
+        "measurement (per phase too)",
+    )
     run.add_argument("--nproc_per_node", type=int, default=2, help="local ranks to spawn when not under torchrun")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument(

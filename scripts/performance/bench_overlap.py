@@ -1,12 +1,14 @@
 """Benchmark (not a test): sweep the emulated link speed so comm goes from well over to well under compute.
 
-For each link speed it runs the harness's matched A/B (8 microbatches) and prints T_compute and T_comm (from
-the baseline arm, whose all-to-alls are all exposed), both step times, the speedup, and the hidden fraction
+For each link speed it runs the harness's matched A/B (8 microbatches, arms interleaved ABBA in the same ranks)
+with ``--predict`` and prints T_compute and T_comm (from the baseline arm, whose all-to-alls are all exposed), both
+step times, the overlap step the planner predicts from the baseline's records, the speedup, and the hidden fraction
 
     h = (T_baseline - T_overlap) / min(T_compute, T_comm)
 
 next to the bound 1F1B pairing allows: the first forward and the last backward are unpaired, so at most
-(N - 1) / N of the hideable time can be hidden. Needs root (network namespaces). ``--out`` writes a Markdown table.
+(N - 1) / N of the hideable time can be hidden. Every measured figure is a median with its 95% interval. Then the
+exposed comm per phase, predicted vs measured. Needs root (network namespaces). ``--out`` writes Markdown tables.
 """
 
 import argparse
@@ -19,54 +21,80 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from argument_parser import parse_cli_args  # noqa: E402
-from utils.ab_run import build_recipe, plan_arms, run_local, specs_for, summarize  # noqa: E402
+from utils.quiet import quiet_third_party_imports  # noqa: E402
+
+with quiet_third_party_imports():
+    from utils.ab_run import build_recipe, plan_arms, run_local, specs_for, summarize
+from utils.stats import median_ci, step_series  # noqa: E402
 
 
 def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -> dict:
     args = parse_cli_args(
-        ["--ab", "--device", "cpu", "-ms", str(steps), "--num_microbatches", str(microbatches)]
+        ["--ab", "--predict", "--device", "cpu", "-ms", str(steps), "--num_microbatches", str(microbatches)]
         + ["--link_gbps", str(link_gbps), *extra]
     )
     recipe = build_recipe(args)
     specs = specs_for(plan_arms(recipe, True), recipe, "cpu")
     for spec in specs:
         spec.progress = False
-    summary = summarize(run_local(specs, args, "cpu"), recipe, args, "cpu", args.nproc_per_node)
+    results = run_local(specs, args, "cpu")
+    summary = summarize(results, recipe, args, "cpu", args.nproc_per_node)
+    warmup = recipe.train.warmup_steps
     base, over = summary["arms"]["baseline"], summary["arms"]["overlap"]
-    t_base, t_over, t_comm = base["median_step_time_s"], over["median_step_time_s"], base["comm_s"]
-    t_compute = t_base - t_comm
+    t_base, t_comm = base["median_step_time_s"], base["comm_s"]
+    prediction = summary["prediction"]
     return {
         "link_gbps": link_gbps,
-        "t_compute": t_compute,
+        "t_compute": t_base - t_comm,
         "t_comm": t_comm,
-        "t_baseline": t_base,
-        "t_overlap": t_over,
-        "speedup": t_base / t_over,
-        "h": (t_base - t_over) / min(t_compute, t_comm),
-        "bound": (microbatches - 1) / microbatches,
-        "ratio": t_comm / t_compute,
+        "ratio": t_comm / (t_base - t_comm),
+        "t_baseline": median_ci(step_series(results["baseline"], "step_times_s")[warmup:]),
+        "t_overlap": median_ci(step_series(results["overlap"], "step_times_s")[warmup:]),
+        "speedup": summary["speedup"],
+        "h": summary["h"],
+        "bound": summary["bound"],
+        "predicted": prediction,
         "bitwise_equal": summary["numerics"]["bitwise_equal"],
+        "overlap_median_s": over["median_step_time_s"],
     }
 
 
 HEADER = (
-    "| link (Gbit/s) | T_compute (s) | T_comm (s) | T_comm/T_compute | baseline step (s) | overlap step (s) "
-    "| speedup | h | bound | bitwise equal |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| link (Gbit/s) | T_comm/T_compute | baseline step (s) | overlap step (s), measured [95% CI] | predicted "
+    "| error | speedup [95% CI] | h measured [95% CI] | h predicted | bound | bitwise equal |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
+def _ci(figure: dict, fmt: str) -> str:
+    lo, hi = figure["ci95"]
+    return f"{fmt.format(figure['median'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
 def row(p: dict) -> str:
+    predicted = p["predicted"]["overlap_step_s"]
+    error = 100 * (predicted / p["t_overlap"]["median"] - 1)
     return (
-        f"| {p['link_gbps']:g} | {p['t_compute']:.2f} | {p['t_comm']:.2f} | {p['ratio']:.2f} | {p['t_baseline']:.2f} "
-        f"| {p['t_overlap']:.2f} | {p['speedup']:.3f}x | {p['h']:.2f} | {p['bound']:.3f} | "
-        f"{'yes' if p['bitwise_equal'] else 'NO'} |"
+        f"| {p['link_gbps']:g} | {p['ratio']:.2f} | {p['t_baseline']['median']:.2f} | {_ci(p['t_overlap'], '{:.2f}')} "
+        f"| {predicted:.2f} | {error:+.1f}% | {_ci(p['speedup'], '{:.3f}x')} | {_ci(p['h'], '{:.2f}')} "
+        f"| {p['predicted']['h']:.2f} | {p['bound']:.3f} | {'yes' if p['bitwise_equal'] else 'NO'} |"
     )
+
+
+PHASE_HEADER = "| link (Gbit/s) | phase | exposed comm predicted (s) | measured (s) |\n|---|---|---|---|"
+
+
+def phase_rows(p: dict) -> list[str]:
+    return [
+        f"| {p['link_gbps']:g} | {phase} | {v['predicted']:.3f} | {v['measured']:.3f} |"
+        for phase, v in p["predicted"]["exposed_comm_s_by_phase"].items()
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--links", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--delay_wgrad_compute", action="store_true", help="overlap arm also delays expert wgrad")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
@@ -74,20 +102,28 @@ def main() -> int:
     extra = ["--delay_wgrad_compute", "true"] if args.delay_wgrad_compute else []
     title = (
         f"overlap arm: EP overlap{' + delayed wgrad' if args.delay_wgrad_compute else ''}; "
-        f"{args.microbatches} microbatches, {args.steps} steps (first excluded), 2 ranks, "
+        f"{args.microbatches} microbatches, {args.steps} matched steps per arm, ABBA (first excluded), 2 ranks, "
         f"{os.cpu_count()} cores, {platform.machine()}, {datetime.date.today()}"
     )
     print(title)
     print(HEADER)
-    rows = []
+    rows, phases = [], []
     for link in args.links:
         point = measure(link, args.steps, args.microbatches, extra)
         rows.append(row(point))
+        phases += phase_rows(point)
         print(rows[-1], flush=True)
+    print(PHASE_HEADER)
+    print("\n".join(phases))
     if args.out:
         with open(args.out, "a") as f:
             command = "python scripts/performance/bench_overlap.py " + " ".join(sys.argv[1:])
-            f.write(f"\n### {title}\n\n`{command}`\n\n{HEADER}\n" + "\n".join(rows) + "\n")
+            f.write(
+                f"\n### {title}\n\n`{command}`\n\n{HEADER}\n" + "\n".join(rows) + "\n\n"
+                f"Exposed comm per phase of the overlap arm, predicted vs measured:\n\n{PHASE_HEADER}\n"
+                + "\n".join(phases)
+                + "\n"
+            )
     return 0
 
 

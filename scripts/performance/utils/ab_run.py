@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import statistics
 import sys
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from argument_parser import MODEL_INT_FLAGS
 
+from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
 from megatron.bridge.utils.multiprocess import (
     RankFailure,
@@ -228,7 +230,36 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
         summary["bound"] = (t.num_microbatches - 1) / t.num_microbatches
+        if args.predict:
+            summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary
+
+
+def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfig, args) -> dict:
+    """The planner fed with rank 0's baseline records, beside what the overlap arm measured (per phase too)."""
+    warmup = recipe.train.warmup_steps
+    base, over = results["baseline"][0], results["overlap"][0]
+    costs, link = costs_from_records(
+        base["records"][warmup:], base["step_times_s"][warmup:], args.link_gbps, recipe.model.num_layers
+    )
+    delay = bool(over.get("delay_wgrad", False))
+    comparison = predict(costs, link, recipe.train.num_microbatches, delay_wgrad=delay)
+    measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
+    phases = sorted({phase for step in measured for phase in step})
+    return {
+        "baseline_step_s": comparison.baseline.step_s,
+        "overlap_step_s": comparison.overlap.step_s,
+        "h": comparison.h,
+        "speedup": comparison.speedup,
+        "link": {"bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s},
+        "exposed_comm_s_by_phase": {
+            phase: {
+                "predicted": comparison.overlap.exposed_s.get(phase, 0.0),
+                "measured": statistics.median(step.get(phase, 0.0) for step in measured),
+            }
+            for phase in phases
+        },
+    }
 
 
 def _stop_on_sigterm(signum, frame) -> None:

@@ -155,6 +155,7 @@ class _Arm:
             "records": self.records,
             "peak_memory_mb": self.peak_mb,
             "param_digest": _digest(self.model),
+            "delay_wgrad": self.spec.delay_wgrad,
         }
 
 

@@ -75,7 +75,26 @@ def format_table(summary: dict[str, Any]) -> str:
         )
     if "speedup" in summary:
         lines += describe_matched(summary, summary["bound"])
+    if "prediction" in summary:
+        lines += describe_prediction(summary)
     return "\n".join(lines)
+
+
+def describe_prediction(summary: dict[str, Any]) -> list[str]:
+    """The planner's prediction beside the measurement."""
+    p, arms = summary["prediction"], summary["arms"]
+    measured = arms["overlap"]["median_step_time_s"]
+    error = 100 * (p["overlap_step_s"] / measured - 1)
+    lines = [
+        f"planner (fed the baseline's records): baseline {p['baseline_step_s']:.3f} s, overlap "
+        f"{p['overlap_step_s']:.3f} s (measured {measured:.3f} s, {error:+.1f}%), "
+        f"h {p['h']:.2f} (measured {summary['h']['median']:.2f})"
+    ]
+    for phase, values in p["exposed_comm_s_by_phase"].items():
+        lines.append(
+            f"  exposed comm in {phase}: predicted {values['predicted']:.3f} s, measured {values['measured']:.3f} s"
+        )
+    return lines
 
 
 def partial_summary(status: str, finished: dict[str, list[dict]], config: dict[str, Any]) -> dict[str, Any]:

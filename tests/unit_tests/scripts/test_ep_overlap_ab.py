@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import ep_overlap_ab
+import ep_overlap_plan
 import pytest
 from argument_parser import parse_cli_args
 from utils import ab_run, netns
@@ -172,11 +173,18 @@ def test_link_without_root_says_so_and_fails(monkeypatch, capsys):
 
 def test_ab_smoke_on_loopback(tmp_path, capsys):
     json_path, png_path = tmp_path / "ab.json", tmp_path / "timeline.png"
-    code = ep_overlap_ab.main(TINY + ["--ab", "--json", str(json_path), "--timeline", str(png_path)])
+    code = ep_overlap_ab.main(TINY + ["--ab", "--predict", "--json", str(json_path), "--timeline", str(png_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "losses and final parameters bitwise equal: yes" in out
+    assert "planner (fed the baseline's records): baseline" in out
     result = json.loads(json_path.read_text())
+    prediction = result["prediction"]
+    assert prediction["baseline_step_s"] > 0 and prediction["overlap_step_s"] > 0
+    assert {"warmup", "paired", "cooldown"} <= set(prediction["exposed_comm_s_by_phase"])
+    # The planner CLI reads the same JSON.
+    assert ep_overlap_plan.main(["--from_json", str(json_path)]) == 0
+    assert "best of" in capsys.readouterr().out
     assert result["numerics"]["bitwise_equal"] is True
     for arm in ("baseline", "overlap"):
         data = result["arms"][arm]
@@ -273,6 +281,12 @@ def test_an_interval_across_one_is_no_measurable_difference():
     matched = matched_ab(same, other, warmup=1)
     assert matched["speedup"]["verdict"] == "no measurable difference"
     assert describe_matched(matched, 0.5)[0].startswith("speedup: no measurable difference")
+
+
+def test_planner_cli_on_a_published_shape(capsys):
+    assert ep_overlap_plan.main(["--model", "qwen3-30b-a3b", "--gpus", "16", "--ep", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "64 microbatches: plain" in out and "speedup" in out
 
 
 def test_arms_alternate_abba():

@@ -1,0 +1,91 @@
+"""EP-overlap planner: will overlap pay, with how many microbatches, with delayed wgrad or not? Before the run.
+
+    # from a measured step (the harness's JSON; the baseline arm's records are the costs)
+    python scripts/performance/ep_overlap_plan.py --from_json out/ab.json
+    # from a published shape on a named cluster
+    python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --gpus 16 --ep 16 --global_batch 1024
+    # the cluster-scale table of docs/performance/ep-overlap-planner.md
+    python scripts/performance/ep_overlap_plan.py --table
+
+It simulates the engine's schedule (``megatron.bridge.training.ep_overlap.planner``); nothing runs on a GPU.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+DEFAULT_COUNTS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from_json", help="the harness's --json output (an --ab run): costs from its baseline arm")
+    source.add_argument("--model", choices=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"], help="a published shape")
+    source.add_argument("--table", action="store_true", help="print the cluster-scale table (Markdown)")
+    parser.add_argument("--profile", choices=["H100", "H200"], default="H100")
+    parser.add_argument("--gpus", type=int, default=16)
+    parser.add_argument("--ep", type=int, default=16)
+    parser.add_argument("--global_batch", type=int, default=1024, help="sequences per step")
+    parser.add_argument("--link_gbps", type=float, default=None, help="with --from_json: predict for this link")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=None, help="microbatch counts to search")
+    return parser
+
+
+def _line(label: str, comparison) -> str:
+    base, over = comparison.baseline, comparison.overlap
+    return (
+        f"{label}: plain {base.step_s:.3f} s, overlapped {over.step_s:.3f} s, speedup {comparison.speedup:.3f}x, "
+        f"h {comparison.h:.2f} (exposed comm {base.exposed_total_s:.3f} -> {over.exposed_total_s:.3f} s: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in over.exposed_s.items())
+        + ")"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from utils.quiet import quiet_third_party_imports
+
+    with quiet_third_party_imports():
+        from megatron.bridge.training.ep_overlap import cost_model, planner
+
+    if args.table:
+        from utils.plan_table import cluster_table
+
+        print(cluster_table())
+        return 0
+    if args.from_json:
+        summary = json.loads(Path(args.from_json).read_text())
+        base = summary["arms"]["baseline"]
+        train, model = summary["config"]["train"], summary["config"]["model"]
+        warmup = train["warmup_steps"]
+        link_gbps = args.link_gbps or summary["config"]["link_gbps"]
+        costs, link = planner.costs_from_records(
+            base["records"]["0"][warmup:], base["step_times_s"][warmup:], link_gbps, model["num_layers"]
+        )
+        n = train["num_microbatches"]
+        print(f"costs from {args.from_json} (rank 0's baseline records, steps {warmup + 1}..{train['max_steps']})")
+    else:
+        layout = cost_model.Layout(args.gpus, args.ep, args.global_batch)
+        costs, link = cost_model.costs_from_model(
+            cost_model.SHAPES[args.model], layout, cost_model.PROFILES[args.profile]
+        )
+        n = layout.num_microbatches
+        print(f"{args.model} on {args.gpus} x {args.profile}, EP {args.ep}, global batch {args.global_batch}")
+    print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
+    print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
+    print(_line(f"{n} microbatches, delayed wgrad", planner.predict(costs, link, n, delay_wgrad=True)))
+    counts = args.microbatches or [c for c in DEFAULT_COUNTS if c <= max(n, 1) * 4]
+    best = planner.best_plan(costs, link, counts)[0]
+    print(
+        f"best of {counts}: {best.num_microbatches} microbatches{', delayed wgrad' if best.delay_wgrad else ''} "
+        f"({best.overlap.step_s / best.num_microbatches:.3f} s per microbatch overlapped, speedup {best.speedup:.3f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

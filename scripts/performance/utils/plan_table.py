@@ -1,0 +1,39 @@
+"""The planner's cluster-scale table: published MoE shapes on H100 clusters of 8 to 1,024 GPUs."""
+
+from megatron.bridge.training.ep_overlap.cost_model import (
+    DEEPSEEK_V3,
+    MIXTRAL_8X7B,
+    PROFILES,
+    QWEN3_30B_A3B,
+    Layout,
+    costs_from_model,
+)
+from megatron.bridge.training.ep_overlap.planner import predict
+
+# (shape, global batch in sequences, [(GPUs, EP)]); TP = PP = 1, micro-batch 1, sequence length 4096.
+SWEEPS = [
+    (QWEN3_30B_A3B, 1024, [(8, 8), (16, 16), (32, 16), (64, 16), (128, 16), (256, 16), (512, 16), (1024, 16)]),
+    (DEEPSEEK_V3, 15360, [(8, 8), (32, 32), (64, 64), (256, 256), (1024, 256)]),
+    (MIXTRAL_8X7B, 1024, [(8, 8), (16, 8), (64, 8), (256, 8), (1024, 8)]),
+]
+
+HEADER = (
+    "| model | GPUs | EP | microbatches N | T_comm / T_compute | speedup, overlap | speedup, overlap + delayed wgrad "
+    "| h |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def cluster_table(profile: str = "H100") -> str:
+    rows = [HEADER]
+    for shape, global_batch, layouts in SWEEPS:
+        for gpus, ep in layouts:
+            layout = Layout(gpus, ep, global_batch)
+            costs, link = costs_from_model(shape, layout, PROFILES[profile])
+            n = layout.num_microbatches
+            plain, delayed = predict(costs, link, n), predict(costs, link, n, delay_wgrad=True)
+            comm = plain.baseline.exposed_total_s
+            rows.append(
+                f"| {shape.name} | {gpus} | {ep} | {n} | {comm / (plain.baseline.step_s - comm):.2f} "
+                f"| {plain.speedup:.3f}x | {delayed.speedup:.3f}x | {plain.h:.2f} |"
+            )
+    return "\n".join(rows)

@@ -1,0 +1,164 @@
+"""Planner costs from a model shape, a parallel layout and a hardware profile, for clusters not at hand.
+
+Contract:
+    * :func:`costs_from_model` turns FLOPs and bytes into the planner's per-layer :class:`StepCosts` and a
+      :class:`Link` for one rank: compute time = FLOPs / (peak x efficiency); an all-to-all moves the rank's
+      tokens x top-k x hidden x 2 bytes (bf16), of which (EP-1)/EP leave the rank, split between NVLink (peers in
+      the node) and the network (peers in other nodes), each at its bandwidth x efficiency.
+    * Every number of a profile is stated with where it comes from (:data:`PROFILES`): datasheet figures are
+      marked as such; efficiencies and latency are this project's assumptions, chosen before comparing with any
+      published step time and not tuned to one.
+    * Left out (the same in both arms, so they shift step time, not what overlap hides): data-parallel gradient
+      sync, the optimizer, memory limits. Pipeline parallelism is not modelled (PP = 1): the figures are those of
+      a rank holding all layers, i.e. of its layer steps.
+"""
+
+from dataclasses import dataclass, field
+
+from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts
+
+BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What one GPU and its links deliver. Bandwidths are per GPU and per direction."""
+
+    name: str
+    peak_flops: float
+    compute_efficiency: float
+    gpus_per_node: int
+    nvlink_Bps: float
+    network_Bps: float
+    comm_efficiency: float
+    latency_s: float
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+_COMMON_SOURCES = {
+    "peak_flops": "NVIDIA H100/H200 SXM datasheets: 989 TFLOP/s dense BF16 (1,979 with sparsity)",
+    "gpus_per_node": "DGX/HGX H100 and H200: 8 GPUs per node",
+    "nvlink_Bps": "NVIDIA datasheets: NVLink 4, 900 GB/s per GPU in both directions together, so 450 GB/s each way",
+    "network_Bps": "one 400 Gb/s InfiniBand NDR (ConnectX-7) adapter per GPU, as in DGX H100: 50 GB/s each way",
+    "compute_efficiency": "assumption: 0.40 of peak for a MoE layer (dense GPT layers reach 0.4-0.47 MFU on H100 "
+    "in Megatron-Core's published results; grouped expert GEMMs are smaller)",
+    "comm_efficiency": "assumption: all-to-all reaches 0.7 of the link bandwidth",
+    "latency_s": "assumption: 30 us per all-to-all (NCCL launch and synchronisation)",
+}
+
+PROFILES: dict[str, HardwareProfile] = {
+    "H100": HardwareProfile("H100 SXM", 989e12, 0.40, 8, 450e9, 50e9, 0.7, 30e-6, _COMMON_SOURCES),
+    # H200 has the H100's compute and NVLink; its larger, faster HBM does not change these figures.
+    "H200": HardwareProfile("H200 SXM", 989e12, 0.40, 8, 450e9, 50e9, 0.7, 30e-6, _COMMON_SOURCES),
+}
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A decoder-only MoE transformer. ``mla`` = (q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_dim)
+    for multi-head latent attention; else grouped-query attention with ``num_query_groups``."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    head_dim: int
+    num_experts: int
+    topk: int
+    moe_ffn: int
+    vocab: int
+    seq_length: int
+    num_query_groups: int | None = None
+    dense_layers: int = 0  # the first layers are dense (DeepSeek-V3: 3)
+    dense_ffn: int = 0
+    shared_expert_ffn: int = 0
+    mla: tuple[int, int, int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is spread: data/expert parallel over ``gpus`` (TP = PP = 1), ``global_batch`` sequences."""
+
+    gpus: int
+    ep: int
+    global_batch: int
+    micro_batch: int = 1
+
+    @property
+    def num_microbatches(self) -> int:
+        return max(1, self.global_batch // (self.gpus * self.micro_batch))
+
+
+def _attention_flops(s: MoEShape, tokens: int) -> float:
+    """Forward FLOPs of attention for ``tokens`` tokens of sequences of ``s.seq_length`` (causal)."""
+    h, heads = s.hidden, s.num_heads
+    if s.mla:
+        q_lora, kv_lora, nope, rope, v = s.mla
+        projections = h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope)
+        projections += kv_lora * heads * (nope + v) + heads * v * h
+        core = s.seq_length * heads * (nope + rope + v)  # QK^T and PV, halved for causal masking
+    else:
+        groups = s.num_query_groups or heads
+        projections = h * (heads + 2 * groups) * s.head_dim + heads * s.head_dim * h
+        core = s.seq_length * heads * 2 * s.head_dim
+    return 2 * tokens * projections + tokens * core
+
+
+def costs_from_model(shape: MoEShape, layout: Layout, profile: HardwareProfile) -> tuple[StepCosts, Link]:
+    """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link."""
+    tokens = layout.micro_batch * shape.seq_length
+    rate = profile.peak_flops * profile.compute_efficiency
+    attention = _attention_flops(shape, tokens)
+    router = 2 * tokens * shape.hidden * shape.num_experts
+    shared = 2 * tokens * shape.hidden * shape.shared_expert_ffn * 3
+    experts = 2 * tokens * shape.topk * shape.hidden * shape.moe_ffn * 3  # SwiGLU: gate, up and down projections
+    a2a_bytes = tokens * shape.topk * shape.hidden * BYTES_PER_ELEMENT * (layout.ep - 1) / layout.ep
+    layers = []
+    for index in range(shape.num_layers):
+        if index < shape.dense_layers:
+            mlp = 2 * tokens * shape.hidden * shape.dense_ffn * 3
+            layers.append(
+                LayerCosts(f_pre=(attention + mlp) / rate, f_exp=0.0, b_exp=0.0, b_pre=2 * (attention + mlp) / rate)
+            )
+        else:
+            pre = (attention + router + shared) / rate
+            layers.append(
+                LayerCosts(
+                    f_pre=pre,
+                    f_exp=experts / rate,
+                    b_exp=2 * experts / rate,
+                    b_pre=2 * pre,
+                    dispatch_bytes=a2a_bytes,
+                    combine_bytes=a2a_bytes,
+                )
+            )
+    head = 2 * tokens * shape.hidden * shape.vocab / rate
+    costs = StepCosts(layers=tuple(layers), f_tail=head, b_head=2 * head)
+    return costs, Link(_effective_bandwidth(layout.ep, profile), profile.latency_s, meta_s=2 * profile.latency_s)
+
+
+def _effective_bandwidth(ep: int, profile: HardwareProfile) -> float:
+    """Bytes/s at which a rank's all-to-all traffic leaves it, NVLink for peers in its node, network beyond."""
+    if ep <= 1:
+        return profile.nvlink_Bps * profile.comm_efficiency
+    in_node = min(ep, profile.gpus_per_node) - 1
+    intra, inter = in_node / (ep - 1), (ep - 1 - in_node) / (ep - 1)
+    seconds_per_byte = max(intra / profile.nvlink_Bps, inter / profile.network_Bps)
+    return profile.comm_efficiency / seconds_per_byte
+
+
+# Published shapes (model cards / configs); sequence length 4096 for all.
+QWEN3_30B_A3B = MoEShape(
+    "Qwen3-30B-A3B", num_layers=48, hidden=2048, num_heads=32, head_dim=128, num_query_groups=4, num_experts=128,
+    topk=8, moe_ffn=768, vocab=151936, seq_length=4096,
+)  # fmt: skip
+DEEPSEEK_V3 = MoEShape(
+    "DeepSeek-V3-like", num_layers=61, hidden=7168, num_heads=128, head_dim=128, num_experts=256, topk=8,
+    moe_ffn=2048, vocab=129280, seq_length=4096, dense_layers=3, dense_ffn=18432, shared_expert_ffn=2048,
+    mla=(1536, 512, 128, 64, 128),
+)  # fmt: skip
+MIXTRAL_8X7B = MoEShape(
+    "Mixtral-8x7B-like", num_layers=32, hidden=4096, num_heads=32, head_dim=128, num_query_groups=8, num_experts=8,
+    topk=2, moe_ffn=14336, vocab=32000, seq_length=4096,
+)  # fmt: skip
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "deepseek-v3": DEEPSEEK_V3, "mixtral-8x7b": MIXTRAL_8X7B}
