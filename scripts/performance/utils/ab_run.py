@@ -269,7 +269,12 @@ def _stop_on_sigterm(signum, frame) -> None:
 def run(args) -> int:
     """The harness after argument parsing: check everything, run, report. Returns the exit status."""
     progress, recipe, partial_to = Progress(), None, None
-    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    # Both signals stop the run, whatever the launcher left them as: a shell's background job inherits SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt.
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_on_sigterm),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
     try:
         recipe, problems = _recipe_with_problems(args)
         torchrun = launched_by_torchrun()
@@ -316,7 +321,8 @@ def run(args) -> int:
         )
         return code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if results is None:  # torchrun ranks other than 0
         return 0
     summary = summarize(results, recipe, args, device, world)
