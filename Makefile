@@ -1,6 +1,6 @@
 # The two commands of this project: `make run` (the main job) and `make test`.
 # Each one creates .venv (Python 3.12) and installs what it needs on first use.
-.PHONY: run test lint install bench
+.PHONY: run test lint install bench plugin patch
 
 VENV_PY := .venv/bin/python
 
@@ -20,3 +20,9 @@ test: install
 lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+
+plugin: install
+	.venv/bin/python tools/upstream.py plugin
+
+patch: install
+	.venv/bin/python tools/upstream.py patch

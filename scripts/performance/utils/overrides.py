@@ -21,7 +21,7 @@ from argument_parser import MODEL_INT_FLAGS
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron.bridge.training.comm_overlap import CommOverlapConfig
+from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
 from megatron.bridge.training.flex_dispatcher_backend import apply_flex_dispatcher_backend
 
 
@@ -126,7 +126,7 @@ def _set_moe_a2a_overlap_overrides(recipe: Any, moe_a2a_overlap: bool | None = F
     if moe_a2a_overlap is None:
         return recipe
     if recipe.comm_overlap is None:
-        recipe.comm_overlap = CommOverlapConfig(tp_comm_overlap=recipe.model.tensor_model_parallel_size > 1)
+        recipe.comm_overlap = EPOverlapCommOverlapConfig(tp_comm_overlap=recipe.model.tensor_model_parallel_size > 1)
     recipe.comm_overlap.overlap_moe_expert_parallel_comm = moe_a2a_overlap
     if moe_a2a_overlap:
         recipe.model.moe_shared_expert_overlap = False

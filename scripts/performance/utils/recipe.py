@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 
 from megatron.bridge.models.moe_gpt import MoEGPTConfig
-from megatron.bridge.training.comm_overlap import CommOverlapConfig
+from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
 
 
 @dataclass
@@ -24,7 +24,7 @@ class RecipeConfig:
     """Everything one run needs; Hydra-style overrides address it as ``model.x``, ``comm_overlap.x``, ``train.x``."""
 
     model: MoEGPTConfig
-    comm_overlap: CommOverlapConfig
+    comm_overlap: EPOverlapCommOverlapConfig
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -50,4 +50,4 @@ def small_moe_recipe() -> RecipeConfig:
         gated_linear_unit=False,
         bf16=False,
     )
-    return RecipeConfig(model=model, comm_overlap=CommOverlapConfig(tp_comm_overlap=False))
+    return RecipeConfig(model=model, comm_overlap=EPOverlapCommOverlapConfig(tp_comm_overlap=False))

@@ -2,7 +2,8 @@
 
 from typing import Any
 
-from megatron.bridge.training.flex_dispatcher_backend import SUPPORTED_BACKENDS
+# The flex backends upstream knows (0.6.2 added ncclep); a literal, as an installed upstream module may lack a list.
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 
 
 def finalize_config_overrides(config: Any) -> Any:
@@ -31,7 +32,7 @@ def finalize_config_overrides(config: Any) -> Any:
         ddp.fsdp_manual_registration = False
 
     backend = getattr(model, "moe_flex_dispatcher_backend", None)
-    if backend in SUPPORTED_BACKENDS and getattr(model, "num_moe_experts", None):
+    if backend in FLEX_BACKENDS and getattr(model, "num_moe_experts", None):
         model.moe_token_dispatcher_type = "flex"
         model.moe_shared_expert_overlap = False
     elif backend is None and getattr(model, "moe_token_dispatcher_type", None) == "flex":

@@ -292,3 +292,19 @@ def test_violations_function_leaves_the_users_request_untouched(fake_versions):
     comm_overlap_violations(cfg, moe_model())  # TP overlap is infeasible here (TP=1)
     cfg.finalize()
     assert cfg.user_comm_overlap_cfg.tp_comm_overlap is True
+
+
+def test_the_plugin_entry_point_is_this_config_when_standalone(fake_versions):
+    from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
+
+    with pytest.raises(CommOverlapConfigError) as raised:
+        EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm="yes").finalize()
+    assert [v.name for v in raised.value.violations] == ["overlap_moe_expert_parallel_comm"]
+    model = moe_model(expert_model_parallel_size=1, moe_token_dispatcher_type="allgather", bf16=False)
+    cfg = EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True)
+    with pytest.raises(CommOverlapConfigError) as raised:
+        cfg.setup(model)
+    assert [v.name for v in raised.value.violations] == ["expert_parallel", "token_dispatcher", "precision"]
+    good = moe_model()
+    EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(good)
+    assert good.overlap_moe_expert_parallel_comm is True

@@ -29,18 +29,22 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from packaging.version import Version
 
 from megatron.bridge.training.moe_overlap_rules import (
+    DP_RESOLVED_FIELDS,
+    MODEL_RESOLVED_FIELDS,
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
+    comm_overlap_value_violations,
+    conflict,
     graph_modules,
 )
 from megatron.bridge.utils import versions
 from megatron.bridge.utils.config_values import is_explicitly_set
 from megatron.bridge.utils.logging import is_rank0, warn_rank0
+from megatron.bridge.utils.process_groups import data_parallel_size_of
 
 __all__ = [
     "BulkOverlapCfg",
@@ -261,42 +265,14 @@ class _CommOverlapConfig:
 
 
 _DP_BUCKET_SIZE = 128 * 1024 * 1024
-_TP_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
-# Fields resolved for the model config where an explicit model value stands (tp_comm_overlap is always the
-# user's, so it is not among them).
-_MODEL_RESOLVED = (
-    "overlap_p2p_comm",
-    "batch_p2p_comm",
-    "defer_embedding_wgrad_compute",
-    "wgrad_deferral_limit",
-    "overlap_moe_expert_parallel_comm",
-    "delay_wgrad_compute",
-)
-_DP_RESOLVED = (
-    "bucket_size",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "overlap_param_gather_with_optimizer_step",
-    "align_param_gather",
-)
-_BOOL_FIELDS = (
-    "tp_comm_overlap",
-    "overlap_p2p_comm",
-    "batch_p2p_comm",
-    "overlap_grad_reduce",
-    "overlap_param_gather",
-    "overlap_param_gather_with_optimizer_step",
-    "align_param_gather",
-    "defer_embedding_wgrad_compute",
-    "overlap_moe_expert_parallel_comm",
-    "delay_wgrad_compute",
-)
-_INT_FIELDS = ("bucket_size", "wgrad_deferral_limit", "data_parallel_size")
 
 
 @dataclass(kw_only=True)
 class CommOverlapConfig:
     """Which communications to overlap with compute. ``None`` means "auto".
+
+    This class enforces the EP-overlap rules itself (``checks_ep_overlap_rules``), so the plugin entry point
+    ``EPOverlapCommOverlapConfig`` defers to it.
 
     Attributes:
         tp_comm_overlap: Tensor-parallel comm overlap (Transformer Engine userbuffers). Required.
@@ -334,6 +310,8 @@ class CommOverlapConfig:
     data_parallel_size: int | None = None
     overlap_moe_expert_parallel_comm: bool | None = None
     delay_wgrad_compute: bool | None = None
+
+    checks_ep_overlap_rules = True  # a class attribute, not a field
 
     def finalize(self) -> None:
         """Checks this config's own values and records them as the user's request (``user_comm_overlap_cfg``).
@@ -385,7 +363,7 @@ class CommOverlapConfig:
 
     def _get_optimizer_overlap_cfgs(self, model_cfg: Any) -> _CommOverlapConfig:
         """Resolved data-parallel values for the optimizer and DDP configs (distributed optimizer only)."""
-        dp = self.data_parallel_size or _infer_data_parallel_size(model_cfg)
+        dp = self.data_parallel_size or data_parallel_size_of(model_cfg)
         pp, vpp = _pipeline_sizes(model_cfg)
         cfg = _CommOverlapConfig(
             bucket_size=None,
@@ -440,7 +418,7 @@ class CommOverlapConfig:
         if optimizer_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
             dp_cfg = self._get_optimizer_overlap_cfgs(model_config)
             for target in (optimizer_config, ddp_config):
-                dp_plan.append((self._keep_explicit(dp_cfg, target, _DP_RESOLVED, problems), target))
+                dp_plan.append((self._keep_explicit(dp_cfg, target, DP_RESOLVED_FIELDS, problems), target))
             grad_reduce = bool(dp_plan[-1][0].overlap_grad_reduce)
         model_cfg, model_problems = self._resolve_model(model_config, grad_reduce)
         return [(model_cfg, model_config), *dp_plan], model_problems + problems
@@ -462,7 +440,7 @@ class CommOverlapConfig:
         if user.tp_comm_overlap is True and not self._tp_overlap_feasible(model_cfg):
             user.tp_comm_overlap = False
         problems: list[Violation] = []
-        cfg = self._keep_explicit(self._override_user_cfgs(cfg), model_cfg, _MODEL_RESOLVED, problems)
+        cfg = self._keep_explicit(self._override_user_cfgs(cfg), model_cfg, MODEL_RESOLVED_FIELDS, problems)
         if cfg.overlap_moe_expert_parallel_comm and not hasattr(model_cfg, "overlap_moe_expert_parallel_comm"):
             problems.append(
                 Violation(
@@ -499,7 +477,7 @@ class CommOverlapConfig:
             if requested is None:
                 setattr(out, name, current)
             elif current != requested:
-                problems.append(_conflict(target, name, current, requested))
+                problems.append(conflict(target, name, current, requested))
         return out
 
     def _tp_overlap_feasible(self, model_cfg: Any) -> bool:
@@ -532,60 +510,7 @@ class CommOverlapConfig:
         return {key: value for key, value in as_dict.items() if value is not None}
 
     def _own_violations(self) -> list[Violation]:
-        problems = []
-        for name in _BOOL_FIELDS + _INT_FIELDS:
-            value = getattr(self, name)
-            expected = bool if name in _BOOL_FIELDS else int
-            # bool is an int subclass: a True/False integer field is as wrong as a string for a bool field.
-            if value is not None and (type(value) is not expected and not (expected is int and _is_int(value))):
-                problems.append(
-                    Violation(
-                        name,
-                        {f"comm_overlap.{name}": value},
-                        f"{name} must be {expected.__name__} or None, not {type(value).__name__}.",
-                        f"set comm_overlap.{name} to {'True or False' if expected is bool else 'an integer'}"
-                        " (None means auto).",
-                    )
-                )
-        if problems:
-            return problems
-        if self.data_parallel_size is not None and self.data_parallel_size < 1:
-            problems.append(
-                Violation(
-                    "data_parallel_size",
-                    {"comm_overlap.data_parallel_size": self.data_parallel_size},
-                    "data_parallel_size must be at least 1.",
-                    "leave it None (auto) or set a positive integer.",
-                )
-            )
-        if self.bucket_size is not None and self.bucket_size <= 0:
-            problems.append(
-                Violation(
-                    "bucket_size",
-                    {"comm_overlap.bucket_size": self.bucket_size},
-                    "bucket_size must be positive.",
-                    "leave it None (auto: 128 Mi elements with DP > 1) or set a positive number of elements.",
-                )
-            )
-        if self.tp_comm_bootstrap_backend is not None and self.tp_comm_bootstrap_backend not in _TP_BOOTSTRAP_BACKENDS:
-            problems.append(
-                Violation(
-                    "tp_comm_bootstrap_backend",
-                    {"comm_overlap.tp_comm_bootstrap_backend": self.tp_comm_bootstrap_backend},
-                    f"unknown TP bootstrap backend; expected one of {_TP_BOOTSTRAP_BACKENDS}.",
-                    "set tp_comm_bootstrap_backend to 'nccl', 'mpi' or 'gloo'.",
-                )
-            )
-        if self.wgrad_deferral_limit is not None and self.wgrad_deferral_limit < -1:
-            problems.append(
-                Violation(
-                    "wgrad_deferral_limit",
-                    {"comm_overlap.wgrad_deferral_limit": self.wgrad_deferral_limit},
-                    "wgrad_deferral_limit must be -1 (no limit) or a non-negative number of microbatches.",
-                    "set wgrad_deferral_limit >= -1.",
-                )
-            )
-        return problems
+        return comm_overlap_value_violations(self)
 
     def _set_cuda_device_max_connections(self, model_config: Any) -> None:
         """Sets CUDA_DEVICE_MAX_CONNECTIONS as the overlap settings need it. No-op without CUDA."""
@@ -617,10 +542,6 @@ def comm_overlap_violations(
     return probe._plan(model_config, optimizer_config, ddp_config)[1]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _pipeline_sizes(model_cfg: Any) -> tuple[int, int]:
     pp = getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1
     vpp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None) or 1
@@ -630,22 +551,3 @@ def _pipeline_sizes(model_cfg: Any) -> tuple[int, int]:
 def _grad_reduce_requested(user: _CommOverlapConfig, ddp_config: Any) -> bool:
     """Upstream's reading of "DP grad reduce overlaps": on the DDP config, or asked for here."""
     return bool(getattr(ddp_config, "overlap_grad_reduce", False) or user.overlap_grad_reduce)
-
-
-def _conflict(target: Any, name: str, target_value: Any, user_value: Any) -> Violation:
-    where = type(target).__name__
-    return Violation(
-        "conflict",
-        {f"{where}.{name}": target_value, f"comm_overlap.{name}": user_value},
-        f"the {where} sets {name}={target_value!r} but comm_overlap sets {user_value!r}; neither wins silently.",
-        f"set it in one place: leave comm_overlap.{name}=None to keep the {where} value, or make both {user_value!r}.",
-    )
-
-
-def _infer_data_parallel_size(model_config: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    model_parallel = 1
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        model_parallel *= getattr(model_config, name, 1) or 1
-    return max(1, dist.get_world_size() // model_parallel)

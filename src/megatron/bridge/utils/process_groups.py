@@ -14,6 +14,7 @@ Contract:
 import math
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,3 +114,13 @@ def exchanged_bytes(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     """Bytes an all-to-all of ``x`` sends to other ranks and receives from them (the own slice stays local)."""
     row = x[0].numel() * x.element_size() if x.shape[0] else math.prod(x.shape[1:]) * x.element_size()
     return (sum(in_splits) - in_splits[rank]) * row, (sum(out_splits) - out_splits[rank]) * row
+
+
+def data_parallel_size_of(model_config: Any) -> int:
+    """World size over TP x PP x CP when a process group exists, else 1 (what ``data_parallel_size=None`` means)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model_parallel *= getattr(model_config, name, 1) or 1
+    return max(1, dist.get_world_size() // model_parallel)

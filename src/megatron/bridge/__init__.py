@@ -1,1 +1,0 @@
-"""Megatron-Bridge slice: MoE expert-parallel communication overlap."""

@@ -1,1 +1,0 @@
-"""Training-time configuration and schedules."""

@@ -1,1 +1,0 @@
-"""Small helpers shared across the package."""

@@ -1,0 +1,164 @@
+"""Shipping beside a stock Megatron-Bridge 0.6.2 (from the package registry) and as a patch for a fork of it.
+
+A scratch environment gets upstream's wheel and this project's plugin wheel, both with ``--no-deps``; torch and
+Megatron-Core come from this project's venv (added to the path, its own .pth files unread). Skipped with the
+reason when the registry cannot be reached.
+
+Upstream's package ``__init__`` files import every model bridge (transformers, Transformer Engine, ...), which a
+CPU test environment does not have. The import tests therefore register ``megatron.bridge`` and its subpackages
+as bare packages over the installed folders, so every module is the installed file, and stub the three model
+config classes that upstream's ``comm_overlap.py`` imports only for type annotations. Nothing stands in for
+Transformer Engine.
+"""
+
+import hashlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import upstream  # noqa: E402
+
+VENV_SITE = next((ROOT / ".venv" / "lib").glob("python3.*/site-packages"))
+
+
+@pytest.fixture(scope="module")
+def wheels():
+    try:
+        return upstream.upstream_wheel(), upstream.build_plugin(ROOT / "build" / "plugin-test")
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the package registry cannot be reached: {exc.stderr.strip().splitlines()[-1:]}")
+
+
+@pytest.fixture(scope="module")
+def scratch(wheels, tmp_path_factory):
+    """A venv with upstream 0.6.2 installed; returns (python, site-packages)."""
+    env = tmp_path_factory.mktemp("scratch")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())  # fmt: skip
+    (site / "base.pth").write_text(f"{VENV_SITE}\n")  # a path entry: the .pth files inside it are not read
+    _pip(python, "install", "--no-deps", str(wheels[0]))
+    return python, site
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "-q", "--python", str(python), *args], check=True,
+                   capture_output=True, text=True)  # fmt: skip
+
+
+def _record(site: Path, distribution: str) -> dict[str, str]:
+    """Installed files of a distribution (its RECORD), path -> sha256 of the file on disk now."""
+    info = next(site.glob(f"{distribution}-*.dist-info"))
+    files = [line.split(",")[0] for line in (info / "RECORD").read_text().splitlines() if line]
+    return {
+        f: hashlib.sha256((site / f).read_bytes()).hexdigest()
+        for f in files
+        if ".dist-info/" not in f and not f.endswith(".pyc") and (site / f).exists()
+    }
+
+
+def test_the_plugin_installs_and_uninstalls_without_touching_upstream(scratch, wheels):
+    python, site = scratch
+    before = _record(site, "megatron_bridge")
+    _pip(python, "install", "--no-deps", str(wheels[1]))
+    ours = _record(site, "megatron_bridge_ep_overlap")
+    assert ours and not set(ours) & set(before), "a file belongs to both distributions"
+    assert "megatron/bridge/training/comm_overlap.py" in before and "megatron/bridge/__init__.py" in before
+    assert _record(site, "megatron_bridge") == before
+    _pip(python, "uninstall", "-y", "megatron-bridge-ep-overlap")
+    assert _record(site, "megatron_bridge") == before  # every upstream file still there, byte for byte
+    assert not (site / "megatron/bridge/training/ep_overlap").exists()
+    _pip(python, "install", "--no-deps", str(wheels[1]))  # for the tests below
+
+
+BOOTSTRAP = textwrap.dedent(
+    """
+    import sys, types
+    from pathlib import Path
+    site = Path(sys.argv[1])
+    for name in ("megatron.bridge", "megatron.bridge.models", "megatron.bridge.models.gpt",
+                 "megatron.bridge.models.hybrid", "megatron.bridge.training", "megatron.bridge.utils"):
+        package = types.ModuleType(name)
+        package.__path__ = [str(site / name.replace(".", "/"))]
+        sys.modules[name] = package
+    stubs = {"megatron.bridge.models": ("GPTModelProvider", "T5ModelProvider"),
+             "megatron.bridge.models.gpt.gpt_builder": ("GPTModelConfig",),
+             "megatron.bridge.models.hybrid.hybrid_builder": ("HybridModelConfig",)}
+    for module, classes in stubs.items():
+        target = sys.modules.setdefault(module, types.ModuleType(module))
+        for cls in classes:
+            setattr(target, cls, type(cls, (), {}))
+    """
+)
+
+
+def _run_there(python: Path, site: Path, body: str) -> str:
+    run = subprocess.run([python, "-c", BOOTSTRAP + textwrap.dedent(body), str(site)], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def test_our_modules_import_from_the_installed_tree(scratch):
+    python, site = scratch
+    out = _run_there(python, site, """
+        import megatron.bridge.training.ep_overlap.schedule as engine
+        import megatron.bridge.training.ep_overlap.planner as planner
+        import megatron.bridge.training.moe_overlap_rules as rules
+        import megatron.bridge.models.moe_gpt.model as model
+        for module in (engine, planner, rules, model):
+            assert str(site) in module.__file__, module.__file__
+        print("ok")
+    """)  # fmt: skip
+    assert out.strip() == "ok"
+
+
+def test_a_recipe_gets_the_single_error_on_upstreams_own_comm_overlap(scratch):
+    python, site = scratch
+    out = _run_there(python, site, """
+        import torch
+        import megatron.bridge.training.comm_overlap as stock
+        from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
+        from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        assert str(site) in stock.__file__ and not hasattr(stock, "checks_ep_overlap_rules")  # upstream's file
+
+        def model(**overrides):
+            settings = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                            moe_ffn_hidden_size=128, expert_model_parallel_size=2,
+                            moe_token_dispatcher_type="alltoall", bf16=True, add_bias_linear=False)
+            settings.update(overrides)
+            return TransformerConfig(**settings)
+
+        # As the install docs show it: the recipe's comm_overlap is our subclass; the rest is stock.
+        bad = model(expert_model_parallel_size=1, moe_token_dispatcher_type="allgather", recompute_modules=["moe"])
+        try:
+            EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(bad)
+        except AssertionError as exc:
+            assert isinstance(exc, CommOverlapConfigError)
+            print(sorted(v.name for v in exc.violations))
+        good = model()
+        EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(good)
+        print(good.overlap_moe_expert_parallel_comm, good.delay_wgrad_compute)
+        explicit = model(batch_p2p_comm=False, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                         num_layers=4, pipeline_dtype=torch.bfloat16)
+        EPOverlapCommOverlapConfig(tp_comm_overlap=False).setup(explicit)
+        print(explicit.batch_p2p_comm, explicit.overlap_p2p_comm)
+    """)  # fmt: skip
+    lines = out.splitlines()
+    assert lines[0] == "['expert_parallel', 'no_moe_recompute', 'token_dispatcher']"
+    assert lines[1] == "True False"
+    assert lines[2] == "False True"  # the model's explicit value stands; the auto value still applies elsewhere
+
+
+def test_the_patch_applies_to_a_fresh_unpack(wheels, tmp_path):
+    patch = upstream.build_patch(tmp_path / "ep-overlap.patch").read_text()  # checks `git apply --check` itself
+    assert "diff --git a/src/megatron/bridge/training/comm_overlap.py" in patch
+    assert "new file mode 100644\n--- /dev/null\n+++ b/src/megatron/bridge/training/ep_overlap/schedule.py" in patch
+    assert "a/src/megatron/bridge/__init__.py" not in patch
