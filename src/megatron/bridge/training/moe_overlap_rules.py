@@ -10,6 +10,9 @@ Contract:
       attribute names works. Installed versions come from package metadata (see
       :mod:`megatron.bridge.utils.versions`) unless the caller passes its own version checks; nothing imports
       CUDA code.
+    * :func:`comm_overlap_value_violations` checks a ``CommOverlapConfig``'s own fields (types, ranges) and
+      :func:`conflict` states a value that contradicts one set explicitly on a model/DDP/optimizer config; both
+      ``CommOverlapConfig`` and the plugin's ``EPOverlapCommOverlapConfig`` use them.
     * The error is both a ``ValueError`` and an ``AssertionError`` (what Megatron-Bridge's asserts raised), and
       each rule's message contains the phrase of Megatron-Bridge's assert for the same rule, so code that
       catches or matches upstream's errors keeps working.
