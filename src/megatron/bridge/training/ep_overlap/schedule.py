@@ -271,18 +271,19 @@ class EPOverlapEngine:
         if problems:
             tally[1 + rank] = 1
         else:
-            tally[0] = float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels in microbatches))
+            tally[0] = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
         if initialized:
             all_reduce(tally, None, op="loss token count", timeout=self.groups.timeout)
-        bad_ranks = [r for r in range(world) if tally[1 + r] > 0]
+        counted, *flags = tally.tolist()  # the step's one host sync for this
+        bad_ranks = [r for r, flag in enumerate(flags) if flag > 0]
         if bad_ranks:
             here = "; ".join(problems) if problems else "this rank's input is fine"
             raise ValueError(f"bad microbatch input on rank(s) {bad_ranks}: {here}")
-        if tally[0] == 0:
+        if counted == 0:
             raise ValueError(
                 f"every label of this step is IGNORE_INDEX ({IGNORE_INDEX}): there is no loss to train on"
             )
-        return float(tally[0])
+        return counted
 
     # ---- the two paths ------------------------------------------------------------------------------
 
