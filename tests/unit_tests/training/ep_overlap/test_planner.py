@@ -90,9 +90,10 @@ def test_costs_are_read_from_the_plain_paths_segments():
     # One MoE layer between two dense ones (layer 1), two microbatches of identical shape.
     step = {"compute": [], "comm": []}
     for mb in range(2):
-        t = 16.0 * mb
+        t = 16.125 * mb
         spans = [
-            ("plain dispatch", 1, 1.0), ("dispatch", 1, 0.5), ("plain combine", 1, 2.0), ("combine", 1, 0.5),
+            ("plain split_exchange", 1, 0.75), ("split_exchange", 1, 0.125), ("plain dispatch", 1, 0.25),
+            ("dispatch", 1, 0.5), ("plain combine", 1, 2.0), ("combine", 1, 0.5),
             ("plain forward_end", -1, 3.0), ("plain combine_bwd", 1, 1.5), ("combine_bwd", 1, 0.5),
             ("plain dispatch_bwd", 1, 4.0), ("dispatch_bwd", 1, 0.5), ("plain backward_end", -1, 2.5),
         ]  # fmt: skip
@@ -100,7 +101,7 @@ def test_costs_are_read_from_the_plain_paths_segments():
             is_comm = not name.startswith("plain")
             step["comm" if is_comm else "compute"].append(_record(name, layer, mb, t, t + seconds, comm=is_comm))
             t += seconds
-    costs, link = costs_from_records([step, step], [32.5, 32.5], link_gbps=3.2e-5, num_layers=3)  # 4000 B/s
+    costs, link = costs_from_records([step, step], [32.75, 32.75], link_gbps=3.2e-5, num_layers=3)  # 4000 B/s
     assert costs.layers[0] == costs.layers[2] == LayerCosts(0.0, 0.0, 0.0, 0.0)
     moe = costs.layers[1]
     assert (moe.f_pre, moe.f_exp, moe.b_exp, moe.b_pre) == (1.0, 2.0, 4.0, 2.5)
@@ -108,3 +109,4 @@ def test_costs_are_read_from_the_plain_paths_segments():
     assert (costs.f_tail, costs.b_head, costs.other_s) == (3.0, 1.5, 0.5)
     assert link.bandwidth_Bps == pytest.approx(4000)
     assert link.latency_s == pytest.approx(0.5 - 1200 / 4000)  # what the 0.5 s all-to-alls took beyond the bytes
+    assert link.meta_s == 0.125  # the split-size round trip, recorded on its own

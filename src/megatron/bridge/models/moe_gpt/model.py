@@ -153,7 +153,7 @@ class TransformerLayer(torch.nn.Module):
     def exchange_splits(self, routing: Routing | None, *, op: str) -> None:
         """Host sync of the dispatch: split sizes for both all-to-alls (no-op for dense layers)."""
         if routing is not None:
-            exchange_splits(routing, self.groups, op=op)
+            exchange_splits(routing, self.groups, op=op, observer=self.comm_observer)
 
     def experts(self, received: tuple[torch.Tensor, ...], routing: Routing | None) -> torch.Tensor:
         """Local experts (grouped GEMMs) on the received rows; the dense MLP for dense layers."""

@@ -45,10 +45,15 @@ class Routing:
         return cls(order_P, inverse_P, counts_E, num_experts // ep_size, ep_size)
 
 
-def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
+# (op, "start" | "end", bytes this rank sends to others, bytes it receives), around each blocking all-to-all
+CommObserver = Callable[[str, str, int, int], None]
+
+
+def exchange_splits(routing: Routing, groups: EPGroups, *, op: str, observer: CommObserver | None = None) -> None:
     """Tells every EP rank how many rows it receives per local expert; fills the host-side split sizes.
 
-    This is the host sync of the dispatch (device counts to host), run on the gloo metadata group.
+    This is the host sync of the dispatch (device counts to host), run on the gloo metadata group. ``observer``
+    sees the round trip as the all-to-all ``split_exchange``.
     """
     L, ep = routing.num_local_experts, routing.ep_size
     send_counts = routing.counts_E.to("cpu").view(ep, L)
@@ -56,7 +61,11 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
     if groups.ep_meta_group is None:
         recv_counts = send_counts
     else:  # row r of the counts goes to EP rank r
+        if observer is not None:
+            observer("split_exchange", "start", *exchanged_bytes(send_counts, [1] * ep, [1] * ep, groups.ep_rank))
         recv_counts = all_to_all(send_counts, [1] * ep, [1] * ep, groups.ep_meta_group, op=op, timeout=groups.timeout)
+        if observer is not None:
+            observer("split_exchange", "end", 0, 0)
     routing.out_splits = recv_counts.sum(1).tolist()
     routing.local_group_sizes = recv_counts.sum(0).tolist()
     # Received rows come in (source rank, local expert) blocks; experts want (local expert, source rank).
@@ -76,10 +85,6 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str) -> None:
     routing.sort_R = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long, device=device)
     routing.unsort_R = torch.empty_like(routing.sort_R)
     routing.unsort_R[routing.sort_R] = torch.arange(routing.sort_R.numel(), device=device)
-
-
-# (op, "start" | "end", bytes this rank sends to others, bytes it receives), around each blocking all-to-all
-CommObserver = Callable[[str, str, int, int], None]
 
 
 class _AllToAll(torch.autograd.Function):

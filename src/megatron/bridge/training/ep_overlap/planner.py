@@ -12,7 +12,8 @@ Contract:
       is a blocking round trip queued behind whatever the link still carries.
     * Costs are per layer and microbatch (:class:`StepCosts`): the compute segments between all-to-alls, which are
       exactly what the plain path records (``plain dispatch`` of layer j: everything since the previous all-to-all,
-      up to layer j's dispatch), and the bytes of each all-to-all. They come from a measured step
+      up to layer j's dispatch), the bytes of each all-to-all, and the split-size round trip (which the plain path
+      records as ``split_exchange``, on an idle link). They come from a measured step
       (:func:`costs_from_records`) or from a model shape and a hardware profile (``cost_model.py``). Work outside the
       schedule (gradient sync, optimizer) is ``other_s`` and is the same in both arms.
     * Outputs: step time, compute, comm and exposed comm per phase for the plain path and the overlapped one, the
@@ -285,6 +286,8 @@ def costs_from_records(
         other.append(max(0.0, total - max(ends)))
     # The plain path records one segment per (node, layer) and microbatch: medians are per-microbatch costs.
     med = {key: statistics.median(values) for key, values in compute.items()}
+    meta = [t for (op, _), values in comm.items() if op == "split_exchange" for _, t in values]
+    comm = {key: values for key, values in comm.items() if key[0] != "split_exchange"}
     moe = sorted({layer for _, layer in comm})
 
     def seg(node: str, layer: int) -> float:
@@ -298,7 +301,8 @@ def costs_from_records(
         below = [m for m in moe if m < j]
         layers.append(
             LayerCosts(
-                f_pre=seg("plain dispatch", j),
+                # up to the split-size exchange, and from it to the dispatch
+                f_pre=seg("plain split_exchange", j) + seg("plain dispatch", j),
                 f_exp=seg("plain combine", j),
                 b_exp=seg("plain dispatch_bwd", j),
                 # from this layer's dispatch backward to the next all-to-all below (or the end of backward)
@@ -322,7 +326,7 @@ def costs_from_records(
     else:
         bandwidth = sum(b for b, _ in samples) / max(sum(t for _, t in samples), 1e-12) if samples else 1e12
         latency = 0.0
-    return costs, Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=0.0)
+    return costs, Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=statistics.median(meta) if meta else 0.0)
 
 
 def exposed_by_phase(step: dict) -> dict[str, float]:
