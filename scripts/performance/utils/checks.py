@@ -102,6 +102,8 @@ def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, cu
             problems.append(f"--link_gbps={args.link_gbps!r}: must be a positive number of Gbit/s, e.g. 0.2")
         elif torchrun:
             problems.append("--link_gbps emulates links between local ranks; under torchrun the real network is used")
+    if args.predict and not args.ab:
+        problems.append("--predict compares the planner with a measured A/B: add --ab")
     if args.device == "cuda" and not cuda:
         problems.append("--device=cuda: no CUDA device is available on this host")
     if args.model_impl == "mcore" and not (cuda and args.device != "cpu"):

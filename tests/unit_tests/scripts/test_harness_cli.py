@@ -68,6 +68,12 @@ def test_every_bad_value_is_one_line_before_any_rank_starts(tmp_path, dryrun):
     assert "running arm" not in run.stdout
 
 
+def test_predict_without_an_ab_is_refused():
+    run = harness(*TINY, "-d", "--predict")
+    assert run.returncode == 2
+    assert run.stderr == "error: --predict compares the planner with a measured A/B: add --ab\n"
+
+
 def test_unwritable_output_is_refused_up_front():
     run = harness(*TINY, "-d", "--json", "/proc/no/such/dir/ab.json")
     assert run.returncode == 2
