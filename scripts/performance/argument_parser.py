@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc_per_node", type=int, default=2, help="local ranks to spawn when not under torchrun")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument(
+        "--dist_backend",
+        choices=["auto", "nccl", "gloo"],
+        default="auto",
+        help="local ranks' process-group backend: auto is NCCL on CUDA (one GPU per rank), gloo on CPU; gloo on CUDA "
+        "runs several ranks on one GPU",
+    )
+    run.add_argument(
         "--model_impl",
         choices=["reference", "mcore"],
         default="reference",

@@ -155,7 +155,7 @@ class Progress:
 def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None = None) -> dict[str, list[dict]]:
     """Every arm in the same local ranks, step by step in ABBA order (see ``utils.arms.run_arms``)."""
     progress = progress if progress is not None else Progress()
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     with EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else contextlib.nullcontext() as link:
         if link is not None and link.removed_stale:
             print(
@@ -279,8 +279,8 @@ def run(args) -> int:
         recipe, problems = _recipe_with_problems(args)
         torchrun = launched_by_torchrun()
         world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
-        cuda = torch.cuda.is_available()
-        problems += run_problems(args, world, recipe.model.expert_model_parallel_size, torchrun, cuda)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        problems += run_problems(args, world, recipe.model.expert_model_parallel_size, torchrun, gpus)
         if problems:
             raise ConfigError(problems)
         recipe = _finalized(recipe)

@@ -88,8 +88,10 @@ def recipe_problems(recipe: Any) -> list[str]:
     return problems
 
 
-def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, cuda: bool) -> list[str]:
-    """Launch settings, devices and output paths (parent folders are created here)."""
+def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, gpus: int) -> list[str]:
+    """Launch settings, devices (``gpus``: CUDA devices on this host) and output paths (parent folders are created
+    here)."""
+    cuda = gpus > 0
     problems: list[str] = []
     _at_least(problems, "--nproc_per_node", args.nproc_per_node, 1)
     if world >= 1 and expert_parallel >= 1 and world % expert_parallel:
@@ -102,6 +104,15 @@ def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, cu
             problems.append(f"--link_gbps={args.link_gbps!r}: must be a positive number of Gbit/s, e.g. 0.2")
         elif torchrun:
             problems.append("--link_gbps emulates links between local ranks; under torchrun the real network is used")
+    on_cuda = args.device == "cuda" or (args.device == "auto" and cuda)
+    nccl = args.dist_backend == "nccl" or (args.dist_backend == "auto" and on_cuda)
+    if nccl and not torchrun and cuda and args.nproc_per_node > gpus:
+        problems.append(
+            f"--nproc_per_node={args.nproc_per_node}: NCCL needs one GPU per rank and this host has {gpus}; use "
+            "--dist_backend gloo to run them on fewer GPUs"
+        )
+    if args.dist_backend == "gloo" and torchrun:
+        problems.append("--dist_backend gloo applies to local ranks; under torchrun the launcher's setup is used")
     if args.predict and not args.ab:
         problems.append("--predict compares the planner with a measured A/B: add --ab")
     if args.device == "cuda" and not cuda:

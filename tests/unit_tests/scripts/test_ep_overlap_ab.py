@@ -13,6 +13,7 @@ import pytest
 from argument_parser import parse_cli_args
 from utils import ab_run, netns
 from utils.arms import arm_order
+from utils.checks import run_problems
 from utils.overrides import (
     _set_delay_wgrad_overrides,
     _set_moe_a2a_overlap_overrides,
@@ -296,3 +297,11 @@ def test_arms_alternate_abba():
         ["baseline", "overlap"],
         ["overlap", "baseline"],
     ]
+
+
+def test_nccl_needs_a_gpu_per_rank_and_gloo_lifts_that():
+    args = parse_cli_args(TINY + ["--device", "cuda", "--nproc_per_node", "2"])
+    (problem,) = run_problems(args, world=2, expert_parallel=2, torchrun=False, gpus=1)
+    assert "NCCL needs one GPU per rank and this host has 1; use --dist_backend gloo" in problem
+    args = parse_cli_args(TINY + ["--device", "cuda", "--nproc_per_node", "2", "--dist_backend", "gloo"])
+    assert run_problems(args, world=2, expert_parallel=2, torchrun=False, gpus=1) == []
