@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     overlap.add_argument("--delay_wgrad_compute", type=bool_arg, default=None, help="true/false: delayed expert wgrad")
     overlap.add_argument(
+        "--attention_wgrad_window",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with delayed wgrad: the window of the next layer step that runs a layer's attention wgrad (1: beside "
+        "B.combine backward; 2: beside F.dispatch); ep_overlap_plan.py says which suits a shape",
+    )
+    overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)

@@ -34,7 +34,7 @@ def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -
         + ["--link_gbps", str(link_gbps), *extra]
     )
     recipe = build_recipe(args)
-    specs = specs_for(plan_arms(recipe, True), recipe, "cpu")
+    specs = specs_for(plan_arms(recipe, True), recipe, "cpu", wgrad_window=args.attention_wgrad_window)
     for spec in specs:
         spec.progress = False
     results = run_local(specs, args, "cpu")
@@ -97,9 +97,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--delay_wgrad_compute", action="store_true", help="overlap arm also delays expert wgrad")
+    parser.add_argument("--attention_wgrad_window", type=int, choices=[1, 2], default=1)
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     extra = ["--delay_wgrad_compute", "true"] if args.delay_wgrad_compute else []
+    extra += ["--attention_wgrad_window", str(args.attention_wgrad_window)]
     title = (
         f"overlap arm: EP overlap{' + delayed wgrad' if args.delay_wgrad_compute else ''}; "
         f"{args.microbatches} microbatches, {args.steps} matched steps per arm, ABBA (first excluded), 2 ranks, "

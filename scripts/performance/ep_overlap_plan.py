@@ -77,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} on {args.gpus} x {args.profile}, EP {args.ep}, global batch {args.global_batch}")
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
     print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
-    print(_line(f"{n} microbatches, delayed wgrad", planner.predict(costs, link, n, delay_wgrad=True)))
+    for window in (1, 2):
+        comparison = planner.predict(costs, link, n, delay_wgrad=True, wgrad_window=window)
+        print(_line(f"{n} microbatches, delayed wgrad, attention wgrad in window {window}", comparison))
     counts = args.microbatches or [c for c in DEFAULT_COUNTS if c <= max(n, 1) * 4]
     best = planner.best_plan(costs, link, counts)[0]
     print(
-        f"best of {counts}: {best.num_microbatches} microbatches{', delayed wgrad' if best.delay_wgrad else ''} "
+        f"best of {counts}: {best.num_microbatches} microbatches"
+        + (f", delayed wgrad, attention wgrad in window {best.wgrad_window}" if best.delay_wgrad else "")
+        + " "
         f"({best.overlap.step_s / best.num_microbatches:.3f} s per microbatch overlapped, speedup {best.speedup:.3f}x)"
     )
     return 0

@@ -124,17 +124,23 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         lines.append(
             f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
             f"delay_wgrad_compute={arm['delay_wgrad']}"
+            + (f", attention_wgrad_window={args.attention_wgrad_window}" if arm["delay_wgrad"] else "")
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
     return "\n".join(lines)
 
 
-def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference") -> list[ArmSpec]:
+def specs_for(
+    arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference", wgrad_window: int = 1
+) -> list[ArmSpec]:
     return [
-        ArmSpec(a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl)
+        ArmSpec(
+            a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl,
+            attention_wgrad_window=wgrad_window,
+        )
         for a in arms
-    ]
+    ]  # fmt: skip
 
 
 @dataclass
@@ -210,6 +216,7 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "world_size": world,
         "device": device,
         "link_gbps": args.link_gbps,
+        "attention_wgrad_window": args.attention_wgrad_window,
     }
 
 
@@ -243,7 +250,8 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
         base["records"][warmup:], base["step_times_s"][warmup:], args.link_gbps, recipe.model.num_layers
     )
     delay = bool(over.get("delay_wgrad", False))
-    comparison = predict(costs, link, recipe.train.num_microbatches, delay_wgrad=delay)
+    window = over.get("attention_wgrad_window", 1)
+    comparison = predict(costs, link, recipe.train.num_microbatches, delay_wgrad=delay, wgrad_window=window)
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})
     return {
@@ -290,7 +298,7 @@ def run(args) -> int:
             print(describe(recipe, arms, args, device, world))
             return 0
         partial_to = run_config(recipe, args, device, world)
-        specs = specs_for(arms, recipe, device, args.model_impl)
+        specs = specs_for(arms, recipe, device, args.model_impl, args.attention_wgrad_window)
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
     except ConfigError as exc:
         for problem in exc.problems:

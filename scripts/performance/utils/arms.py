@@ -31,6 +31,7 @@ class ArmSpec:
     device: str
     progress: bool = True
     model_impl: str = "reference"
+    attention_wgrad_window: int = 1
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -103,7 +104,13 @@ class _Arm:
             groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout)
             self.model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
         self.spec, self.rank, self.device = spec, rank, device
-        self.engine = EPOverlapEngine(self.model, groups, overlap=spec.overlap, delay_wgrad=spec.delay_wgrad)
+        self.engine = EPOverlapEngine(
+            self.model,
+            groups,
+            overlap=spec.overlap,
+            delay_wgrad=spec.delay_wgrad,
+            attention_wgrad_window=spec.attention_wgrad_window,
+        )
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
         self.peak_mb, self.timeline, self.records = 0.0, None, []
@@ -156,6 +163,7 @@ class _Arm:
             "peak_memory_mb": self.peak_mb,
             "param_digest": _digest(self.model),
             "delay_wgrad": self.spec.delay_wgrad,
+            "attention_wgrad_window": self.spec.attention_wgrad_window,
         }
 
 

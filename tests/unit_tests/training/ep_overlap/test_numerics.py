@@ -38,6 +38,9 @@ CASES = {
     "ep2-fp32-main-grad": Case(main_grad=True),
     "ep2-bf16-main-grad": Case(bf16=True, main_grad=True),
     "ep4-bf16-main-grad": Case(world=4, ep=4, experts=8, bf16=True, main_grad=True, layer_freq=(1, 0)),
+    # The attention wgrad in window 2 of the next layer step instead of window 1.
+    "ep2-fp32-wgrad-window2-mixed": Case(layer_freq=(1, 0, 1), arms=ARMS + ("delayed_window2",)),
+    "ep2-bf16-wgrad-window2-main-grad": Case(bf16=True, main_grad=True, arms=ARMS + ("delayed_window2",)),
 }
 
 
@@ -48,7 +51,7 @@ def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_plain(name):
     for outcome in outcomes:
         rank, arms = outcome.rank, outcome.result
         plain = arms["plain"]
-        for arm in ARMS[1:]:
+        for arm in case.arms[1:]:
             other = arms[arm]
             for step in range(case.steps):
                 assert_bitwise(plain["losses"][step], other["losses"][step], f"rank {rank} {arm} step {step} losses")

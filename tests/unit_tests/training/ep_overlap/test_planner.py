@@ -62,6 +62,16 @@ def test_delayed_wgrad_fills_the_dispatch_backward_window():
     assert best_plan(costs, Link(1e9), [4, 8])[0].delay_wgrad is True
 
 
+def test_attention_wgrad_goes_where_the_window_is_comm_bound():
+    # Window 2 (F.dispatch) has 2 s of comm beside 0.2 s of B.experts dgrad; window 1 is balanced.
+    layer = LayerCosts(f_pre=1, f_exp=1, b_exp=0.4, b_pre=2, dispatch_bytes=2e9, combine_bytes=1e9)
+    costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
+    window1, window2 = (predict(costs, Link(1e9), 8, True, window) for window in (1, 2))
+    assert window2.overlap.step_s < window1.overlap.step_s
+    best = best_plan(costs, Link(1e9), [8])[0]
+    assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
+
+
 def _launch_order(rank: int, world: int, case: Case) -> list[tuple[str, int, int]]:
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
     engine = EPOverlapEngine(MoEGPTModel(case.config(), groups), groups, overlap=True, delay_wgrad=True)
@@ -76,7 +86,9 @@ def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_or
     moe = LayerCosts(1, 1, 1, 1, dispatch_bytes=1, combine_bytes=1)
     dense = LayerCosts(1, 1, 1, 1)
     costs = StepCosts(layers=tuple(moe if f else dense for f in layer_freq), f_tail=1, b_head=1)
-    assert simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True).launches == engine_order
+    for window in (1, 2):
+        simulated = simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window)
+        assert simulated.launches == engine_order
 
 
 def _record(node_or_op: str, layer: int, mb: int, start: float, end: float, *, comm: bool = False) -> dict:

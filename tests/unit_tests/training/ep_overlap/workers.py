@@ -9,7 +9,8 @@ from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-ARMS = ("plain", "overlap", "delayed")  # overlap off; overlap on; overlap on with delayed wgrad
+# overlap off; overlap on; overlap on with delayed wgrad (and, where a case adds it, its attention wgrad in window 2)
+ARMS = ("plain", "overlap", "delayed")
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,13 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
         model = MoEGPTModel(case.config(), groups, seed=7)
         if case.main_grad:
             attach_main_grads(model)
-        engine = EPOverlapEngine(model, groups, overlap=arm != "plain", delay_wgrad=arm == "delayed")
+        engine = EPOverlapEngine(
+            model,
+            groups,
+            overlap=arm != "plain",
+            delay_wgrad=arm.startswith("delayed"),
+            attention_wgrad_window=2 if arm == "delayed_window2" else 1,
+        )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, records = [], [], None
         for step in range(case.steps):

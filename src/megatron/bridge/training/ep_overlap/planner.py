@@ -25,7 +25,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megatron.bridge.training.ep_overlap.schedule import schedule_actions
+from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, schedule_actions
 
 PHASES = ("warmup", "paired", "cooldown", "plain")
 
@@ -155,7 +155,7 @@ def _backward(sim: _Sim, costs: StepCosts, mb: int, delay_wgrad: bool) -> None:
         sim.compute(attention_wgrad)
 
 
-def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool) -> None:
+def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool, wgrad_window: int) -> None:
     """``paired_microbatch_step``: head backward of B, then F layer j with B layer L-1-j, window by window."""
     layers, num = costs.layers, len(costs.layers)
     sim.compute(costs.b_head)
@@ -165,12 +165,15 @@ def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool) -> N
         fl, bl = layers[j], layers[k]
         expert_wgrad = bl.b_exp * bl.expert_wgrad_share if delay_wgrad else 0.0
         attention_wgrad = bl.b_pre * bl.attention_wgrad_share if delay_wgrad else 0.0
-        # window 1: B.combine backward (comm) || B's previous attention wgrad, F.pre_dispatch (compute)
+        # window 1: B.combine backward (comm) || [B's previous attention wgrad], F.pre_dispatch (compute)
         sim.launch(("combine_bwd", k, b), bl.combine_bytes)
-        sim.compute(previous_attention_wgrad)
+        if wgrad_window == 1:
+            sim.compute(previous_attention_wgrad)
         sim.compute(fl.f_pre, ("combine", j - 1, f) if j else None)
-        # window 2: F.dispatch (comm) || B.experts backward, dgrad (compute)
+        # window 2: F.dispatch (comm) || [B's previous attention wgrad], B.experts backward, dgrad (compute)
         sim.launch(("dispatch", j, f), fl.dispatch_bytes, split_exchange=True)
+        if wgrad_window == 2:
+            sim.compute(previous_attention_wgrad)
         sim.compute(bl.b_exp - expert_wgrad, ("combine_bwd", k, b))
         # window 3: B.dispatch backward (comm) || B.experts wgrad, F.experts (compute)
         sim.launch(("dispatch_bwd", k, b), bl.dispatch_bytes)
@@ -185,9 +188,18 @@ def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool) -> N
 
 
 def simulate(
-    costs: StepCosts, link: Link, num_microbatches: int, *, overlap: bool, delay_wgrad: bool = False
+    costs: StepCosts,
+    link: Link,
+    num_microbatches: int,
+    *,
+    overlap: bool,
+    delay_wgrad: bool = False,
+    wgrad_window: int = 1,
 ) -> Prediction:
-    """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule."""
+    """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule.
+
+    ``wgrad_window`` places the delayed attention wgrad as the engine's ``attention_wgrad_window`` does.
+    """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
     sim = _Sim(link)
@@ -201,7 +213,7 @@ def simulate(
             sim.phase = action.phase
             sim.exposed.setdefault(action.phase, 0.0)
             if action.forward is not None and action.backward is not None:
-                _paired(sim, costs, action.forward, action.backward, delay_wgrad)
+                _paired(sim, costs, action.forward, action.backward, delay_wgrad, wgrad_window)
             elif action.forward is not None:
                 _forward(sim, costs, action.forward)
             else:
@@ -223,6 +235,7 @@ class Comparison:
     overlap: Prediction
     num_microbatches: int
     delay_wgrad: bool
+    wgrad_window: int = 1
 
     @property
     def speedup(self) -> float:
@@ -237,24 +250,31 @@ class Comparison:
         return 0.0 if hideable <= 0 else (self.baseline.step_s - self.overlap.step_s) / hideable
 
 
-def predict(costs: StepCosts, link: Link, num_microbatches: int, delay_wgrad: bool = False) -> Comparison:
-    """Plain vs overlapped step for one microbatch count."""
+def predict(
+    costs: StepCosts, link: Link, num_microbatches: int, delay_wgrad: bool = False, wgrad_window: int = 1
+) -> Comparison:
+    """Plain vs overlapped step for one microbatch count (and, with delayed wgrad, one attention-wgrad window)."""
     return Comparison(
         simulate(costs, link, num_microbatches, overlap=False),
-        simulate(costs, link, num_microbatches, overlap=True, delay_wgrad=delay_wgrad),
+        simulate(costs, link, num_microbatches, overlap=True, delay_wgrad=delay_wgrad, wgrad_window=wgrad_window),
         num_microbatches,
         delay_wgrad,
+        wgrad_window,
     )
 
 
 def best_plan(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:
-    """Every (microbatch count, delayed wgrad) option, best throughput gain first.
+    """Every (microbatch count, delayed wgrad, attention-wgrad window) option, best throughput gain first.
 
     The options differ in how many microbatches a step holds, so they are ranked by time per microbatch of the
-    overlapped step; ties keep the plainer option (fewer microbatches, no delayed wgrad).
+    overlapped step; ties keep the plainer option (fewer microbatches, no delayed wgrad, window 1).
     """
-    options = [predict(costs, link, n, delay) for n in microbatch_counts for delay in (False, True)]
-    return sorted(options, key=lambda c: (c.overlap.step_s / c.num_microbatches, c.num_microbatches, c.delay_wgrad))
+    options = [predict(costs, link, n) for n in microbatch_counts]
+    options += [predict(costs, link, n, True, window) for n in microbatch_counts for window in WGRAD_WINDOWS]
+    return sorted(
+        options,
+        key=lambda c: (c.overlap.step_s / c.num_microbatches, c.num_microbatches, c.delay_wgrad, c.wgrad_window),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

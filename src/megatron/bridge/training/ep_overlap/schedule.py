@@ -20,7 +20,10 @@ Contract:
       dispatch-backward all-to-all is launched (window 3); attention wgrad runs after attention dgrad, in the
       next layer step's window 1, right after B's next combine-backward all-to-all is launched (windows 1 and 3
       have the least compute of their own). Every deferred wgrad runs exactly once per backward, within the same
-      microbatch's backward; a leftover one at the end of a step is an error naming the module.
+      microbatch's backward; a leftover one at the end of a step is an error naming the module. With
+      ``attention_wgrad_window=2`` the attention wgrad goes to window 2 instead (beside F.dispatch), for shapes
+      whose window 2 is comm-bound; numerics are the same (each parameter still gets its contributions in the
+      same order).
 """
 
 import logging
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
+WGRAD_WINDOWS = (1, 2)  # where a layer step may put the previous layer's delayed attention wgrad
 
 
 def layer_step(
@@ -54,23 +58,28 @@ def layer_step(
     b: LayerNodes,
     b_grad_output: torch.Tensor,
     b_previous_wgrad: Callable[[], None],
+    wgrad_window: int = 1,
 ) -> tuple[Callable[[], torch.Tensor], torch.Tensor, Callable[[], None]]:
     """One paired layer step: forward of ``f`` interleaved with backward of ``b``.
 
     ``f_input()`` yields F's input; for a layer after the first it finishes the previous layer's F.combine, so
     that all-to-all is waited for only after B's next all-to-all is already launched. ``b_previous_wgrad()`` is
-    the delayed attention wgrad of B's previous layer (a no-op when wgrad is not delayed); it fills window 1.
+    the delayed attention wgrad of B's previous layer (a no-op when wgrad is not delayed); it fills window
+    ``wgrad_window``: 1 (beside B.combine backward) or 2 (beside F.dispatch), whichever has less compute of its own.
 
     Returns:
         (a callable that finishes F's combine and yields this layer's output, gradient of B's layer input,
         B's delayed attention wgrad of this layer, for the next step's window 1).
     """
-    # window 1: B.combine backward (comm)   ||  B's previous attention wgrad (if delayed), F.pre_dispatch (compute)
+    # window 1: B.combine backward (comm)   ||  [B's previous attention wgrad], F.pre_dispatch (compute)
     b.combine_backward(b_grad_output)
-    b_previous_wgrad()
+    if wgrad_window == 1:
+        b_previous_wgrad()
     f.pre_dispatch(f_input())
-    # window 2: F.dispatch (comm)           ||  B.experts backward, dgrad (compute)
+    # window 2: F.dispatch (comm)           ||  [B's previous attention wgrad], B.experts backward, dgrad (compute)
     f.dispatch()  # split-size host sync happens here, after F's compute was issued
+    if wgrad_window == 2:
+        b_previous_wgrad()
     b.experts_backward()
     # window 3: B.dispatch backward (comm)  ||  B.experts wgrad (if delayed), F.experts (compute)
     b.dispatch_backward()
@@ -82,14 +91,16 @@ def layer_step(
     return f.combine_finish, b_grad_input, b.attention_wgrad
 
 
-def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes) -> None:
+def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes, wgrad_window: int = 1) -> None:
     """F(i+1) + B(i): embedding and loss backward first, then every layer pair, then loss and embedding backward."""
     f_output = f.embed_forward
     grad = b.head_backward()
     b_wgrad: Callable[[], None] = lambda: None  # noqa: E731
     num_layers = len(f.layers)
     for j in range(num_layers):
-        f_output, grad, b_wgrad = layer_step(f.layers[j], f_output, b.layers[num_layers - 1 - j], grad, b_wgrad)
+        f_output, grad, b_wgrad = layer_step(
+            f.layers[j], f_output, b.layers[num_layers - 1 - j], grad, b_wgrad, wgrad_window
+        )
     b_wgrad()  # B's first layer: its attention wgrad runs while F's last combine is in flight
     b.embed_backward(grad)
     f.head_forward(f_output())
@@ -200,6 +211,8 @@ class EPOverlapEngine:
         groups: This rank's process groups.
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
         delay_wgrad: Defer expert/attention wgrad as described in the module docstring (needs overlap).
+        attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
+            wgrad: 1 (the default) or 2. The planner (``planner.best_plan``) says which suits a shape.
         high_priority_comm: On CUDA, give the comm stream high priority.
 
     Raises:
@@ -214,7 +227,10 @@ class EPOverlapEngine:
         overlap: bool,
         delay_wgrad: bool = False,
         high_priority_comm: bool = False,
+        attention_wgrad_window: int = 1,
     ):
+        if attention_wgrad_window not in WGRAD_WINDOWS:
+            raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
         violations = check_moe_overlap(
             model.config, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad
         )
@@ -223,6 +239,7 @@ class EPOverlapEngine:
         self.model, self.groups = model, groups
         self.overlap, self.delay_wgrad = overlap, delay_wgrad
         self.high_priority_comm = high_priority_comm
+        self.attention_wgrad_window = attention_wgrad_window
 
     @classmethod
     def from_config(cls, model: "MoEGPTModel | McoreGPTPlan", groups: EPGroups, **kwargs) -> "EPOverlapEngine":
@@ -300,7 +317,7 @@ class EPOverlapEngine:
             for action in schedule_actions(len(runs)):
                 lane.recorder.phase = action.phase
                 if action.forward is not None and action.backward is not None:
-                    paired_microbatch_step(runs[action.forward], runs[action.backward])
+                    paired_microbatch_step(runs[action.forward], runs[action.backward], self.attention_wgrad_window)
                 elif action.forward is not None:
                     runs[action.forward].forward()
                 else:
