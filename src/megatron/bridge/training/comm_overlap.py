@@ -38,11 +38,10 @@ from megatron.bridge.training.moe_overlap_rules import (
     Violation,
     check_moe_overlap,
     comm_overlap_value_violations,
-    conflict,
+    explicit_values,
     graph_modules,
 )
 from megatron.bridge.utils import versions
-from megatron.bridge.utils.config_values import is_explicitly_set
 from megatron.bridge.utils.logging import is_rank0, warn_rank0
 from megatron.bridge.utils.process_groups import data_parallel_size_of
 
@@ -468,17 +467,9 @@ class CommOverlapConfig:
 
         A user value that disagrees with an explicit target value is recorded as a ``conflict`` problem.
         """
-        out = copy.copy(resolved)
-        user = self._user()
-        for name in names:
-            if not is_explicitly_set(target, name):
-                continue
-            current, requested = getattr(target, name), getattr(user, name)
-            if requested is None:
-                setattr(out, name, current)
-            elif current != requested:
-                problems.append(conflict(target, name, current, requested))
-        return out
+        kept, conflicts = explicit_values(self._user(), target, names)
+        problems += conflicts
+        return dataclasses.replace(resolved, **kept)
 
     def _tp_overlap_feasible(self, model_cfg: Any) -> bool:
         """False, with upstream's warning, where TP overlap cannot work."""

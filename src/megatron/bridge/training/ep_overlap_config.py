@@ -27,9 +27,8 @@ from megatron.bridge.training.moe_overlap_rules import (
     Violation,
     check_moe_overlap,
     comm_overlap_value_violations,
-    conflict,
+    explicit_values,
 )
-from megatron.bridge.utils.config_values import is_explicitly_set
 from megatron.bridge.utils.process_groups import data_parallel_size_of
 
 MOE_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
@@ -61,14 +60,9 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
         problems: list[Violation] = []
         kept: dict[str, Any] = {}
         for target, names in targets:
-            for name in names:
-                if not is_explicitly_set(target, name):
-                    continue
-                current, requested = getattr(target, name), getattr(user, name)
-                if requested is None:
-                    kept.setdefault(name, current)
-                elif current != requested:
-                    problems.append(conflict(target, name, current, requested))
+            target_kept, conflicts = explicit_values(user, target, names)
+            problems += conflicts
+            kept = target_kept | kept  # the first target that sets a field wins: model, then optimizer, then DDP
         overlap, delay = (bool(_first(getattr(user, flag), kept.get(flag), False)) for flag in MOE_FLAGS)
         grad_reduce = _first(
             user.overlap_grad_reduce,

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from megatron.bridge.utils.config_values import is_explicitly_set
-from megatron.bridge.utils.logging import is_rank0
+from megatron.bridge.utils.logging import warn_rank0
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -59,12 +59,6 @@ class FlexDispatcherConfigError(ValueError):
     """The model asks for the flex dispatcher with a backend this host or config cannot run."""
 
 
-def _warn_rank0(message: str) -> None:
-    # One formatted string, as upstream logs it (callers and tests read the first argument).
-    if is_rank0():
-        logger.warning(message)
-
-
 def _fallback_to_alltoall(model_config: Any) -> None:
     """Leaves the flex dispatcher: alltoall, and no backend that a later pass could re-activate."""
     model_config.moe_token_dispatcher_type = "alltoall"
@@ -88,16 +82,18 @@ def apply_flex_dispatcher_backend(model_config: Any, moe_flex_dispatcher_backend
     """
     num_moe_experts = getattr(model_config, "num_moe_experts", None)
     if not num_moe_experts:
-        _warn_rank0(
+        warn_rank0(
+            logger,
             "DeepEP and HybridEP are only applicable to MoE models; num_moe_experts is not set or is 0 on this "
-            "model config. Skipping the flex dispatcher configuration."
+            "model config. Skipping the flex dispatcher configuration.",
         )
         return
     support = BACKENDS.get(moe_flex_dispatcher_backend)
     if support is None:
-        _warn_rank0(
+        warn_rank0(
+            logger,
             f"Not a valid flex dispatcher backend: {moe_flex_dispatcher_backend!r}. Expected one of "
-            f"{', '.join(SUPPORTED_BACKENDS)}. Skipping flex dispatcher backend configuration."
+            f"{', '.join(SUPPORTED_BACKENDS)}. Skipping flex dispatcher backend configuration.",
         )
         return
     if not torch.cuda.is_available():
@@ -105,9 +101,10 @@ def apply_flex_dispatcher_backend(model_config: Any, moe_flex_dispatcher_backend
         return
     device = torch.cuda.get_device_properties(0)
     if not support.supports(device):
-        _warn_rank0(
+        warn_rank0(
+            logger,
             f"{support.label} is only applicable to {support.gpus}. Current GPU: {device.name}. "
-            "Falling back to alltoall."
+            "Falling back to alltoall.",
         )
         _fallback_to_alltoall(model_config)
         return
@@ -125,10 +122,11 @@ def validate_flex_dispatcher_backend(model_config: Any) -> None:
     backend = getattr(model_config, "moe_flex_dispatcher_backend", None)
     if dispatcher != "flex":
         if backend is not None and is_explicitly_set(model_config, "moe_flex_dispatcher_backend"):
-            _warn_rank0(
+            warn_rank0(
+                logger,
                 f"moe_flex_dispatcher_backend={backend!r} has no effect while moe_token_dispatcher_type="
                 f"{dispatcher!r}: the backend alone does not activate flex. Call "
-                f"apply_flex_dispatcher_backend(model_config, {backend!r}) to switch to it."
+                f"apply_flex_dispatcher_backend(model_config, {backend!r}) to switch to it.",
             )
         return
     if backend is None:

@@ -32,6 +32,7 @@ from typing import Any
 from packaging.version import Version
 
 from megatron.bridge.utils import versions
+from megatron.bridge.utils.config_values import is_explicitly_set
 
 # Keys of the facts mapping. Prefixes say where a value comes from, and are what error messages print.
 OVERLAP = "comm_overlap.overlap_moe_expert_parallel_comm"
@@ -515,6 +516,22 @@ def comm_overlap_value_violations(cfg: Any) -> list[Violation]:
             )
         )
     return problems
+
+
+def explicit_values(user: Any, target: Any, names: Iterable[str]) -> tuple[dict[str, Any], list[Violation]]:
+    """Values set explicitly on ``target`` for ``names``: those the user left None stand (returned), and those the
+    user set differently are conflicts (returned as violations)."""
+    kept: dict[str, Any] = {}
+    problems: list[Violation] = []
+    for name in names:
+        if not is_explicitly_set(target, name):
+            continue
+        current, requested = getattr(target, name), getattr(user, name)
+        if requested is None:
+            kept[name] = current
+        elif current != requested:
+            problems.append(conflict(target, name, current, requested))
+    return kept, problems
 
 
 def conflict(target: Any, name: str, target_value: Any, user_value: Any) -> Violation:

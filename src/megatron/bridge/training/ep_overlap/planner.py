@@ -25,6 +25,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from megatron.bridge.training.ep_overlap.records import uncovered
 from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, schedule_actions
 
 PHASES = ("warmup", "paired", "cooldown", "plain")
@@ -351,28 +352,8 @@ def costs_from_records(
 
 def exposed_by_phase(step: dict) -> dict[str, float]:
     """Measured exposed comm per phase of one recorded step: all-to-all time that no compute covered."""
-    compute = sorted((r["start_s"], r["end_s"]) for r in step["compute"])
+    compute = [(r["start_s"], r["end_s"]) for r in step["compute"]]
     by_phase: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for r in step["comm"]:
         by_phase[r["phase"]].append((r["start_s"], r["end_s"]))
-    return {phase: _uncovered(intervals, compute) for phase, intervals in by_phase.items()}
-
-
-def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Length of the union of ``intervals`` outside the union of ``cover`` (both lists of (start, end))."""
-
-    def union(spans):
-        merged: list[list[float]] = []
-        for start, end in sorted(spans):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        return merged
-
-    total = 0.0
-    cover_u = union(cover)
-    for start, end in union(intervals):
-        covered = sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in cover_u)
-        total += end - start - covered
-    return total
+    return {phase: uncovered(intervals, compute) for phase, intervals in by_phase.items()}

@@ -120,6 +120,12 @@ def _covered(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
+def uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of the union of ``intervals`` outside the union of ``cover``: comm that no compute hid."""
+    intervals_u = _union(intervals)
+    return _length(intervals_u) - _covered(intervals_u, _union(cover))
+
+
 @dataclass
 class StepRecorder:
     """Collects the records of one step. ``phase`` is set by the schedule as it goes."""
@@ -138,6 +144,4 @@ class StepRecorder:
 
     def stats(self) -> StepStats:
         comm, compute = self.intervals()
-        comm_u, compute_u = _union(comm), _union(compute)
-        comm_s = _length(comm_u)
-        return StepStats(comm_s, comm_s - _covered(comm_u, compute_u), _length(compute_u))
+        return StepStats(_length(_union(comm)), uncovered(comm, compute), _length(_union(compute)))
