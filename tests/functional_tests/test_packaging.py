@@ -112,7 +112,8 @@ def test_our_modules_import_from_the_installed_tree(scratch):
         import megatron.bridge.training.ep_overlap.planner as planner
         import megatron.bridge.training.moe_overlap_rules as rules
         import megatron.bridge.models.moe_gpt.model as model
-        for module in (engine, planner, rules, model):
+        import megatron.bridge.training.ep_overlap.mcore_hook as hook  # the pre-wrap hook a recipe registers
+        for module in (engine, planner, rules, model, hook):
             assert str(site) in module.__file__, module.__file__
         print("ok")
     """)  # fmt: skip

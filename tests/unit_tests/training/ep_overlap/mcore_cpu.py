@@ -2,7 +2,8 @@
 
 Megatron-Core calls a few ``torch.cuda`` stream/event/device functions directly, forks a CUDA RNG state for
 attention dropout, and passes all-to-all split sizes as tensors (gloo wants lists). On CPU these become no-op
-streams and events, the current device "cpu", a plain RNG context, and list splits.
+streams and events, the current device "cpu" (also where the schedules' token counter goes), a plain RNG context,
+and list splits.
 """
 
 import contextlib
@@ -53,6 +54,12 @@ def install_cpu_stubs() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
+    zeros = torch.zeros
+
+    def zeros_on_host(*args, device=None, **kwargs):  # Megatron-Core's schedules put a token counter on "cuda"
+        return zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    torch.zeros = zeros_on_host
     all_to_all_single = dist.all_to_all_single
 
     def lists(splits):

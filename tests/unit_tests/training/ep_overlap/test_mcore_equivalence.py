@@ -27,9 +27,10 @@ class McoreCase:
     microbatches: int = 4
     steps: int = 2
     device: str = "cpu"
+    rope: bool = False
 
 
-def build_gpt(case: McoreCase):
+def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -54,6 +55,7 @@ def build_gpt(case: McoreCase):
         bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         delay_wgrad_compute=False,
+        overlap_moe_expert_parallel_comm=overlap_flag,  # Megatron-Core accepts it with bf16 only
     )
     torch.manual_seed(1234)
     model = GPTModel(
@@ -61,7 +63,7 @@ def build_gpt(case: McoreCase):
         transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=64,
         max_sequence_length=8,
-        position_embedding_type="learned_absolute",
+        position_embedding_type="rope" if case.rope else "learned_absolute",
         share_embeddings_and_output_weights=False,
     )
     model = model.to(case.device)
@@ -111,6 +113,7 @@ CASES = {
     "ep2-fp32-top1-mixed": McoreCase(topk=1, layer_freq=(1, 0)),
     "ep2-bf16-top2": McoreCase(bf16=True),
     "ep4-fp32-top2": McoreCase(world=4, microbatches=2),
+    "ep2-fp32-top2-rope": McoreCase(rope=True),
     "ep2-fp32-delayed-wgrad-local-linears": McoreCase(delay_wgrad=True),
 }
 

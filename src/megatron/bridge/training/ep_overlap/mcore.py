@@ -22,6 +22,7 @@ Contract:
       embedding/output weights (``share_embeddings_and_output_weights=False``) and ``add_bias_linear=False``.
 """
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -74,6 +75,12 @@ class McoreLayer:
         self.expert_wgrad_delayable = self.is_moe and _uses_transformer_engine(layer.mlp.experts)
         self.attention_wgrad_delayable = _uses_transformer_engine(layer.self_attention)
 
+    def bound_to(self, context) -> "McoreLayer":
+        """The same layer, reading its attention mask from ``context`` (one microbatch's) instead of the plan."""
+        bound = copy.copy(self)
+        bound.plan = context
+        return bound
+
     # ---- node functions -----------------------------------------------------------------------------
 
     def pre_dispatch(self, x_SBH: torch.Tensor):
@@ -83,7 +90,9 @@ class McoreLayer:
                 f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
                 f"got {tuple(x_SBH.shape)}"
             )
-        h, _ = layer._forward_attention(hidden_states=x_SBH, attention_mask=self.plan.attention_mask)
+        h, _ = layer._forward_attention(
+            hidden_states=x_SBH, attention_mask=self.plan.attention_mask, rotary_pos_emb=self.plan.rotary_pos_emb
+        )
         normed = layer._forward_pre_mlp_layernorm(h)
         if isinstance(normed, tuple):
             raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")
@@ -153,6 +162,7 @@ class McoreGPTPlan:
         seq = model.max_sequence_length
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+        self.rotary_pos_emb = None  # set by embed(); only one microbatch's forward runs at a time
         self.layers = [McoreLayer(layer, i, self) for i, layer in enumerate(model.decoder.layers)]
         if delay_wgrad:
             undelayed = [layer.name for layer in self.layers if layer.is_moe and not layer.expert_wgrad_delayable]
@@ -174,8 +184,11 @@ class McoreGPTPlan:
     def _positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return torch.arange(tokens_BS.shape[1], device=tokens_BS.device)[None].expand_as(tokens_BS)
 
-    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.model.embedding(input_ids=tokens_BS, position_ids=self._positions(tokens_BS))
+    def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``GPTModel._preprocess``: the embedding, and the rotary embedding the next forward's layers read."""
+        positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
+        x_SBH, self.rotary_pos_emb, *_ = self.model._preprocess(input_ids=tokens_BS, position_ids=positions)
+        return x_SBH
 
     @staticmethod
     def _masked(labels_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,11 +196,15 @@ class McoreGPTPlan:
         keep_BS = labels_BS != IGNORE_INDEX
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
-    def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+    def per_token_losses(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer and cross-entropy: what ``GPTModel.forward`` returns when given labels."""
         hidden = self.model.decoder.final_layernorm(x_SBH)
         logits, _ = self.model.output_layer(hidden, weight=None)
+        return self.model.compute_language_model_loss(labels_BS, logits)
+
+    def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         labels_BS, keep_BS = self._masked(labels_BS)
-        return (self.model.compute_language_model_loss(labels_BS, logits) * keep_BS).sum() / normalizer
+        return (self.per_token_losses(x_SBH, labels_BS) * keep_BS).sum() / normalizer
 
     def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         """The plain path: GPTModel.forward returns per-token losses."""

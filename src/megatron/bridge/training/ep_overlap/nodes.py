@@ -196,13 +196,18 @@ class MicrobatchNodes:
 
     ``model`` provides ``layers`` (each with the node functions above), ``embed(tokens)`` and
     ``head_loss(x, labels, normalizer)``: the reference ``MoEGPTModel`` does, and so does the Megatron-Core plan.
+
+    ``loss`` is the head's output. It is the scalar loss, unless a driver computes the loss from it (Megatron-Core's
+    combined 1F1B does: the head then returns per-token losses); such a driver sets ``output_grad``, the gradient
+    of the head's output, before the backward starts.
     """
 
-    def __init__(self, model, microbatch: int, tokens, labels, normalizer: float, lane, delay_wgrad: bool):
+    def __init__(self, model, microbatch: int, tokens, labels, normalizer: float | None, lane, delay_wgrad: bool):
         self.model, self.mb, self.lane = model, microbatch, lane
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
         self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in enumerate(model.layers)]
         self.loss: torch.Tensor | None = None
+        self.output_grad: torch.Tensor | None = None
 
     def embed_forward(self) -> torch.Tensor:
         with self.lane.compute("embedding", -1, self.mb), torch.enable_grad():
@@ -218,8 +223,11 @@ class MicrobatchNodes:
 
     def head_backward(self) -> torch.Tensor:
         with self.lane.compute("head_bwd", len(self.layers), self.mb):
-            self.loss.backward()
-        grad, self.head_in = self.head_in.grad, None
+            if self.output_grad is None:
+                self.loss.backward()
+            else:
+                _backward([self.loss], [self.output_grad])
+        grad, self.head_in, self.output_grad = self.head_in.grad, None, None
         return grad
 
     def embed_backward(self, grad: torch.Tensor) -> None:

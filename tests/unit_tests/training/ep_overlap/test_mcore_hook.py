@@ -1,0 +1,143 @@
+"""Megatron-Core's own driver (``forward_backward_no_pipelining``) running this project's layer schedule.
+
+The overlapped arm installs the plan with the Bridge pre-wrap hook and turns ``overlap_moe_expert_parallel_comm``
+on, so Megatron-Core's ``combined_1f1b`` calls ``EPOverlapSchedulePlan.run``; the plain arm is Megatron-Core's
+ordinary forward/backward. The forward step is written as Megatron-Bridge's is (``build_schedule_plan`` with
+tokens, positions, mask, labels and loss mask; a masked token-sum loss). Losses and gradients must match bitwise.
+"""
+
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+
+import pytest
+import torch
+
+from megatron.bridge.utils.multiprocess import run_local_ranks
+
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .test_mcore_equivalence import McoreCase, build_gpt
+from .test_numerics import assert_bitwise
+
+SEQ, MICRO_BATCH = 8, 2
+
+
+def masked_token_loss(loss_mask_BS: torch.Tensor, per_token_BS: torch.Tensor):
+    """Megatron-Bridge's ``masked_next_token_loss`` shape: (token-summed loss, token count, what to log)."""
+    losses = per_token_BS.view(-1).float()
+    mask = loss_mask_BS.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def bridge_style_forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    tokens, labels = next(data_iterator)
+    loss_mask = (labels % 5 != 0).float()  # some tokens do not count
+    position_ids = torch.arange(SEQ)[None].expand_as(tokens)
+    attention_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    loss_func = partial(masked_token_loss, loss_mask)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, loss_func
+    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
+    return output, loss_func
+
+
+def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+
+    out = {}
+    for arm in ("plain", "overlap"):
+        model = build_gpt(case, overlap_flag=arm == "overlap" and case.bf16)
+        if arm == "overlap":
+            model.config.overlap_moe_expert_parallel_comm = True  # fp32: Megatron-Core's config refuses it at build
+            use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses, grads, phases = [], [], []
+        for step in range(case.steps):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            data = [
+                tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(case.microbatches)
+            ]
+            store = get_forward_backward_func()(
+                forward_step_func=bridge_style_forward_step,
+                data_iterator=iter(data),
+                model=[model],
+                num_microbatches=case.microbatches,
+                seq_length=SEQ,
+                micro_batch_size=MICRO_BATCH,
+                forward_only=False,
+            )
+            losses.append(torch.stack([logged["lm loss"] for logged in store]))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            if arm == "overlap":
+                recorder = model.build_schedule_plan.recorder
+                phases.append(sorted({(r.phase, r.microbatch) for r in recorder.comm if r.op == "dispatch"}))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases}
+    return out
+
+
+CASES = {
+    "ep2-fp32-top2": McoreCase(microbatches=3),
+    "ep2-bf16-top2-flag-at-build": McoreCase(bf16=True, microbatches=3),
+    "ep2-fp32-top1-mixed-rope": McoreCase(topk=1, layer_freq=(1, 0), rope=True, microbatches=2),
+    "ep2-fp32-one-microbatch": McoreCase(microbatches=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
+    case = CASES[name]
+    for outcome in run_local_ranks(train_with_mcore_driver, case.world, (case,)):
+        plain, overlap = outcome.result["plain"], outcome.result["overlap"]
+        for step in range(case.steps):
+            where = f"rank {outcome.rank} step {step}"
+            assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} losses")
+            assert plain["grads"][step].keys() == overlap["grads"][step].keys()
+            for param, grad in plain["grads"][step].items():
+                assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+            # Our lane ran every dispatch, in Megatron-Core's order: microbatch 0 alone, the rest paired.
+            n = case.microbatches
+            assert overlap["phases"][step] == sorted([("warmup", 0), *(("paired", i) for i in range(1, n))])
+        assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+
+
+def refuse(rank: int, world: int, change: dict) -> str:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+
+    model = build_gpt(replace(McoreCase(), **change.get("case", {})))
+    for key, value in change.get("config", {}).items():
+        setattr(model.config, key, value)
+    for key, value in change.get("model", {}).items():
+        setattr(model, key, value)  # what a pipeline stage's GPTModel has
+    try:
+        use_ep_overlap_schedule([model])
+    except (ValueError, AssertionError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"config": {"delay_wgrad_compute": True, "moe_shared_expert_overlap": True}}, "moe_shared_expert_overlap"),
+        ({"config": {"recompute_granularity": "full"}}, "recompute"),
+    ],
+)
+def test_hook_refuses_a_bad_config_before_any_step(change, expected):
+    for outcome in run_local_ranks(refuse, 2, (change,)):
+        assert outcome.result.startswith("CommOverlapConfigError") and expected in outcome.result, outcome.result
+
+
+def test_hook_refuses_a_pipeline_stage():
+    for outcome in run_local_ranks(refuse, 2, ({"model": {"post_process": False}},)):
+        assert outcome.result.startswith("ValueError") and "pipeline_model_parallel_size must be 1" in outcome.result
