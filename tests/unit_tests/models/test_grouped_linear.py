@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, check_no_pending_wgrads, grouped_matmul
+from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, grouped_matmul
+from megatron.bridge.training.ep_overlap.wgrad import check_no_pending_wgrads
 
 
 def make(dtype, groups=3, k=16, n=8, seed=0):

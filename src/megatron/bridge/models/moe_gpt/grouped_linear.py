@@ -5,8 +5,10 @@ Contract:
       ordered by group; ``group_sizes`` (host ints) may contain zeros.
     * With ``delay_wgrad = False`` backward computes dgrad and wgrad as ordinary autograd does.
     * With ``delay_wgrad = True`` backward computes dgrad only and pushes what wgrad needs on a FIFO owned by the
-      module. ``backward_dw()`` pops one entry, computes the wgrad, accumulates it into ``weight.main_grad`` when
-      the weight has one, else into ``weight.grad``, then runs the grad-ready hooks. Results are bitwise equal to
+      module (the engine's :class:`~megatron.bridge.training.ep_overlap.wgrad.WeightGradStore`; this module
+      implements the engine's delayed-wgrad contract). ``backward_dw()`` pops one entry, computes the wgrad,
+      accumulates it into ``weight.main_grad`` when the weight has one, else into ``weight.grad``, then runs the
+      grad-ready hooks. Results are bitwise equal to
       the undelayed path: the same kernels run on the same operands, and accumulation adds in the same order.
     * Grad-ready hooks (``register_grad_ready_hook``) run once per backward, after the weight's gradient for
       that backward is complete, in both modes (what data-parallel gradient reduction needs).
@@ -20,11 +22,13 @@ kernels require), else a per-group loop of matmuls. :func:`make_expert_linear` p
 Shape suffixes: M rows (tokens), K input features, N output features, G groups.
 """
 
+import functools
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
+
+from megatron.bridge.training.ep_overlap.wgrad import WeightGradStore
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         dw_GKN = None
         if ctx.needs_input_grad[1]:
             if ctx.owner.delay_wgrad:
-                ctx.owner._pending.append((x_MK, grad_MN, sizes))
+                ctx.owner._pending.push(functools.partial(ctx.owner._accumulate_wgrad, x_MK, grad_MN, sizes))
             else:
                 dw_GKN = grouped_wgrad(x_MK, grad_MN, sizes)
         return dx_MK, dw_GKN, None, None
@@ -145,7 +149,7 @@ class GroupedLinear(_GradReadyHooks, torch.nn.Module):
         self.name = name
         self.weight = torch.nn.Parameter(torch.empty(num_groups, in_features, out_features))
         self.delay_wgrad = False
-        self._pending: deque = deque()
+        self._pending = WeightGradStore(name)
         self._init_grad_ready_hooks()
 
     def forward(self, x_MK: torch.Tensor, group_sizes: Sequence[int]) -> torch.Tensor:
@@ -170,25 +174,14 @@ class GroupedLinear(_GradReadyHooks, torch.nn.Module):
         """Sets group ``group``'s weight from a [K, N] tensor (the layout-independent way to initialize)."""
         self.weight[group].copy_(w_KN)
 
+    @torch.no_grad()
+    def _accumulate_wgrad(self, x_MK: torch.Tensor, grad_MN: torch.Tensor, sizes: tuple[int, ...]) -> None:
+        accumulate_grad(self.weight, grouped_wgrad(x_MK, grad_MN, sizes))
+
     def backward_dw(self) -> None:
         """Computes one delayed weight gradient (FIFO order), accumulates it, then runs the grad-ready hooks."""
-        if not self._pending:
-            raise RuntimeError(f"{self.name}: backward_dw() called with no delayed wgrad queued")
-        x_MK, grad_MN, sizes = self._pending.popleft()
-        with torch.no_grad():
-            accumulate_grad(self.weight, grouped_wgrad(x_MK, grad_MN, sizes))
+        self._pending.run_next()
         self._fire_grad_ready()
-
-
-def check_no_pending_wgrads(linears) -> None:
-    """Raises naming every module that still holds delayed wgrads (their gradients would be lost)."""
-    leftover = [f"{linear.name} ({linear.pending_wgrads} queued)" for linear in linears if linear.pending_wgrads]
-    if leftover:
-        raise RuntimeError(
-            "delayed weight gradients were queued but never computed, so these gradients would be lost: "
-            + ", ".join(leftover)
-            + ". Every backward with delay_wgrad on must be followed by backward_dw() on the module."
-        )
 
 
 class TEGroupedLinear(_GradReadyHooks, torch.nn.Module):

@@ -13,9 +13,14 @@ Contract:
           experts(received, routing) -> expert_out                  (sort by local expert, grouped GEMMs, unsort)
           all-to-all(expert_out)     -> back                        (combine; identity for dense layers)
           combine(back, probs, h, routing) -> layer output          (unpermute weighted by probs, residual add)
-    * Dense weights are identical on every rank (seeded by ``seed``); expert e's weights depend only on
-      ``seed`` and e, so a model is the same whatever the EP layout. Expert parameters carry
-      ``allreduce = False`` (as in Megatron): they are reduced over the expert-DP group, not the DP group.
+    * Dense weights are identical on every rank: each layer's are drawn from a generator keyed by ``seed`` and
+      the layer's global number (the embeddings' and the head's by their own keys); expert e's weights depend
+      only on ``seed``, the layer and e. So a model is the same whatever the EP or pipeline layout. Expert
+      parameters carry ``allreduce = False`` (as in Megatron): they are reduced over the expert-DP group, not the
+      DP group.
+    * Pipeline chunks: ``layer_numbers`` picks the global layers a chunk holds; ``pre_process`` (the embeddings)
+      and ``post_process`` (final norm, head and loss) say whether it is the model's first and/or last chunk, as
+      Megatron-Core's ``GPTModel`` does. :func:`build_pipeline_chunks` builds a pipeline rank's chunks.
     * No biases (``add_bias_linear`` is not supported by the reference model).
 
 Shape suffixes: B microbatch size, S sequence, T = B*S tokens, D hidden, H heads, F FFN hidden, V vocab,
@@ -38,6 +43,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     permute,
     unpermute,
 )
+from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, single_process_groups
 
 
@@ -207,10 +213,39 @@ class TransformerLayer(torch.nn.Module):
         return self.combine(back_PD, probs_TK, h_TD, routing)
 
 
-class MoEGPTModel(torch.nn.Module):
-    """Embedding, transformer layers, final norm, untied LM head and token-summed cross-entropy."""
+def _generator(seed: int, *key: int) -> torch.Generator:
+    """A generator keyed by ``seed`` and ``key`` (layer number, expert, ...), the same in every process."""
+    value = seed
+    for k in key:
+        value = (value * 1_000_003 + k + 17) % (2**63 - 1)
+    return torch.Generator().manual_seed(value)
 
-    def __init__(self, config: MoEGPTConfig, groups: EPGroups | None = None, seed: int = 1234):
+
+EMBEDDING_KEY, HEAD_KEY = -1, -2  # generator keys of the non-layer weights
+
+
+class MoEGPTModel(torch.nn.Module):
+    """Embedding, transformer layers, final norm, untied LM head and token-summed cross-entropy.
+
+    Args:
+        config: Shapes and options (Megatron field names).
+        groups: This rank's process groups (EP = 1 without).
+        seed: Weight seed; the same seed gives the same model under every layout.
+        layer_numbers: Global numbers of the layers this chunk holds (all layers by default).
+        pre_process: Whether this chunk holds the embeddings (the model's first chunk).
+        post_process: Whether it holds final norm, head and loss (the model's last chunk).
+    """
+
+    def __init__(
+        self,
+        config: MoEGPTConfig,
+        groups: EPGroups | None = None,
+        seed: int = 1234,
+        *,
+        layer_numbers: list[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
         super().__init__()
         groups = groups or single_process_groups()
         if groups.ep_size != config.expert_model_parallel_size:
@@ -226,30 +261,40 @@ class MoEGPTModel(torch.nn.Module):
                 f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}; use the Megatron-Core model for flex"
             )
         self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
         D = config.hidden_size
-        self.word_embeddings = torch.nn.Embedding(config.vocab_size, D)
-        self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
-        self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in range(config.num_layers))
-        self.final_ln = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
-        self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
+        if pre_process:
+            self.word_embeddings = torch.nn.Embedding(config.vocab_size, D)
+            self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
+        self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in self.layer_numbers)
+        if post_process:
+            self.final_ln = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+            self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
         self._initialize(seed, groups)
         self.to(config.activation_dtype())
 
     @torch.no_grad()
     def _initialize(self, seed: int, groups: EPGroups) -> None:
         std = self.config.init_method_std
-        dense = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            if getattr(param, "allreduce", True) is False:
-                continue
-            if param.dim() == 1:  # norms
-                param.fill_(1.0 if name.endswith("weight") else 0.0)
-            else:
-                # Output projections scaled by depth, as Megatron's scaled_init_method_normal does.
-                is_output = name.endswith(("proj.weight", "fc2.weight"))
-                scale = 1.0 / math.sqrt(2 * self.config.num_layers) if is_output else 1.0
-                param.copy_(torch.randn(param.shape, generator=dense) * std * scale)
-        for layer_number, layer in enumerate(self.layers):
+        parts = [(EMBEDDING_KEY, self, ("word_embeddings", "position_embeddings")) if self.pre_process else None]
+        parts += [(number, layer, None) for number, layer in zip(self.layer_numbers, self.layers)]
+        parts += [(HEAD_KEY, self, ("final_ln", "output_layer")) if self.post_process else None]
+        for key, module, children in filter(None, parts):
+            dense = _generator(seed, key)
+            for name, param in module.named_parameters():
+                if children is not None and not name.startswith(children):
+                    continue
+                if getattr(param, "allreduce", True) is False:
+                    continue
+                if param.dim() == 1:  # norms
+                    param.fill_(1.0 if name.endswith("weight") else 0.0)
+                else:
+                    # Output projections scaled by depth, as Megatron's scaled_init_method_normal does.
+                    is_output = name.endswith(("proj.weight", "fc2.weight"))
+                    scale = 1.0 / math.sqrt(2 * self.config.num_layers) if is_output else 1.0
+                    param.copy_(torch.randn(param.shape, generator=dense) * std * scale)
+        for layer_number, layer in zip(self.layer_numbers, self.layers):
             if not layer.is_moe:
                 continue
             local = self.config.num_moe_experts // groups.ep_size
@@ -257,10 +302,18 @@ class MoEGPTModel(torch.nn.Module):
             shapes = ((D, 2 * Fe if layer.gated else Fe), (Fe, D))
             for which, (fc, shape) in enumerate(zip((layer.fc1, layer.fc2), shapes)):
                 for le in range(local):
-                    global_expert = groups.ep_rank * local + le
-                    key = ((seed * 1009 + layer_number) * 4099 + global_expert) * 2 + which
-                    gen = torch.Generator().manual_seed(key)
+                    gen = _generator(seed, layer_number, groups.ep_rank * local + le, which)
                     fc.load_group_weight(le, torch.randn(shape, generator=gen) * std)
+
+    def global_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``named_parameters`` with each layer's global number (``layers.<global>.``): equal under any layout."""
+        named = []
+        for name, param in self.named_parameters():
+            if name.startswith("layers."):
+                _, local, rest = name.split(".", 2)
+                name = f"layers.{self.layer_numbers[int(local)]}.{rest}"
+            named.append((name, param))
+        return named
 
     @property
     def vocab_size(self) -> int:
@@ -284,8 +337,30 @@ class MoEGPTModel(torch.nn.Module):
         return F.cross_entropy(logits_TV.float(), labels_BS.reshape(-1), reduction="sum") / normalizer
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """The plain path: the whole microbatch through ordinary autograd."""
+        """The plain path: the whole microbatch through ordinary autograd (a whole model, not a chunk)."""
         x_TD = self.embed(tokens_BS)
         for layer in self.layers:
             x_TD = layer(x_TD)
         return self.head_loss(x_TD, labels_BS, normalizer)
+
+    def hidden_shape(self, tokens_BS: torch.Tensor) -> tuple[int, ...]:
+        """Shape of the activation between two chunks, for ``tokens_BS``'s microbatch: [tokens, hidden]."""
+        return (tokens_BS.numel(), self.config.hidden_size)
+
+
+def build_pipeline_chunks(config: MoEGPTConfig, groups: EPGroups, seed: int, pipeline_rank: int) -> list[MoEGPTModel]:
+    """The model chunks of ``pipeline_rank``, one per virtual stage, split as Megatron-Core splits the model."""
+    layers = chunk_layers_of(config)
+    P = config.pipeline_model_parallel_size or 1
+    last = len(layers) - 1
+    return [
+        MoEGPTModel(
+            config,
+            groups,
+            seed,
+            layer_numbers=layers[c],
+            pre_process=c == 0,
+            post_process=c == last,
+        )
+        for c in range(pipeline_rank, len(layers), P)
+    ]

@@ -26,10 +26,13 @@ from megatron.bridge.utils.process_groups import EPGroups, exchanged_bytes, wait
 
 
 class Pending:
-    """An all-to-all in flight; ``wait()`` returns its output once (later calls return the same tensor)."""
+    """A transfer in flight; ``wait()`` returns its output once (later calls return the same tensor).
 
-    def __init__(self, out: torch.Tensor, wait_fn=None, record: CommRecord | None = None):
-        self._out, self._wait_fn, self._record = out, wait_fn, record
+    ``convert`` (optional) maps the arrived buffer to what the consumer gets (e.g. host to device).
+    """
+
+    def __init__(self, out: torch.Tensor, wait_fn=None, record: CommRecord | None = None, convert=None):
+        self._out, self._wait_fn, self._record, self._convert = out, wait_fn, record, convert
 
     def wait(self) -> torch.Tensor:
         if self._wait_fn is not None:
@@ -39,6 +42,8 @@ class Pending:
             if self._record is not None:
                 self._record.wait_end_host = time.perf_counter()
             self._wait_fn = None
+            if self._convert is not None:
+                self._out = self._convert(self._out)
         return self._out
 
 

@@ -191,37 +191,76 @@ class LayerNodes:
         return grad_in
 
 
-class MicrobatchNodes:
-    """All nodes of one microbatch: embedding, the layers' nodes, and head + loss.
+class ChunkIO:
+    """Where a pipeline chunk's input comes from and its outputs go (set by the driver before each step).
 
-    ``model`` provides ``layers`` (each with the node functions above), ``embed(tokens)`` and
+    ``input``/``grad``: the received activation / output gradient (a :class:`Pending`); ``send_output``/
+    ``send_grad``: callables that start sending the chunk's output activation / input gradient.
+    """
+
+    def __init__(self):
+        self.input: Pending | None = None
+        self.grad: Pending | None = None
+        self.send_output = self.send_grad = None
+
+
+class MicrobatchNodes:
+    """All nodes of one microbatch in one model chunk: the chunk's start, its layers' nodes, and its end.
+
+    ``model`` provides ``layers`` (each with the node functions above), and where it is the model's first chunk
+    (``pre_process``, true when absent) ``embed(tokens)``, where it is the last (``post_process``)
     ``head_loss(x, labels, normalizer)``: the reference ``MoEGPTModel`` does, and so does the Megatron-Core plan.
+    Other chunks receive their input and output gradient and send theirs through ``io`` (:class:`ChunkIO`).
 
     ``loss`` is the head's output. It is the scalar loss, unless a driver computes the loss from it (Megatron-Core's
     combined 1F1B does: the head then returns per-token losses); such a driver sets ``output_grad``, the gradient
     of the head's output, before the backward starts.
     """
 
-    def __init__(self, model, microbatch: int, tokens, labels, normalizer: float | None, lane, delay_wgrad: bool):
-        self.model, self.mb, self.lane = model, microbatch, lane
+    def __init__(
+        self,
+        model,
+        microbatch: int,
+        tokens,
+        labels,
+        normalizer: float | None,
+        lane,
+        delay_wgrad: bool,
+        io: ChunkIO | None = None,
+    ):
+        self.model, self.mb, self.lane, self.io = model, microbatch, lane, io
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
-        self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in enumerate(model.layers)]
+        self.first = getattr(model, "pre_process", True)
+        self.last = getattr(model, "post_process", True)
+        numbers = getattr(model, "layer_numbers", range(len(model.layers)))
+        self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in zip(numbers, model.layers)]
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
 
-    def embed_forward(self) -> torch.Tensor:
+    # ---- the chunk's two ends ----------------------------------------------------------------------------
+
+    def forward_begin(self) -> torch.Tensor:
+        """The embedding, or the activation received from the previous pipeline stage."""
+        if not self.first:
+            return self.io.input.wait().requires_grad_(True)
         with self.lane.compute("embedding", -1, self.mb), torch.enable_grad():
             self.embedded = self.model.embed(self.tokens)
         return self.embedded
 
-    def head_forward(self, x_in: torch.Tensor) -> torch.Tensor:
+    def forward_end(self, x_in: torch.Tensor) -> None:
+        """Head and loss, or send the activation to the next pipeline stage."""
+        if not self.last:
+            self.io.send_output(x_in)
+            return
         with self.lane.compute("head", len(self.layers), self.mb):
             self.head_in = _leaf(x_in)
             with torch.enable_grad():
                 self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer)
-        return self.loss
 
-    def head_backward(self) -> torch.Tensor:
+    def backward_begin(self) -> torch.Tensor:
+        """Loss and head backward, or the output gradient received from the next pipeline stage."""
+        if not self.last:
+            return self.io.grad.wait()
         with self.lane.compute("head_bwd", len(self.layers), self.mb):
             if self.output_grad is None:
                 self.loss.backward()
@@ -230,19 +269,25 @@ class MicrobatchNodes:
         grad, self.head_in, self.output_grad = self.head_in.grad, None, None
         return grad
 
-    def embed_backward(self, grad: torch.Tensor) -> None:
+    def backward_end(self, grad: torch.Tensor) -> None:
+        """Embedding backward, or send the input gradient to the previous pipeline stage."""
+        if not self.first:
+            self.io.send_grad(grad)
+            return
         with self.lane.compute("embedding_bwd", -1, self.mb):
             _backward([self.embedded], [grad])
         self.embedded = None
 
-    def forward(self) -> torch.Tensor:
-        x = self.embed_forward()
+    # ---- unpaired -----------------------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        x = self.forward_begin()
         for layer in self.layers:
             x = layer.forward(x)
-        return self.head_forward(x)
+        self.forward_end(x)
 
     def backward(self) -> None:
-        grad = self.head_backward()
+        grad = self.backward_begin()
         for layer in reversed(self.layers):
             grad = layer.backward(grad)
-        self.embed_backward(grad)
+        self.backward_end(grad)

@@ -1,12 +1,17 @@
-"""The 1F1B-interleaved MoE layer schedule (PP = 1) that hides EP all-to-all behind the other microbatch's compute.
+"""The 1F1B-interleaved MoE layer schedule that hides EP all-to-all behind the other microbatch's compute.
 
 Contract:
-    * :func:`layer_step` pairs the forward of layer j of microbatch i+1 (F) with the backward of layer L-1-j of
-      microbatch i (B). Host issue order is the schedule: each all-to-all of one microbatch is launched just
-      before compute of the other microbatch, and waited for only when its consumer runs.
-    * :class:`EPOverlapEngine` runs one training step over N microbatches: F(0); then F(i+1) paired with B(i)
-      for i = 0..N-2; then B(N-1). With overlap off it runs the same model through the plain forward/backward.
-      Losses and every gradient are bitwise equal between the two (tests check the bit patterns).
+    * :func:`layer_step` pairs the forward of layer j of one microbatch (F) with the backward of the mirrored layer
+      of another (B). Host issue order is the schedule: each all-to-all of one microbatch is launched just before
+      compute of the other microbatch, and waited for only when its consumer runs.
+    * :class:`EPOverlapEngine` runs one training step over N microbatches in the order
+      :func:`~megatron.bridge.training.ep_overlap.pipeline.pipeline_schedule` lists for this rank: with PP = 1,
+      F(0); then F(i+1) paired with B(i) for i = 0..N-2; then B(N-1). With PP > 1 (and V model chunks per rank,
+      Megatron-Core's interleaved layout) the same driver runs warm-up forwards, paired steady steps (forward of
+      one chunk's microbatch with backward of another's, layer by layer; extra layers of the longer chunk run
+      unpaired) and cool-down backwards, moving activations and gradients by P2P. With overlap off it runs the
+      same order unpaired, each chunk through ordinary autograd (the plain path). Losses and every gradient are
+      bitwise equal between the two and across pipeline layouts (tests check the bit patterns).
     * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
       gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once.
     * A config the EP-overlap rules reject never reaches the engine: the constructor raises the same
@@ -15,7 +20,7 @@ Contract:
       number of tokens that count: labels equal to :data:`IGNORE_INDEX` count in neither. Microbatches may differ
       in size within a step and across ranks. Token ids and labels outside the vocabulary are refused on every
       rank at once (one small all-reduce per step carries the token count and any rank's bad input), with an
-      error naming the rank and the microbatch, before any layer runs.
+      error naming the rank and the microbatch, before any layer runs. Only the last pipeline stage has losses.
     * With ``delay_wgrad``: experts compute dgrad only in B.experts and their wgrad runs right after the
       dispatch-backward all-to-all is launched (window 3); attention wgrad runs after attention dgrad, in the
       next layer step's window 1, right after B's next combine-backward all-to-all is launched (windows 1 and 3
@@ -24,24 +29,23 @@ Contract:
       ``attention_wgrad_window=2`` the attention wgrad goes to window 2 instead (beside F.dispatch), for shapes
       whose window 2 is comm-bound; numerics are the same (each parameter still gets its contributions in the
       same order).
+    * The engine knows no model: it drives whatever offers the node functions (``nodes.py``) and the delayed-wgrad
+      contract (``wgrad.py``).
 """
 
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, TEGroupedLinear, check_no_pending_wgrads
-from megatron.bridge.models.moe_gpt.model import MoEGPTModel
-
-if TYPE_CHECKING:
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan
 from megatron.bridge.training.ep_overlap.lanes import make_lane
-from megatron.bridge.training.ep_overlap.nodes import LayerNodes, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.nodes import ChunkIO, LayerNodes, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.p2p import PipelineP2P
+from megatron.bridge.training.ep_overlap.pipeline import FORWARD, PipelineStep, pipeline_schedule
 from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.wgrad import check_no_pending_wgrads
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
@@ -92,23 +96,35 @@ def layer_step(
 
 
 def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes, wgrad_window: int = 1) -> None:
-    """F(i+1) + B(i): embedding and loss backward first, then every layer pair, then loss and embedding backward."""
-    f_output = f.embed_forward
-    grad = b.head_backward()
+    """F + B of one pipeline step: both chunks' starts, every layer pair, then both chunks' ends.
+
+    F starts with its embedding or received activation; B with its loss backward or received gradient. Forward
+    layer j pairs with backward layer n-1-j. When the two chunks differ in layer count, the longer one's extra
+    layers run unpaired. Then B's input gradient goes out (or its embedding backward runs) and B's first layer's
+    attention wgrad runs while F's last combine is in flight; F ends with its head and loss, or sends its output.
+    """
+    f_output = f.forward_begin
+    grad = b.backward_begin()
     b_wgrad: Callable[[], None] = lambda: None  # noqa: E731
-    num_layers = len(f.layers)
-    for j in range(num_layers):
-        f_output, grad, b_wgrad = layer_step(
-            f.layers[j], f_output, b.layers[num_layers - 1 - j], grad, b_wgrad, wgrad_window
-        )
-    b_wgrad()  # B's first layer: its attention wgrad runs while F's last combine is in flight
-    b.embed_backward(grad)
-    f.head_forward(f_output())
+    nf, nb = len(f.layers), len(b.layers)
+    paired = min(nf, nb)
+    for j in range(paired):
+        f_output, grad, b_wgrad = layer_step(f.layers[j], f_output, b.layers[nb - 1 - j], grad, b_wgrad, wgrad_window)
+    for j in range(paired, nb):  # B's chunk is longer
+        b_wgrad()
+        b_wgrad = lambda: None  # noqa: E731
+        grad = b.layers[nb - 1 - j].backward(grad)
+    for j in range(paired, nf):  # F's chunk is longer
+        x = f.layers[j].forward(f_output())
+        f_output = lambda x=x: x  # noqa: E731
+    b.backward_end(grad)
+    b_wgrad()
+    f.forward_end(f_output())
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of the driver on this rank: the forward of a microbatch, its backward, or both paired."""
+    """One step of the PP = 1 driver: the forward of a microbatch, its backward, or both paired."""
 
     phase: str  # "warmup", "paired" or "cooldown"
     forward: int | None
@@ -116,13 +132,15 @@ class Action:
 
 
 def schedule_actions(num_microbatches: int) -> list[Action]:
-    """The PP = 1 driver's order, as data (the engine runs it, the planner simulates it): F(0); F(i+1) paired with
-    B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired."""
-    n = num_microbatches
+    """:func:`pipeline_schedule` for PP = 1 with overlap, by microbatch (what the planner simulates): F(0); F(i+1)
+    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired."""
     return [
-        Action("warmup", 0, None),
-        *(Action("paired", i + 1, i) for i in range(n - 1)),
-        Action("cooldown", None, n - 1),
+        Action(
+            step.phase,
+            None if step.forward is None else step.forward[0],
+            None if step.backward is None else step.backward[0],
+        )
+        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True)
     ]
 
 
@@ -135,9 +153,9 @@ class StepResult:
     recorder: StepRecorder
 
 
-def delayable_linears(model) -> list[GroupedLinear | TEGroupedLinear]:
-    """Linears whose wgrad the schedule may defer, over all layers of ``model``."""
-    return [linear for layer in model.layers for linear in layer.delayable_linears()]
+def delayable_linears(chunks) -> list:
+    """Modules whose wgrad the schedule may defer (see ``wgrad.py``), over all layers of all ``chunks``."""
+    return [linear for chunk in chunks for layer in chunk.layers for linear in layer.delayable_linears()]
 
 
 def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
@@ -201,14 +219,17 @@ def _microbatch_problems(microbatches: list[Microbatch], vocab_size: int) -> lis
 
 
 class EPOverlapEngine:
-    """Runs training steps with the paired EP-overlap schedule, or the plain path.
+    """Runs training steps with the paired EP-overlap schedule, or the plain path, at any pipeline layout.
 
     Args:
-        model: A reference ``MoEGPTModel`` or a Megatron-Core ``McoreGPTPlan`` (anything with ``config``,
-            ``vocab_size``, ``layers`` with node functions, ``embed``, ``head_loss`` and a plain ``__call__`` that
-            ignore :data:`IGNORE_INDEX` labels, and ``parameters``).
+        model: A whole model, or this pipeline rank's model chunks in virtual-stage order (Megatron-Core's
+            layout: a list of V chunks, the first holding the embedding on pipeline rank 0 and the last the head on
+            the last rank). A model or chunk offers ``config``, ``vocab_size``, ``layers`` with node functions,
+            ``parameters``, and where it is the first/last chunk ``embed`` and ``head_loss`` (ignoring
+            :data:`IGNORE_INDEX` labels); a whole model also a plain ``__call__``, a chunk ``hidden_shape``,
+            ``pre_process`` and ``post_process``. The reference ``MoEGPTModel`` and the Megatron-Core plan do.
             Its ``config`` is checked against the EP-overlap rules.
-        groups: This rank's process groups.
+        groups: This rank's process groups (with the pipeline group when PP > 1).
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
         delay_wgrad: Defer expert/attention wgrad as described in the module docstring (needs overlap).
         attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
@@ -217,11 +238,12 @@ class EPOverlapEngine:
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
+        ValueError: When the chunks do not match the pipeline layout of ``groups`` and the config.
     """
 
     def __init__(
         self,
-        model: "MoEGPTModel | McoreGPTPlan",
+        model,
         groups: EPGroups,
         *,
         overlap: bool,
@@ -231,20 +253,25 @@ class EPOverlapEngine:
     ):
         if attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
+        self.chunks = list(model) if isinstance(model, list | tuple) else [model]
+        config = self.chunks[0].config
         violations = check_moe_overlap(
-            model.config, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad
+            config, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad
         )
         if violations:
             raise CommOverlapConfigError(violations)
+        problems = _layout_problems(self.chunks, config, groups)
+        if problems:
+            raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))
         self.model, self.groups = model, groups
         self.overlap, self.delay_wgrad = overlap, delay_wgrad
         self.high_priority_comm = high_priority_comm
         self.attention_wgrad_window = attention_wgrad_window
 
     @classmethod
-    def from_config(cls, model: "MoEGPTModel | McoreGPTPlan", groups: EPGroups, **kwargs) -> "EPOverlapEngine":
-        """Reads ``overlap_moe_expert_parallel_comm`` and ``delay_wgrad_compute`` from ``model.config``."""
-        config = model.config
+    def from_config(cls, model, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
+        """Reads ``overlap_moe_expert_parallel_comm`` and ``delay_wgrad_compute`` from the model config."""
+        config = (model[0] if isinstance(model, list | tuple) else model).config
         return cls(
             model,
             groups,
@@ -253,22 +280,26 @@ class EPOverlapEngine:
             **kwargs,
         )
 
+    def schedule(self, num_microbatches: int) -> list[PipelineStep]:
+        """This rank's order for a step of ``num_microbatches`` (what ``step`` executes)."""
+        return pipeline_schedule(
+            self.groups.pp_size, len(self.chunks), num_microbatches, self.groups.pp_rank, overlap=self.overlap
+        )
+
     def step(self, microbatches: list[Microbatch], *, forward_only: bool = False) -> StepResult:
         """Forward (and unless ``forward_only``, backward and gradient sync) over ``microbatches``."""
         if not microbatches:
             raise ValueError("a step needs at least one microbatch")
-        device = next(self.model.parameters()).device
+        device = next(self.chunks[0].parameters()).device
         lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
         normalizer = self._loss_token_count(microbatches, device)
         if forward_only:
             with torch.no_grad():
-                losses = [self.model(tokens, labels, normalizer) for tokens, labels in microbatches]
-        elif self.overlap:
-            losses = self._overlapped(microbatches, normalizer, lane)
+                losses = self._run(microbatches, normalizer, lane, overlap=False, forward_only=True)
         else:
-            losses = self._plain(microbatches, normalizer, lane)
-        if not forward_only:
-            sync_grads(self.model, self.groups)
+            losses = self._run(microbatches, normalizer, lane, overlap=self.overlap)
+            for chunk in self.chunks:
+                sync_grads(chunk, self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
@@ -282,12 +313,12 @@ class EPOverlapEngine:
         """
         initialized = torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if initialized else (0, 1)
-        problems = [f"rank {rank}: {p}" for p in _microbatch_problems(microbatches, self.model.vocab_size)]
+        problems = [f"rank {rank}: {p}" for p in _microbatch_problems(microbatches, self.chunks[0].vocab_size)]
         # [tokens that count, then one "bad input" flag per rank]: one small collective for both.
         tally = torch.zeros(1 + world, dtype=torch.float64, device=device)
         if problems:
             tally[1 + rank] = 1
-        else:
+        elif getattr(self.chunks[-1], "post_process", True):  # every pipeline stage has the data; one counts it
             tally[0] = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
         if initialized:
             all_reduce(tally, None, op="loss token count", timeout=self.groups.timeout)
@@ -302,86 +333,199 @@ class EPOverlapEngine:
             )
         return counted
 
-    # ---- the two paths ------------------------------------------------------------------------------
+    # ---- the driver -------------------------------------------------------------------------------------
 
-    def _overlapped(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
-        linears = delayable_linears(self.model)
+    def _run(
+        self, microbatches: list[Microbatch], normalizer: float, lane, *, overlap: bool, forward_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Executes this rank's :func:`pipeline_schedule`; returns the losses (last pipeline stage only)."""
+        P, V = self.groups.pp_size, len(self.chunks)
+        steps = pipeline_schedule(
+            P, V, len(microbatches), self.groups.pp_rank, overlap=overlap, forward_only=forward_only
+        )
+        device = next(self.chunks[0].parameters()).device
+        p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
+        timeline = None if overlap else _PlainTimeline(lane)
+        linears = delayable_linears(self.chunks)
         previous = [linear.delay_wgrad for linear in linears]
+        runs: dict[tuple[int, int], MicrobatchNodes | _PlainRun] = {}
+        losses: dict[int, torch.Tensor] = {}
+
+        def run_of(microbatch: int, virtual: int) -> "MicrobatchNodes | _PlainRun":
+            if (microbatch, virtual) not in runs:
+                tokens, labels = microbatches[microbatch]
+                chunk, io = self.chunks[virtual], ChunkIO()
+                if overlap:
+                    run = MicrobatchNodes(chunk, microbatch, tokens, labels, normalizer, lane, self.delay_wgrad, io)
+                else:
+                    run = _PlainRun(chunk, microbatch, tokens, labels, normalizer, io, timeline)
+                runs[(microbatch, virtual)] = run
+            return runs[(microbatch, virtual)]
+
+        def shape_of(transfer) -> tuple[int, ...]:
+            return self.chunks[0].hidden_shape(microbatches[transfer.microbatch][0])
+
+        dtype = next(self.chunks[0].parameters()).dtype
         try:
             for linear in linears:
-                linear.delay_wgrad = self.delay_wgrad
-            runs = [
-                MicrobatchNodes(self.model, i, tokens, labels, normalizer, lane, self.delay_wgrad)
-                for i, (tokens, labels) in enumerate(microbatches)
-            ]
-            for action in schedule_actions(len(runs)):
-                lane.recorder.phase = action.phase
-                if action.forward is not None and action.backward is not None:
-                    paired_microbatch_step(runs[action.forward], runs[action.backward], self.attention_wgrad_window)
-                elif action.forward is not None:
-                    runs[action.forward].forward()
+                linear.delay_wgrad = overlap and self.delay_wgrad
+            if p2p is not None and steps:
+                p2p.post(steps[0].recv, shape_of, dtype)
+            for i, step in enumerate(steps):
+                if p2p is not None and i + 1 < len(steps):  # receives are posted one step ahead
+                    p2p.post(steps[i + 1].recv, shape_of, dtype)
+                lane.recorder.phase = step.phase if overlap else "plain"
+                f = run_of(*step.forward) if step.forward is not None else None
+                b = run_of(*step.backward) if step.backward is not None else None
+                if p2p is not None:
+                    _connect(step, f, b, p2p)
+                if step.paired:
+                    paired_microbatch_step(f, b, self.attention_wgrad_window)
+                elif f is not None:
+                    f.forward()
                 else:
-                    runs[action.backward].backward()
+                    b.backward()
+                if f is not None and f.last:
+                    losses[f.mb] = f.loss
+                if b is not None:
+                    del runs[step.backward]
+            if p2p is not None:
+                p2p.finish()
             check_no_pending_wgrads(linears)
-            return [run.loss for run in runs]
         finally:
             for linear, value in zip(linears, previous):
                 linear.reset_pending()
                 linear.delay_wgrad = value
+            if timeline is not None:
+                timeline.detach(self.chunks)
+        return [losses[m] for m in sorted(losses)]
 
-    def _plain(self, microbatches: list[Microbatch], normalizer: float, lane) -> list[torch.Tensor]:
-        """Ordinary forward and backward per microbatch; the all-to-alls block.
 
-        It records what the overlapped path records, so both arms of an A/B draw and compare alike: every
-        all-to-all, and the compute between them as one segment each, named ``plain <next>`` after the boundary
-        that ends it (``plain dispatch`` of layer j is everything computed since the previous all-to-all up to
-        layer j's dispatch; ``plain forward_end``/``plain backward_end`` close the forward and the backward).
-        """
-        lane.recorder.phase = "plain"
-        recorder, clock = lane.recorder, lane.recorder.clock
-        open_ops: dict[str, CommRecord] = {}
-        segment: list[ComputeRecord | None] = [None]
+def _connect(step: PipelineStep, f, b, p2p: PipelineP2P) -> None:
+    """Hands the step's received tensors to its runs, and their sends to the P2P."""
+    for transfer in step.recv:
+        if transfer.kind == FORWARD:
+            f.io.input = p2p.take(transfer)
+        else:
+            b.io.grad = p2p.take(transfer)
+    for transfer in step.send:
+        if transfer.kind == FORWARD:
+            f.io.send_output = lambda x, t=transfer: p2p.send(t, x)
+        else:
+            b.io.send_grad = lambda g, t=transfer: p2p.send(t, g)
 
-        def start_compute(microbatch: int) -> None:
-            segment[0] = ComputeRecord("plain", -1, microbatch, "plain", clock.mark(), time.perf_counter())
 
-        def end_compute(next_boundary: str, layer: int) -> None:
-            record = segment[0]
-            record.node, record.layer = f"plain {next_boundary}", layer
-            record.end, record.end_host = clock.mark(), time.perf_counter()
-            recorder.compute.append(record)
+def _layout_problems(chunks: list, config, groups: EPGroups) -> list[str]:
+    """What does not match between the chunks, the config's pipeline sizes and the process groups."""
+    P, V = groups.pp_size, len(chunks)
+    problems = []
+    if (config.pipeline_model_parallel_size or 1) != P:
+        problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} but the pipeline has {P}")
+    if (config.virtual_pipeline_model_parallel_size or 1) != V:
+        problems.append(
+            f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} but this rank has "
+            f"{V} model chunks"
+        )
+    first = groups.pp_rank == 0
+    last = groups.pp_rank == P - 1
+    if getattr(chunks[0], "pre_process", True) != first or any(getattr(c, "pre_process", False) for c in chunks[1:]):
+        problems.append("only the first chunk of pipeline rank 0 may hold the embedding")
+    if getattr(chunks[-1], "post_process", True) != last or any(
+        getattr(c, "post_process", False) for c in chunks[:-1]
+    ):
+        problems.append("only the last chunk of the last pipeline rank may hold the head")
+    return problems
 
-        def observe(op: str, event: str, sent: int, received: int, layer: int, microbatch: int) -> None:
-            # Blocking all-to-alls: launched and waited for at once.
-            if event == "start":
-                end_compute(op, layer)
-                record = lane.record_comm(op, layer, microbatch, exchanged=(sent, received))
-                record.wait_start_host = record.launch_host
-                open_ops[op] = record
-            else:
-                record = open_ops.pop(op)
-                record.done, record.wait_end_host = clock.mark(), time.perf_counter()
-                start_compute(microbatch)
 
-        losses = []
-        try:
-            for i, (tokens, labels) in enumerate(microbatches):
-                for j, layer in enumerate(self.model.layers):
-                    if hasattr(layer, "comm_observer"):
-                        layer.comm_observer = lambda op, event, sent, got, j=j, i=i: observe(
-                            op, event, sent, got, j, i
-                        )
-                start_compute(i)
-                loss = self.model(tokens, labels, normalizer)
-                end_compute("forward_end", -1)
-                start_compute(i)
-                loss.backward()
-                end_compute("backward_end", -1)
-                losses.append(loss)
-            # Nothing runs backward_dw() here: a module built to delay its wgrad would lose it.
-            check_no_pending_wgrads(delayable_linears(self.model))
-        finally:
-            for layer in self.model.layers:
+class _PlainTimeline:
+    """Records the plain path as the overlapped path is recorded, so both arms of an A/B draw and compare alike:
+    every all-to-all, and the compute between them as one segment each, named ``plain <next>`` after the
+    boundary that ends it (``plain dispatch`` of layer j is everything computed since the previous all-to-all up
+    to layer j's dispatch; ``plain forward_end``/``plain backward_end`` close a chunk's forward and backward)."""
+
+    def __init__(self, lane):
+        self.lane = lane
+        self.open_ops: dict[str, CommRecord] = {}
+        self.segment: ComputeRecord | None = None
+
+    def start(self, microbatch: int) -> None:
+        clock = self.lane.recorder.clock
+        self.segment = ComputeRecord("plain", -1, microbatch, "plain", clock.mark(), time.perf_counter())
+
+    def end(self, next_boundary: str, layer: int) -> None:
+        record = self.segment
+        record.node, record.layer = f"plain {next_boundary}", layer
+        record.end, record.end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+        self.lane.recorder.compute.append(record)
+
+    def observe(self, op: str, event: str, sent: int, received: int, layer: int, microbatch: int) -> None:
+        # Blocking all-to-alls: launched and waited for at once.
+        if event == "start":
+            self.end(op, layer)
+            record = self.lane.record_comm(op, layer, microbatch, exchanged=(sent, received))
+            record.wait_start_host = record.launch_host
+            self.open_ops[op] = record
+        else:
+            record = self.open_ops.pop(op)
+            record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+            self.start(microbatch)
+
+    def attach(self, chunk, microbatch: int) -> None:
+        numbers = getattr(chunk, "layer_numbers", range(len(chunk.layers)))
+        for number, layer in zip(numbers, chunk.layers):
+            if hasattr(layer, "comm_observer"):
+                layer.comm_observer = lambda op, event, sent, got, j=number: self.observe(
+                    op, event, sent, got, j, microbatch
+                )
+
+    def detach(self, chunks) -> None:
+        for chunk in chunks:
+            for layer in chunk.layers:
                 if hasattr(layer, "comm_observer"):
                     layer.comm_observer = None
-        return losses
+
+
+class _PlainRun:
+    """One microbatch through one chunk by ordinary autograd; the all-to-alls block (the reference path).
+
+    A whole model runs its own plain ``__call__``; a pipeline chunk runs embedding or received input, its layers'
+    ``forward``, then head and loss or a send.
+    """
+
+    def __init__(self, chunk, microbatch: int, tokens, labels, normalizer: float, io: ChunkIO, timeline):
+        self.chunk, self.mb, self.io, self.timeline = chunk, microbatch, io, timeline
+        self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
+        self.first = getattr(chunk, "pre_process", True)
+        self.last = getattr(chunk, "post_process", True)
+        self.loss: torch.Tensor | None = None
+
+    def forward(self) -> None:
+        received = None if self.first else self.io.input.wait()  # before the segment: waiting is not compute
+        self.timeline.attach(self.chunk, self.mb)
+        self.timeline.start(self.mb)
+        if self.first and self.last:
+            self.loss = self.chunk(self.tokens, self.labels, self.normalizer)
+        else:
+            x = self.chunk.embed(self.tokens) if self.first else received.requires_grad_(True)
+            self.input = x
+            for layer in self.chunk.layers:
+                x = layer(x)
+            if self.last:
+                self.loss = self.chunk.head_loss(x, self.labels, self.normalizer)
+            else:
+                self.output = x
+                self.io.send_output(x)
+        self.timeline.end("forward_end", -1)
+
+    def backward(self) -> None:
+        grad = None if self.last else self.io.grad.wait()
+        self.timeline.attach(self.chunk, self.mb)
+        self.timeline.start(self.mb)
+        if self.last:
+            self.loss.backward()
+        else:
+            self.output.backward(grad)
+        if not self.first:
+            self.io.send_grad(self.input.grad)
+        self.input = self.output = None
+        self.timeline.end("backward_end", -1)

@@ -1,0 +1,222 @@
+"""Pipeline parallelism: the schedule as data, its deadlock freedom, and bitwise numerics across layouts.
+
+The numerics matrix trains the same model (weights keyed by global layer number) as one PP = 1 run on 2 ranks
+(EP 2) and as PP 2 x VPP 2 x EP 2 runs on 4 ranks, plain, overlapped, and overlapped with delayed wgrad. Every
+loss, every gradient and every parameter after 3 Adam steps must match the PP = 1 run bit for bit.
+"""
+
+import itertools
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import pytest
+import torch
+
+from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
+from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.pipeline import (
+    pipeline_schedule,
+    simulate,
+    virtual_order,
+    warmup_count,
+)
+from megatron.bridge.training.ep_overlap.schedule import schedule_actions
+from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.utils.pipeline_layout import chunk_layers, chunk_layers_of
+from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
+
+from .test_numerics import assert_bitwise
+from .workers import Case, batches
+
+# ---- the schedule as data ---------------------------------------------------------------------------------
+
+
+def test_pp1_is_the_engines_microbatch_order():
+    for n in (1, 2, 5):
+        steps = pipeline_schedule(1, 1, n, 0, overlap=True)
+        assert [(s.phase, s.forward, s.backward) for s in steps] == [
+            ("warmup", (0, 0), None),
+            *(("paired", (i + 1, 0), (i, 0)) for i in range(n - 1)),
+            ("cooldown", None, (n - 1, 0)),
+        ]
+        assert [(a.forward, a.backward) for a in schedule_actions(n)] == [
+            (None if s.forward is None else s.forward[0], None if s.backward is None else s.backward[0]) for s in steps
+        ]
+        assert all(not s.recv and not s.send for s in steps)
+
+
+def test_warmup_is_megatrons_count_plus_one_with_overlap():
+    for P, V, r in itertools.product((2, 4), (2, 3), range(4)):
+        if r >= P:
+            continue
+        megatron = 2 * (P - r - 1) + (V - 1) * P
+        assert warmup_count(P, V, 4 * P, r, overlap=False) == megatron
+        assert warmup_count(P, V, 4 * P, r, overlap=True) == megatron + 1
+
+
+def test_without_the_extra_warmup_the_last_stage_would_pair_a_microbatch_with_itself():
+    P, V, N = 2, 2, 4
+    forwards = virtual_order(N, P, V)
+    first_backward = (forwards[0][0], V - 1 - forwards[0][1])
+    assert forwards[warmup_count(P, V, N, P - 1, overlap=False)] == first_backward  # same microbatch, same chunk
+    paired = [s for s in pipeline_schedule(P, V, N, P - 1, overlap=True) if s.paired]
+    assert paired and all(s.forward != s.backward for s in paired)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_layout_deadlocks(overlap):
+    # Every rank's list against the others': N below, at and above PP, N not a multiple of PP, V from 1 to 4.
+    for P, V, N in itertools.product(range(1, 6), range(1, 5), range(1, 18)):
+        simulate(P, V, N, overlap=overlap)
+
+
+def test_every_transfer_is_sent_once_and_received_once():
+    for P, V, N in ((2, 2, 5), (3, 2, 4), (4, 3, 9)):
+        sent, received = [], []
+        for r in range(P):
+            for s in pipeline_schedule(P, V, N, r, overlap=True):
+                sent += [(t.kind, t.microbatch, t.chunk, r, t.peer) for t in s.send]
+                received += [(t.kind, t.microbatch, t.chunk, t.peer, r) for t in s.recv]
+        assert sorted(sent) == sorted(received) and len(set(sent)) == len(sent)
+        # 2 (N) (P V - 1): an activation and a gradient across each chunk boundary, per microbatch
+        assert len(sent) == 2 * N * (P * V - 1)
+
+
+def test_chunk_layers_follow_megatron_core():
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for n, P, V, first, last in ((8, 2, 2, None, None), (12, 3, 2, 2, 2), (10, 3, 2, 2, None), (9, 3, 1, 1, 2)):
+        config = replace(
+            PipeCase(layer_freq=(1,) * n).config(P, V),
+            num_layers_in_first_pipeline_stage=first,
+            num_layers_in_last_pipeline_stage=last,
+            virtual_pipeline_model_parallel_size=V if V > 1 else None,
+        )
+        offsets = [
+            get_transformer_layer_offset(config, vp_stage=v if V > 1 else None, pp_rank=r)
+            for v in range(V)
+            for r in range(P)
+        ]
+        assert [layers[0] for layers in chunk_layers_of(config)] == offsets
+    # Megatron-Core's offset function divides by zero when no stage is in the middle; the split is still this:
+    assert chunk_layers(6, 2, 2, first_stage=2, last_stage=4) == [[0], [1, 2], [3], [4, 5]]
+    with pytest.raises(ValueError, match="not divisible by virtual_pipeline_model_parallel_size=2"):
+        chunk_layers(6, 2, 2, first_stage=3, last_stage=3)
+    with pytest.raises(ValueError, match="do not divide over 2 stages"):
+        chunk_layers(7, 4, 1, first_stage=1, last_stage=1)
+
+
+def test_the_same_model_exists_under_every_layout():
+    groups = replace(single_process_groups(), ep_size=2)  # EP rank 0's half of the experts; no process group needed
+    whole = dict(MoEGPTModel(PipeCase().config(1, 1), groups, seed=7).global_named_parameters())
+    pieces = {}
+    for rank in range(2):
+        for chunk in build_pipeline_chunks(PipeCase().config(2, 2), groups, 7, rank):
+            pieces.update(chunk.global_named_parameters())
+    assert pieces.keys() == whole.keys()
+    for name, param in whole.items():
+        assert torch.equal(param, pieces[name]), name
+
+
+# ---- numerics across layouts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipeCase(Case):
+    layer_freq: tuple = (1, 0, 1, 1)
+    microbatches: int = 2
+    first_stage: int | None = None
+    last_stage: int | None = None
+    custom_chunks: tuple | None = None  # global layers per chunk id instead of Megatron-Core's split of the config
+
+    def config(self, pp: int = 1, vpp: int = 1) -> MoEGPTConfig:
+        base = super().config()
+        return replace(
+            base,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
+            num_layers_in_first_pipeline_stage=self.first_stage if pp > 1 else None,
+            num_layers_in_last_pipeline_stage=self.last_stage if pp > 1 else None,
+            pipeline_dtype=base.activation_dtype() if pp > 1 else None,
+        )
+
+
+def build_chunks(case: PipeCase, config, groups, pp: int):
+    if pp == 1:
+        return MoEGPTModel(config, groups, seed=7)
+    if case.custom_chunks is None:
+        return build_pipeline_chunks(config, groups, 7, groups.pp_rank)
+    last = len(case.custom_chunks) - 1
+    return [
+        MoEGPTModel(config, groups, 7, layer_numbers=list(case.custom_chunks[c]), pre_process=c == 0,
+                    post_process=c == last)
+        for c in range(groups.pp_rank, len(case.custom_chunks), pp)
+    ]  # fmt: skip
+
+
+def train_layout(rank: int, world: int, case: PipeCase, pp: int, vpp: int, arms: tuple) -> dict:
+    groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s), pipeline_size=pp)
+    config = case.config(pp, vpp)
+    data_rank = rank % (world // pp)  # the ranks of a stage hold different data; the stages of a pipeline the same
+    out = {"data_rank": data_rank}
+    for arm in arms:
+        model = build_chunks(case, config, groups, pp)
+        chunks = model if isinstance(model, list) else [model]
+        engine = EPOverlapEngine(model, groups, overlap=arm != "plain", delay_wgrad=arm == "delayed")
+        optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-2)
+        named = [item for c in chunks for item in c.global_named_parameters()]
+        losses, grads = [], []
+        for step in range(case.steps):
+            result = engine.step(batches(case, data_rank, step))
+            losses.append(torch.stack(result.losses) if result.losses else None)
+            grads.append({name: p.grad.clone() for name, p in named})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+    return out
+
+
+PIPELINE_ARMS = ("plain", "overlap", "delayed")
+
+PIPE_CASES = {
+    "pp2-vpp2-ep2-N2": PipeCase(microbatches=2),
+    "pp2-vpp2-ep2-N5": PipeCase(microbatches=5),
+    "pp2-vpp2-ep2-bf16-N4": PipeCase(bf16=True, microbatches=4),
+    # Uneven stages (1 layer per chunk on stage 0, 2 on stage 1), stage 0 only dense, an odd number of MoE layers
+    # in the last chunk; N = 3 is not a multiple of PP.
+    "pp2-vpp2-uneven-dense-stage-N3": PipeCase(
+        layer_freq=(0, 1, 1, 0, 1, 0), first_stage=2, last_stage=4, microbatches=3
+    ),
+    # Chunks of different lengths on one rank: paired steps run the longer chunk's extra layers unpaired.
+    "pp2-vpp2-unequal-chunks-N4": PipeCase(
+        layer_freq=(1, 1, 0, 1, 1, 0),
+        first_stage=2,
+        last_stage=4,
+        custom_chunks=((0,), (1, 2), (3, 4), (5,)),
+        microbatches=4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_CASES))
+def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
+    case = PIPE_CASES[name]
+    reference = {
+        o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train_layout, 2, (case, 1, 1, ("plain",)))
+    }
+    outcomes = run_local_ranks(train_layout, 4, (case, 2, 2, PIPELINE_ARMS))
+    seen = set()
+    for outcome in outcomes:
+        ref = reference[outcome.result["data_rank"]]
+        for arm in PIPELINE_ARMS:
+            run = outcome.result[arm]
+            where = f"rank {outcome.rank} {arm}"
+            for step in range(case.steps):
+                if run["losses"][step] is not None:  # the last stage
+                    assert_bitwise(ref["losses"][step], run["losses"][step], f"{where} step {step} losses")
+                for param, grad in run["grads"][step].items():
+                    assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
+            for param, value in run["params"].items():
+                assert_bitwise(ref["params"][param], value, f"{where} param {param} after {case.steps} steps")
+            seen.update(run["params"])
+    assert seen == set(reference[0]["params"])  # the pipeline holds the whole model
