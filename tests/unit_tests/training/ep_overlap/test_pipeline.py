@@ -6,6 +6,7 @@ loss, every gradient and every parameter after 3 Adam steps must match the PP = 
 """
 
 import itertools
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -220,3 +221,71 @@ def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
                 assert_bitwise(ref["params"][param], value, f"{where} param {param} after {case.steps} steps")
             seen.update(run["params"])
     assert seen == set(reference[0]["params"])  # the pipeline holds the whole model
+
+
+# ---- failures and evaluation ------------------------------------------------------------------------------
+
+
+def _pipeline_fails_mid_step(rank: int, world: int, failing_rank: int, overlap: bool, mode: str = "raise") -> str:
+    case = PipeCase(microbatches=4, timeout_s=2.0)
+    groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s), pipeline_size=2)
+    chunks = build_pipeline_chunks(case.config(2, 2), groups, 7, groups.pp_rank)
+    engine = EPOverlapEngine(chunks, groups, overlap=overlap)
+    engine.step(batches(case, rank % 2, 0))  # one good step first
+    if rank == failing_rank:
+        layer = chunks[1].layers[0]
+        original = layer.experts
+
+        def broken(*args):
+            if broken.calls == 2 and mode == "raise":
+                raise RuntimeError(f"injected failure in {layer.name} experts")
+            if broken.calls == 2:
+                time.sleep(8)  # stall past the peers' timeout
+            broken.calls += 1
+            return original(*args)
+
+        broken.calls = 0
+        layer.experts = broken
+    engine.step(batches(case, rank % 2, 1))
+    return "finished"
+
+
+@pytest.mark.parametrize(
+    "failing_rank, overlap, mode", [(1, True, "raise"), (1, False, "raise"), (2, True, "raise"), (2, False, "raise"),
+                                    (2, True, "stall")]
+)  # fmt: skip
+def test_a_pipeline_rank_that_raises_or_stalls_stops_every_other_rank(failing_rank, overlap, mode):
+    start = time.monotonic()
+    outcomes = run_local_ranks(_pipeline_fails_mid_step, 4, (failing_rank, overlap, mode), raise_on_error=False)
+    elapsed = time.monotonic() - start
+    if mode == "raise":
+        assert "injected failure in layer" in outcomes[failing_rank].error
+    for outcome in outcomes:
+        if outcome.rank == failing_rank:
+            continue
+        assert outcome.error is not None, f"rank {outcome.rank} finished a step whose peer failed"
+        line = outcome.error.split(f"CollectiveError: rank {outcome.rank}: ")[1].splitlines()[0]
+        assert "did not complete" in line and ("pipeline" in line or "layer" in line), line
+    assert elapsed < 40
+
+
+def _evaluate(rank: int, world: int) -> dict:
+    case = PipeCase(microbatches=3)
+    groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s), pipeline_size=2)
+    chunks = build_pipeline_chunks(case.config(2, 2), groups, 7, groups.pp_rank)
+    engine = EPOverlapEngine(chunks, groups, overlap=True)
+    data = batches(case, rank % 2, 0)
+    evaluated = engine.step(data, forward_only=True).losses
+    no_grads = all(p.grad is None for c in chunks for p in c.parameters())
+    return {"evaluated": evaluated, "trained": engine.step(data).losses, "no_grads": no_grads}
+
+
+def test_forward_only_runs_the_pipeline_and_matches_training_losses():
+    outcomes = run_local_ranks(_evaluate, 4)
+    for outcome in outcomes:
+        result = outcome.result
+        assert result["no_grads"]
+        last_stage = outcome.rank >= 2
+        assert len(result["evaluated"]) == (3 if last_stage else 0) == len(result["trained"])
+        for a, b in zip(result["evaluated"], result["trained"]):
+            assert_bitwise(a, b, f"rank {outcome.rank} loss")
