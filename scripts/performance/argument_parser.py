@@ -2,6 +2,9 @@
 
 import argparse
 
+# Pipeline layout flags (upstream's names); unset means no pipeline (PP 1) and no virtual stages.
+PIPELINE_FLAGS = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+
 # Model-config fields that have a flag of the same name (integers).
 MODEL_INT_FLAGS = (
     "num_layers",
@@ -79,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in MODEL_INT_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
     model.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+    for name in PIPELINE_FLAGS:
+        model.add_argument(f"--{name}", type=int, default=None)
 
     train = parser.add_argument_group("training")
     train.add_argument("-ms", "--max_steps", type=int, default=None)
@@ -96,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --ab: also print the planner's prediction, fed with the baseline arm's records, beside the "
         "measurement (per phase too)",
+    )
+    run.add_argument(
+        "--print_schedule",
+        action="store_true",
+        help="print every pipeline rank's order of forward/backward steps and P2P transfers (the engine's schedule)",
     )
     run.add_argument("--nproc_per_node", type=int, default=2, help="local ranks to spawn when not under torchrun")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from argument_parser import MODEL_INT_FLAGS
+from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
+from megatron.bridge.training.ep_overlap.pipeline import format_schedule, pipeline_schedule
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
 from megatron.bridge.utils.multiprocess import (
@@ -26,7 +27,7 @@ from megatron.bridge.utils.multiprocess import (
     run_local_ranks,
 )
 from utils.arms import ArmSpec, run_arms
-from utils.checks import lift_model_overlap_flags, recipe_problems, run_problems
+from utils.checks import lift_model_overlap_flags, pipeline_dtype_auto, recipe_problems, run_problems
 from utils.netns import EmulatedLink, LinkUnavailable
 from utils.overrides import apply_flag_overrides, apply_overrides
 from utils.recipe import RecipeConfig, small_moe_recipe
@@ -65,6 +66,8 @@ def _recipe_with_problems(args) -> tuple[RecipeConfig, list[str]]:
     problems = apply_overrides(recipe, args.overrides)
     problems += lift_model_overlap_flags(recipe)
     problems += recipe_problems(recipe)
+    if not problems:
+        pipeline_dtype_auto(recipe.model)
     return recipe, problems
 
 
@@ -116,7 +119,14 @@ def pick_device(args) -> str:
 def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: int) -> str:
     m, t = recipe.model, recipe.train
     lines = ["resolved config:"]
-    for key in (*MODEL_INT_FLAGS, "moe_layer_freq", "vocab_size", "moe_token_dispatcher_type", "bf16"):
+    for key in (
+        *MODEL_INT_FLAGS,
+        *PIPELINE_FLAGS,
+        "moe_layer_freq",
+        "vocab_size",
+        "moe_token_dispatcher_type",
+        "bf16",
+    ):
         lines.append(f"  model.{key} = {getattr(m, key)!r}")
     for key, value in vars(t).items():
         lines.append(f"  train.{key} = {value!r}")
@@ -211,7 +221,16 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
     """The settings a result was measured under, as the JSON records them."""
     keys = ("num_layers", "hidden_size", "num_moe_experts", "moe_router_topk", "seq_length")
     return {
-        "model": {k: getattr(recipe.model, k) for k in (*keys, "expert_model_parallel_size", "bf16")},
+        "model": {
+            k: getattr(recipe.model, k)
+            for k in (
+                *keys,
+                "expert_model_parallel_size",
+                "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size",
+                "bf16",
+            )
+        },  # fmt: skip
         "train": vars(recipe.train),
         "world_size": world,
         "device": device,
@@ -220,13 +239,38 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
     }
 
 
+def _pipeline(model) -> tuple[int, int]:
+    return model.pipeline_model_parallel_size or 1, model.virtual_pipeline_model_parallel_size or 1
+
+
+def pairing_bound(model, num_microbatches: int) -> float:
+    """The share of forward passes that run paired on the least-paired rank: overlap cannot hide the rest's
+    all-to-alls ((N-1)/N with PP = 1)."""
+    P, V = _pipeline(model)
+    shares = []
+    for rank in range(P):
+        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True)
+        shares.append(sum(step.paired for step in steps) / (num_microbatches * V))
+    return min(shares)
+
+
+def print_schedules(model, num_microbatches: int) -> None:
+    P, V = _pipeline(model)
+    print(f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; F/B m<microbatch> c<chunk>, "
+          "<received >sent transfer@r<pipeline rank>")  # fmt: skip
+    for rank in range(P):
+        print(format_schedule(pipeline_schedule(P, V, num_microbatches, rank, overlap=True), rank, P))
+
+
 def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device: str, world: int) -> dict:
     t, m = recipe.train, recipe.model
-    tokens_per_step = world * t.num_microbatches * t.micro_batch_size * m.seq_length
+    P, V = _pipeline(m)
+    tokens_per_step = world // P * t.num_microbatches * t.micro_batch_size * m.seq_length
     link = f"{args.link_gbps:g} Gbit/s emulated link" if args.link_gbps else "loopback"
+    layout = f"PP {P} x VPP {V}, " if P > 1 else ""
     summary = {
         "title": (
-            f"EP overlap {'A/B' if args.ab else 'run'}: {world} ranks, EP {m.expert_model_parallel_size}, "
+            f"EP overlap {'A/B' if args.ab else 'run'}: {world} ranks, {layout}EP {m.expert_model_parallel_size}, "
             f"{t.num_microbatches} microbatches x {t.micro_batch_size * m.seq_length} tokens, "
             f"{'bf16' if m.bf16 else 'fp32'}, {device}, {link}; steady steps {t.warmup_steps + 1}..{t.max_steps}"
         ),
@@ -236,7 +280,7 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
-        summary["bound"] = (t.num_microbatches - 1) / t.num_microbatches
+        summary["bound"] = pairing_bound(m, t.num_microbatches)
         if args.predict:
             summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary
@@ -288,12 +332,17 @@ def run(args) -> int:
         torchrun = launched_by_torchrun()
         world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        problems += run_problems(args, world, recipe.model.expert_model_parallel_size, torchrun, gpus)
+        pipeline = recipe.model.pipeline_model_parallel_size
+        problems += run_problems(
+            args, world, recipe.model.expert_model_parallel_size, torchrun, gpus, pipeline if pipeline else 1
+        )
         if problems:
             raise ConfigError(problems)
         recipe = _finalized(recipe)
         arms = plan_arms(recipe, args.ab)
         device = pick_device(args)
+        if args.print_schedule:
+            print_schedules(recipe.model, recipe.train.num_microbatches)
         if args.dryrun:
             print(describe(recipe, arms, args, device, world))
             return 0

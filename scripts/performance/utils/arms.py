@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
+from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.utils.multiprocess import report_progress
 from megatron.bridge.utils.process_groups import init_ep_groups
@@ -46,9 +46,10 @@ def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
     return out
 
 
-def _digest(model: torch.nn.Module) -> str:
+def _digest(chunks: list) -> str:
     sha = hashlib.sha256()
-    for name, param in model.named_parameters():
+    named = [item for chunk in chunks for item in getattr(chunk, "global_named_parameters", chunk.named_parameters)()]
+    for name, param in sorted(named, key=lambda item: item[0]):
         sha.update(name.encode())
         sha.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
@@ -98,12 +99,23 @@ class _Arm:
 
     def __init__(self, spec: ArmSpec, rank: int, device: torch.device):
         timeout = timedelta(seconds=spec.train.collective_timeout_s)
+        pipeline = spec.model.pipeline_model_parallel_size or 1
         if spec.model_impl == "mcore":
             self.model, groups = build_mcore_plan(spec, timeout)
+            self.chunks = [self.model]
         else:
-            groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout)
-            self.model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
+            groups = init_ep_groups(spec.model.expert_model_parallel_size, timeout, pipeline_size=pipeline)
+            if pipeline > 1:
+                self.chunks = [
+                    c.to(device) for c in build_pipeline_chunks(spec.model, groups, spec.train.seed, groups.pp_rank)
+                ]
+                self.model = self.chunks
+            else:
+                self.model = MoEGPTModel(spec.model, groups, seed=spec.train.seed).to(device)
+                self.chunks = [self.model]
         self.spec, self.rank, self.device = spec, rank, device
+        # The stages of one pipeline see the same data; the replicas of a stage different data.
+        self.data_rank = rank % (dist.get_world_size() // pipeline)
         self.engine = EPOverlapEngine(
             self.model,
             groups,
@@ -111,13 +123,13 @@ class _Arm:
             delay_wgrad=spec.delay_wgrad,
             attention_wgrad_window=spec.attention_wgrad_window,
         )
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
+        self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
         self.peak_mb, self.timeline, self.records = 0.0, None, []
 
     def step(self, step: int) -> None:
         spec, device = self.spec, self.device
-        data = microbatches(spec, self.rank, step, device)
+        data = microbatches(spec, self.data_rank, step, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()  # start every step together
@@ -129,7 +141,8 @@ class _Arm:
             torch.cuda.synchronize(device)
         self.step_times.append(time.perf_counter() - start)
         self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
-        loss = torch.stack(result.losses).sum().reshape(1)
+        # Only the last pipeline stage has losses.
+        loss = torch.stack(result.losses).sum().reshape(1) if result.losses else torch.zeros(1, device=device)
         self.loss_bits.append(loss.detach().cpu().clone())
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
@@ -161,7 +174,7 @@ class _Arm:
             "timeline": self.timeline,
             "records": self.records,
             "peak_memory_mb": self.peak_mb,
-            "param_digest": _digest(self.model),
+            "param_digest": _digest(self.chunks),
             "delay_wgrad": self.spec.delay_wgrad,
             "attention_wgrad_window": self.spec.attention_wgrad_window,
         }

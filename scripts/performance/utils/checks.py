@@ -8,6 +8,8 @@ from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
+from megatron.bridge.utils.pipeline_layout import chunk_layers_of
+
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
 
 
@@ -76,6 +78,7 @@ def recipe_problems(recipe: Any) -> list[str]:
         value = getattr(train, name)
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             problems.append(f"train.{name}={value!r}: must be a positive number")
+    problems += _pipeline_problems(model, train)
     if model.moe_token_dispatcher_type == "flex":
         problems.append(
             f"--moe_flex_dispatcher_backend={model.moe_flex_dispatcher_backend!r}: the harness's models run the "
@@ -88,16 +91,50 @@ def recipe_problems(recipe: Any) -> list[str]:
     return problems
 
 
-def run_problems(args: Any, world: int, expert_parallel: int, torchrun: bool, gpus: int) -> list[str]:
+def _pipeline_problems(model: Any, train: Any) -> list[str]:
+    """Pipeline sizes, and whether the layers split over the pipeline's chunks."""
+    problems: list[str] = []
+    pp, vpp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
+    _at_least(problems, "--pipeline_model_parallel_size", pp, 1)
+    if vpp is not None:
+        _at_least(problems, "--virtual_pipeline_model_parallel_size", vpp, 1)
+    if problems or not isinstance(model.num_layers, int) or model.num_layers < 1:
+        return problems
+    try:
+        chunk_layers_of(model)
+    except ValueError as exc:
+        return [f"--num_layers={model.num_layers}: {exc}; change num_layers or the pipeline sizes"]
+    return problems
+
+
+def pipeline_dtype_auto(model: Any) -> None:
+    """``pipeline_dtype`` None means auto: the activation dtype, which Megatron-Core needs set when PP > 1."""
+    if (model.pipeline_model_parallel_size or 1) > 1 and model.pipeline_dtype is None:
+        model.pipeline_dtype = model.activation_dtype()
+
+
+def run_problems(
+    args: Any, world: int, expert_parallel: int, torchrun: bool, gpus: int, pipeline: int = 1
+) -> list[str]:
     """Launch settings, devices (``gpus``: CUDA devices on this host) and output paths (parent folders are created
     here)."""
     cuda = gpus > 0
     problems: list[str] = []
     _at_least(problems, "--nproc_per_node", args.nproc_per_node, 1)
-    if world >= 1 and expert_parallel >= 1 and world % expert_parallel:
+    if world >= 1 and expert_parallel >= 1 and pipeline >= 1 and world % (expert_parallel * pipeline):
+        held = f"expert_model_parallel_size={expert_parallel}" + (
+            f" x pipeline_model_parallel_size={pipeline}" if pipeline > 1 else ""
+        )
         problems.append(
-            f"{world} ranks cannot hold expert_model_parallel_size={expert_parallel}: use --nproc_per_node "
-            "(or torchrun's world size) that is a multiple of it"
+            f"{world} ranks cannot hold {held}: use --nproc_per_node (or torchrun's world size) that is a multiple "
+            f"of {expert_parallel * pipeline}"
+        )
+    if pipeline > 1 and args.predict:
+        problems.append("--predict: the planner simulates PP = 1; drop --predict or the pipeline flags")
+    if pipeline > 1 and args.model_impl == "mcore":
+        problems.append(
+            "--model_impl=mcore runs PP = 1 only (the Megatron-Core plan has no pipeline chunks yet); use "
+            "--model_impl reference for pipeline runs"
         )
     if args.link_gbps is not None:
         if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):

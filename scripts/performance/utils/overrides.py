@@ -17,7 +17,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-from argument_parser import MODEL_INT_FLAGS
+from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -152,7 +152,7 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
     if args.precision is not None:
         model.bf16 = args.precision == "bf16"
         model.fp16 = False
-    for name in MODEL_INT_FLAGS:
+    for name in (*MODEL_INT_FLAGS, *PIPELINE_FLAGS):
         value = getattr(args, name)
         if value is not None:
             setattr(model, name, value)

@@ -6,11 +6,51 @@ from typing import Any
 
 import torch
 
+from megatron.bridge.training.ep_overlap.records import uncovered
 from utils.stats import describe_matched
 
 
 def _steady(values: list[float], warmup: int) -> list[float]:
     return values[warmup:] if len(values) > warmup else values
+
+
+PHASE_ORDER = ("warmup", "paired", "steady", "cooldown", "plain")
+
+
+def comm_kind(op: str) -> str:
+    """``p2p`` for pipeline transfers, ``all-to-all`` for the EP dispatch/combine (and their backward)."""
+    return "p2p" if op.startswith("p2p") else "all-to-all"
+
+
+def exposed_by_phase_and_kind(records: dict) -> dict[str, dict[str, float]]:
+    """One rank's step: per phase, the time each kind of communication was on the critical path, as
+    ``{phase: {kind: seconds}}``. P2P counts where the host waited on it and nothing computed; all-to-all where
+    it was in flight and the host neither computed nor waited on P2P (so the kinds add up to the total)."""
+    compute = [(r["start_s"], r["end_s"]) for r in records["compute"]]
+    p2p = [(r["start_s"], r["end_s"]) for r in records["comm"] if comm_kind(r["op"]) == "p2p"]
+    grouped: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in records["comm"]:
+        grouped.setdefault((r["phase"], comm_kind(r["op"])), []).append((r["start_s"], r["end_s"]))
+    out: dict[str, dict[str, float]] = {}
+    for (phase, kind), intervals in grouped.items():
+        out.setdefault(phase, {})[kind] = uncovered(intervals, compute if kind == "p2p" else compute + p2p)
+    return out
+
+
+def _exposed_breakdown(per_rank: list[dict], warmup: int) -> dict[str, dict[str, float]]:
+    """Median over steady steps of the rank-mean exposed time, per phase and kind."""
+    steps = len(per_rank[0]["records"])
+    per_step = [[exposed_by_phase_and_kind(r["records"][s]) for r in per_rank] for s in range(steps)]
+    keys = sorted(
+        {(phase, kind) for step in per_step for rank in step for phase in rank for kind in rank[phase]},
+        key=lambda key: (PHASE_ORDER.index(key[0]) if key[0] in PHASE_ORDER else len(PHASE_ORDER), key),
+    )
+    steady = _steady(list(range(steps)), warmup)
+    out: dict[str, dict[str, float]] = {}
+    for phase, kind in keys:
+        values = [statistics.fmean(rank.get(phase, {}).get(kind, 0.0) for rank in per_step[s]) for s in steady]
+        out.setdefault(phase, {})[kind] = statistics.median(values)
+    return out
 
 
 def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> dict[str, Any]:
@@ -33,6 +73,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "exposed_comm_s": exposed_median,
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
+        "exposed_comm_s_by_phase": _exposed_breakdown(per_rank, warmup),
         "timeline": {r["rank"]: r["timeline"] for r in per_rank},
         "records": {r["rank"]: r["records"] for r in per_rank},
     }
@@ -73,11 +114,25 @@ def format_table(summary: dict[str, Any]) -> str:
             f"losses and final parameters bitwise equal: {verdict} "
             f"(losses {numerics['losses_equal']}, parameters {numerics['params_equal']})"
         )
+    lines += describe_exposed_by_phase(arms)
     if "speedup" in summary:
         lines += describe_matched(summary, summary["bound"])
     if "prediction" in summary:
         lines += describe_prediction(summary)
     return "\n".join(lines)
+
+
+def describe_exposed_by_phase(arms: dict[str, Any]) -> list[str]:
+    """Exposed comm per phase of the step and kind of transfer (all-to-all, pipeline P2P), per arm."""
+    lines = ["exposed comm / step by phase (s):"]
+    for name, arm in arms.items():
+        parts = [
+            f"{phase} {kind} {seconds:.3f}"
+            for phase, kinds in arm["exposed_comm_s_by_phase"].items()
+            for kind, seconds in sorted(kinds.items())
+        ]
+        lines.append(f"  {name:12} " + ", ".join(parts))
+    return lines
 
 
 def describe_prediction(summary: dict[str, Any]) -> list[str]:

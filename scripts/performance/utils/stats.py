@@ -74,7 +74,8 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
     exposed = matched["exposed_comm_s"]
     return [
         first,
-        f"hidden fraction h of the hideable time: {ci(matched['h'], '{:.2f}')} (pairing bound (N-1)/N = {bound:.3f})",
+        f"hidden fraction h of the hideable time: {ci(matched['h'], '{:.2f}')} "
+        f"(pairing bound {bound:.3f}: the share of forwards that run paired)",
         f"exposed comm / step (s): baseline {ci(exposed['baseline'], '{:.3f}')}, "
         f"overlap {ci(exposed['overlap'], '{:.3f}')}",
     ]

@@ -305,3 +305,52 @@ def test_nccl_needs_a_gpu_per_rank_and_gloo_lifts_that():
     assert "NCCL needs one GPU per rank and this host has 1; use --dist_backend gloo" in problem
     args = parse_cli_args(TINY + ["--device", "cuda", "--nproc_per_node", "2", "--dist_backend", "gloo"])
     assert run_problems(args, world=2, expert_parallel=2, torchrun=False, gpus=1) == []
+
+
+PIPELINE = ["--pipeline_model_parallel_size", "2", "--virtual_pipeline_model_parallel_size", "2", "--num_layers", "4"]
+
+
+def test_print_schedule_shows_every_pipeline_rank(capsys):
+    assert ep_overlap_ab.main(TINY + PIPELINE + ["--ab", "--nproc_per_node", "4", "--print_schedule", "-d"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule (overlap on): PP 2 x VPP 2, 3 microbatches" in out
+    assert "pipeline rank 0:" in out and "pipeline rank 1:" in out
+    assert "F m0 c0" in out and "paired" in out and ">Fm0c1@r1" in out
+    assert "model.pipeline_model_parallel_size = 2" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pipeline_model_parallel_size", "2", "--num_layers", "4"], "[pipeline_needs_vpp]"),
+        (PIPELINE[:4] + ["--num_layers", "3"], "--num_layers=3: num_layers=3 cannot be split"),
+        (PIPELINE[:4] + ["--num_layers", "2"], "holds 1 layers, not divisible by virtual_pipeline_model_parallel"),
+        (PIPELINE + ["--nproc_per_node", "2"], "2 ranks cannot hold expert_model_parallel_size=2 x "),
+        (PIPELINE + ["--predict"], "--predict: the planner simulates PP = 1"),
+        (["--pipeline_model_parallel_size", "0"], "--pipeline_model_parallel_size=0: must be at least 1"),
+    ],
+)
+def test_pipeline_misconfigurations_are_one_line_each_before_any_rank(argv, message, capsys):
+    argv = TINY + ["--ab", "--nproc_per_node", "4", *argv]
+    assert ep_overlap_ab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert all(line.startswith("error: ") for line in err.splitlines())
+
+
+def test_pipelined_ab_is_bitwise_equal_and_reports_p2p_apart(tmp_path, capsys):
+    json_path = tmp_path / "pp.json"
+    argv = TINY + PIPELINE + ["--num_microbatches", "4", "--ab", "--nproc_per_node", "4", "--json", str(json_path)]
+    code = ep_overlap_ab.main(argv)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "4 ranks, PP 2 x VPP 2, EP 2" in out
+    assert "losses and final parameters bitwise equal: yes" in out
+    result = json.loads(json_path.read_text())
+    by_phase = result["arms"]["overlap"]["exposed_comm_s_by_phase"]
+    assert {"warmup", "paired", "cooldown"} <= set(by_phase)
+    assert {"p2p", "all-to-all"} <= set(by_phase["paired"])
+    assert set(result["arms"]["baseline"]["exposed_comm_s_by_phase"]) == {"plain"}
+    # The same losses on every layout's last stage: the pipelined baseline is the model the PP = 1 run trains.
+    assert result["config"]["model"]["pipeline_model_parallel_size"] == 2
+    assert result["bound"] == 3 / 8  # pipeline rank 0 pairs 3 of its 8 forwards (5 run in warm-up)

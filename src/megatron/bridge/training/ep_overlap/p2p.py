@@ -8,9 +8,10 @@ Contract:
       ``post`` posts receives (the driver posts one step ahead); ``take`` returns a :class:`Pending` that waits
       for the data where it is consumed. Every wait runs under the groups' timeout and raises
       :class:`CollectiveError` naming this rank, the transfer and the peer.
-    * Each transfer is recorded on the step's lane as a comm record (``p2p_recv``/``p2p_send`` with ``F`` or
-      ``B``), from posting until its wait returned (gloo's P2P work has no completion callback), so the report
-      can show P2P time apart from all-to-all time; the part no compute covers is the host waiting on it.
+    * Each wait is recorded on the step's lane as a comm record (``p2p_recv``/``p2p_send`` with ``F`` or ``B``)
+      from its start to its end: the time the host was blocked on P2P. gloo's P2P work has no completion
+      callback, so time in flight behind compute is not observable and not recorded. The report shows P2P
+      apart from all-to-all time.
 """
 
 import time
@@ -28,8 +29,8 @@ class PipelineP2P:
 
     def __init__(self, groups: EPGroups, lane, num_chunks: int, device: torch.device):
         self.groups, self.lane, self.num_chunks, self.device = groups, lane, num_chunks, device
-        self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor, object]] = {}
-        self._sends: list[tuple[dist.Work, Transfer, torch.Tensor, object]] = []
+        self._recvs: dict[Transfer, tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, Transfer, torch.Tensor]] = []
 
     def _name(self, transfer: Transfer, verb: str) -> str:
         what = "activation" if transfer.kind == FORWARD else "gradient"
@@ -39,9 +40,12 @@ class PipelineP2P:
             f"global rank {self.groups.pp_ranks[transfer.peer]})"
         )
 
-    def _record(self, op: str, transfer: Transfer, nbytes: tuple[int, int]):
-        op = f"{op}_{transfer.kind}"
-        return self.lane.record_comm(op, -1, transfer.microbatch, exchanged=nbytes)
+    def _blocked(self, op: str, transfer: Transfer, nbytes: tuple[int, int], work: dist.Work, verb: str) -> None:
+        """Waits for ``work``, recorded as a comm record from the wait's start to its end (zero when done)."""
+        record = self.lane.record_comm(f"{op}_{transfer.kind}", -1, transfer.microbatch, exchanged=nbytes)
+        record.wait_start_host = record.launch_host
+        wait_work(work, op=self._name(transfer, verb), timeout=self.groups.timeout)
+        record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
 
     def post(self, transfers: tuple[Transfer, ...], shape_of, dtype: torch.dtype) -> None:
         """Posts the receives of ``transfers`` not posted yet; ``shape_of(transfer)`` gives each tensor's shape."""
@@ -49,44 +53,41 @@ class PipelineP2P:
             if transfer in self._recvs:
                 continue
             buffer = torch.empty(shape_of(transfer), dtype=dtype)
-            record = self._record("p2p_recv", transfer, (0, buffer.numel() * buffer.element_size()))
             work = dist.irecv(
                 buffer,
                 src=self.groups.pp_ranks[transfer.peer],
                 group=self.groups.pp_group,
                 tag=transfer.tag(self.num_chunks),
             )
-            self._recvs[transfer] = (work, buffer, record)
+            self._recvs[transfer] = (work, buffer)
 
     def take(self, transfer: Transfer) -> Pending:
-        """The posted receive of ``transfer``; its ``wait()`` yields the tensor on this rank's device."""
-        work, buffer, record = self._recvs.pop(transfer)
+        """The posted receive of ``transfer``; its ``wait()`` yields the tensor on this rank's device (the wait is
+        recorded in the phase of the step that consumes it)."""
+        work, buffer = self._recvs.pop(transfer)
+        nbytes = (0, buffer.numel() * buffer.element_size())
+        return Pending(
+            buffer, lambda: self._blocked("p2p_recv", transfer, nbytes, work, "receive"), convert=self._to_device
+        )
 
-        def wait() -> None:
-            wait_work(work, op=self._name(transfer, "receive"), timeout=self.groups.timeout)
-            if record.done is None:
-                record.done = self.lane.recorder.clock.mark()
-
-        return Pending(buffer, wait, record, convert=lambda host: host.to(self.device))
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device)
 
     def send(self, transfer: Transfer, tensor: torch.Tensor) -> None:
         """Starts sending ``tensor`` (detached; staged through host memory) and returns at once."""
         payload = tensor.detach().to("cpu").contiguous()
-        record = self._record("p2p_send", transfer, (payload.numel() * payload.element_size(), 0))
         work = dist.isend(
             payload,
             dst=self.groups.pp_ranks[transfer.peer],
             group=self.groups.pp_group,
             tag=transfer.tag(self.num_chunks),
         )
-        self._sends.append((work, transfer, payload, record))
+        self._sends.append((work, transfer, payload))
 
     def finish(self) -> None:
         """Waits for every send of the step; any receive still posted is a schedule error."""
-        for work, transfer, _, record in self._sends:
-            record.wait_start_host = time.perf_counter()
-            wait_work(work, op=self._name(transfer, "send"), timeout=self.groups.timeout)
-            record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+        for work, transfer, payload in self._sends:
+            self._blocked("p2p_send", transfer, (payload.numel() * payload.element_size(), 0), work, "send")
         self._sends.clear()
         if self._recvs:
             left = ", ".join(self._name(t, "receive") for t in self._recvs)
