@@ -133,8 +133,9 @@ def run_problems(
         problems.append("--predict: the planner simulates PP = 1; drop --predict or the pipeline flags")
     if pipeline > 1 and args.model_impl == "mcore":
         problems.append(
-            "--model_impl=mcore runs PP = 1 only (the Megatron-Core plan has no pipeline chunks yet); use "
-            "--model_impl reference for pipeline runs"
+            "--model_impl=mcore: the harness builds the Megatron-Core model for PP = 1 only (the engine runs "
+            "Megatron-Core pipeline chunks; see docs/training/megatron-core-integration.md); use --model_impl "
+            "reference for pipeline runs"
         )
     if args.link_gbps is not None:
         if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):

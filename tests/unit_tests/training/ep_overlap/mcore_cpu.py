@@ -71,9 +71,13 @@ def install_cpu_stubs() -> None:
     dist.all_to_all_single = all_to_all_with_list_splits
 
 
-def init_megatron(expert_model_parallel_size: int) -> None:
+def init_megatron(expert_model_parallel_size: int, pipeline: int = 1, virtual: int | None = None) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        expert_model_parallel_size=expert_model_parallel_size,
+        pipeline_model_parallel_size=pipeline,
+        virtual_pipeline_model_parallel_size=virtual,
+    )
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()

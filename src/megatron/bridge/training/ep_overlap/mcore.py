@@ -17,9 +17,10 @@ Contract:
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward. The adapter then logs one warning saying nothing is delayed (numerics are unchanged).
-    * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss)
-      for :class:`~megatron.bridge.training.ep_overlap.schedule.EPOverlapEngine`. It needs untied
-      embedding/output weights (``share_embeddings_and_output_weights=False``) and ``add_bias_linear=False``.
+    * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or
+      one pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.schedule.EPOverlapEngine`. It
+      needs untied embedding/output weights (``share_embeddings_and_output_weights=False``) and
+      ``add_bias_linear=False``.
 """
 
 import copy
@@ -74,6 +75,13 @@ class McoreLayer:
             )
         self.expert_wgrad_delayable = self.is_moe and _uses_transformer_engine(layer.mlp.experts)
         self.attention_wgrad_delayable = _uses_transformer_engine(layer.self_attention)
+
+    def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """The plain path: ``TransformerLayer.forward`` (what ``TransformerBlock`` runs per layer)."""
+        output, _ = self.layer(
+            hidden_states=x_SBH, attention_mask=self.plan.attention_mask, rotary_pos_emb=self.plan.rotary_pos_emb
+        )
+        return output
 
     def bound_to(self, context) -> "McoreLayer":
         """The same layer, reading its attention mask from ``context`` (one microbatch's) instead of the plan."""
@@ -143,8 +151,11 @@ class McoreLayer:
 class McoreGPTPlan:
     """A Megatron-Core ``GPTModel`` as the EP-overlap engine runs it (the same interface as ``MoEGPTModel``).
 
+    A pipeline chunk is a ``GPTModel`` built with its own ``pre_process``/``post_process`` and ``vp_stage``, as
+    Megatron-Core builds one per virtual stage; the engine takes a rank's chunks as a list of plans.
+
     Args:
-        model: The GPTModel (pre- and post-process stage, PP = 1).
+        model: The GPTModel, or one pipeline chunk of it.
         delay_wgrad: Whether the engine will run with delayed wgrad (for the one warning described above).
     """
 
@@ -155,7 +166,16 @@ class McoreGPTPlan:
                 "the EP-overlap plan needs share_embeddings_and_output_weights=False: a tied weight gets its two "
                 "gradient contributions summed in a different order when the graph is cut into nodes"
             )
+        self.pre_process, self.post_process = model.pre_process, model.post_process
+        if not self.pre_process and model.position_embedding_type == "rope":
+            raise ValueError(
+                "position_embedding_type='rope' with pipeline stages is not supported by the EP-overlap plan yet "
+                "(a chunk without the embedding would need its own rotary embedding); use PP = 1 or "
+                "learned_absolute positions"
+            )
         self.model, self.config = model, config
+        # Megatron-Core numbers layers from 1 across the whole model.
+        self.layer_numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
         self.vocab_size = model.vocab_size
         # This project's schedule runs these layers, with its own rules (fp32 included).
         config.ep_overlap_schedule = "bridge"
@@ -163,7 +183,7 @@ class McoreGPTPlan:
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
         self.rotary_pos_emb = None  # set by embed(); only one microbatch's forward runs at a time
-        self.layers = [McoreLayer(layer, i, self) for i, layer in enumerate(model.decoder.layers)]
+        self.layers = [McoreLayer(layer, i, self) for i, layer in zip(self.layer_numbers, model.decoder.layers)]
         if delay_wgrad:
             undelayed = [layer.name for layer in self.layers if layer.is_moe and not layer.expert_wgrad_delayable]
             if undelayed:
@@ -180,6 +200,10 @@ class McoreGPTPlan:
 
     def named_parameters(self):
         return self.model.named_parameters()
+
+    def hidden_shape(self, tokens_BS: torch.Tensor) -> tuple[int, ...]:
+        """The activation between two chunks for ``tokens_BS``'s microbatch: [seq, batch, hidden]."""
+        return (tokens_BS.shape[1], tokens_BS.shape[0], self.config.hidden_size)
 
     def _positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return torch.arange(tokens_BS.shape[1], device=tokens_BS.device)[None].expand_as(tokens_BS)
@@ -218,10 +242,27 @@ class McoreGPTPlan:
         return (losses * keep_BS).sum() / normalizer
 
 
+def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
+    """A gloo group over this rank's pipeline (the engine's P2P matches by tag, which gloo offers): every rank
+    learns every pipeline's ranks, then all create the groups in one order."""
+    mine = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    group = None
+    for ranks in sorted(set(everyone)):
+        created = torch.distributed.new_group(list(ranks), timeout=timeout, backend="gloo")
+        if ranks == mine:
+            group = created
+    return group, mine
+
+
 def mcore_ep_groups(timeout) -> EPGroups:
-    """EPGroups over Megatron-Core's initialized expert-parallel groups (parallel_state must be initialized)."""
+    """EPGroups over Megatron-Core's initialized expert-parallel (and pipeline) groups; parallel_state must be
+    initialized, and with PP > 1 every rank must call this (it creates the pipeline's gloo groups)."""
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep = torch.distributed.get_world_size(ep_group)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_group, pp_ranks = _gloo_pipeline_group(timeout) if pp > 1 else (None, ())
     return EPGroups(
         ep_size=ep,
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
@@ -230,4 +271,8 @@ def mcore_ep_groups(timeout) -> EPGroups:
         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
         timeout=timeout,
+        pp_size=pp,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_group=pp_group,
+        pp_ranks=pp_ranks,
     )

@@ -1,0 +1,136 @@
+"""Megatron-Core GPTModel chunks under the pipelined schedule: bitwise equal to the PP = 1 model.
+
+A PP = 1 run on 2 ranks (EP 2) and a PP 2 x VPP 2 x EP 2 run on 4 ranks build Megatron-Core models of the same
+shape, then set every weight matrix from a generator keyed by its global name (global layer number, global
+expert index), so both layouts hold the same model. Each chunk is a ``GPTModel`` built with its own
+``pre_process``/``post_process`` and ``vp_stage``, as Megatron-Core builds them.
+"""
+
+import re
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+import torch
+
+from megatron.bridge.utils.multiprocess import run_local_ranks
+
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .test_mcore_equivalence import McoreCase
+from .test_numerics import assert_bitwise
+
+
+def global_name(plan, name: str, local_experts: int, ep_rank: int) -> str:
+    """A parameter's name in the whole model: global layer number, global expert index."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if match:
+        name = f"decoder.layers.{plan.layer_numbers[int(match.group(1))]}.{match.group(2)}"
+    return re.sub(r"local_experts\.(\d+)\.", lambda m: f"experts.{ep_rank * local_experts + int(m.group(1))}.", name)
+
+
+@torch.no_grad()
+def set_weights(plans, local_experts: int, ep_rank: int) -> None:
+    for plan in plans:
+        for name, param in plan.model.named_parameters():
+            if param.dim() < 2:  # norms: ones and zeros in every layout
+                continue
+            key = global_name(plan, name, local_experts, ep_rank)
+            seed = sum(ord(c) * 131**i for i, c in enumerate(key)) % (2**61)
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def build_plans(case: McoreCase, pp: int, vpp: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan
+
+    config = TransformerConfig(
+        num_layers=len(case.layer_freq), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
+        num_moe_experts=2 * case.world, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
+        moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
+        moe_layer_freq=list(case.layer_freq), expert_model_parallel_size=case.world,
+        moe_token_dispatcher_type="alltoall", use_cpu_initialization=True, add_bias_linear=False,
+        attention_dropout=0.0, hidden_dropout=0.0, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
+        pipeline_dtype=torch.float32 if pp > 1 else None,
+    )  # fmt: skip
+    stages = range(vpp) if pp > 1 else [None]
+    plans = []
+    for v in stages:
+        model = GPTModel(
+            config,
+            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=v),
+            vocab_size=64,
+            max_sequence_length=8,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
+            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=False,
+            vp_stage=v,
+        )
+        plans.append(McoreGPTPlan(model))
+    set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())
+    return plans
+
+
+def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple) -> dict:
+    install_cpu_stubs()
+    init_megatron(case.world, pp, vpp if pp > 1 else None)
+    from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups
+
+    groups = mcore_ep_groups(timedelta(seconds=30))
+    data_rank = parallel_state.get_data_parallel_rank()
+    out = {"data_rank": data_rank}
+    for arm in arms:
+        plans = build_plans(case, pp, vpp)
+        engine = EPOverlapEngine(plans if pp > 1 else plans[0], groups, overlap=arm == "overlap")
+        params = [p for plan in plans for p in plan.parameters()]
+        optimizer = torch.optim.Adam(params, lr=1e-2)
+        named = [
+            (global_name(plan, n, 2, parallel_state.get_expert_model_parallel_rank()), p)
+            for plan in plans
+            for n, p in plan.named_parameters()
+        ]
+        losses, grads = [], []
+        for step in range(case.steps):
+            gen = torch.Generator().manual_seed(100 * step + data_rank)
+            data = [tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(case.microbatches)]
+            result = engine.step(data)
+            losses.append(torch.stack(result.losses) if result.losses else None)
+            grads.append({n: p.grad.clone() for n, p in named})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+    return out
+
+
+CASES = {
+    "pp2-vpp2-ep2-N4": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=3),
+    "pp2-vpp2-ep2-N5-top1": McoreCase(layer_freq=(1, 1, 0, 1), topk=1, microbatches=5, steps=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mcore_chunks_pipelined_are_bitwise_equal_to_pp1(name):
+    case = CASES[name]
+    reference = {o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train, 2, (case, 1, 1, ("plain",)))}
+    seen = set()
+    for outcome in run_local_ranks(train, 4, (replace(case), 2, 2, ("plain", "overlap"))):
+        ref = reference[outcome.result["data_rank"]]
+        for arm in ("plain", "overlap"):
+            run, where = outcome.result[arm], f"rank {outcome.rank} {arm}"
+            for step in range(case.steps):
+                if run["losses"][step] is not None:
+                    assert_bitwise(ref["losses"][step], run["losses"][step], f"{where} step {step} losses")
+                for param, grad in run["grads"][step].items():
+                    assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
+            for param, value in run["params"].items():
+                assert_bitwise(ref["params"][param], value, f"{where} {param} after {case.steps} steps")
+            seen.update(run["params"])
+    assert seen == set(reference[0]["params"]) | set(reference[1]["params"])  # the whole model, every expert
