@@ -111,7 +111,7 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
 
 
 CASES = {
-    "pp2-vpp2-ep2-N4": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=3),
+    "pp2-vpp2-ep2-N2": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=2, steps=3),
     "pp2-vpp2-ep2-N5-top1": McoreCase(layer_freq=(1, 1, 0, 1), topk=1, microbatches=5, steps=3),
 }
 
