@@ -61,6 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         summary = json.loads(Path(args.from_json).read_text())
         base = summary["arms"]["baseline"]
         train, model = summary["config"]["train"], summary["config"]["model"]
+        if (model.get("pipeline_model_parallel_size") or 1) > 1:
+            print(
+                f"error: {args.from_json} is a pipelined run (pipeline_model_parallel_size="
+                f"{model['pipeline_model_parallel_size']}); the planner simulates PP = 1: use an A/B run without "
+                "pipeline flags",
+                file=sys.stderr,
+            )
+            return 2
         warmup = train["warmup_steps"]
         link_gbps = args.link_gbps or summary["config"]["link_gbps"]
         costs, link = planner.costs_from_records(

@@ -340,11 +340,14 @@ def test_pipeline_misconfigurations_are_one_line_each_before_any_rank(argv, mess
 
 def test_pipelined_ab_is_bitwise_equal_and_reports_p2p_apart(tmp_path, capsys):
     json_path = tmp_path / "pp.json"
-    argv = TINY + PIPELINE + ["--num_microbatches", "4", "--ab", "--nproc_per_node", "4", "--json", str(json_path)]
+    png_path = tmp_path / "pp.png"
+    argv = TINY + PIPELINE + ["--num_microbatches", "4", "--ab", "--nproc_per_node", "4", "--json", str(json_path),
+                              "--timeline", str(png_path)]  # fmt: skip
     code = ep_overlap_ab.main(argv)
     out = capsys.readouterr().out
     assert code == 0
     assert "4 ranks, PP 2 x VPP 2, EP 2" in out
+    assert png_path.stat().st_size > 10_000  # one steady step per arm, every rank's lanes
     assert "losses and final parameters bitwise equal: yes" in out
     result = json.loads(json_path.read_text())
     by_phase = result["arms"]["overlap"]["exposed_comm_s_by_phase"]
@@ -354,3 +357,6 @@ def test_pipelined_ab_is_bitwise_equal_and_reports_p2p_apart(tmp_path, capsys):
     # The same losses on every layout's last stage: the pipelined baseline is the model the PP = 1 run trains.
     assert result["config"]["model"]["pipeline_model_parallel_size"] == 2
     assert result["bound"] == 3 / 8  # pipeline rank 0 pairs 3 of its 8 forwards (5 run in warm-up)
+    # The planner simulates PP = 1: it refuses a pipelined run's JSON instead of misreading it.
+    assert ep_overlap_plan.main(["--from_json", str(json_path)]) == 2
+    assert "the planner simulates PP = 1" in capsys.readouterr().err
