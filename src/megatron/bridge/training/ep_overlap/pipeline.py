@@ -6,9 +6,9 @@ Contract:
       executes exactly this list; the harness prints it (``--print_schedule``); the planner simulates it. PP = 1
       is the case ``pipeline_size = virtual_size = 1``: F(0); F(i+1) paired with B(i); B(N-1).
     * Layout (Megatron-Core's): pipeline rank r holds virtual stages v = 0..V-1; model chunk ``v * P + r`` of the
-      whole model sits there. Microbatches go in groups of P (the last group may be smaller, so any N >= 1
-      works); within a group the forward visits virtual stage 0 for each microbatch, then stage 1, and so on.
-      The backward visits the same table with the virtual stages reversed.
+      whole model sits there. Microbatches go in groups of P (a remainder smaller than P joins the last group,
+      so any N >= 1 works); within a group the forward visits virtual stage 0 for each microbatch, then stage 1,
+      and so on. The backward visits the same table with the virtual stages reversed.
     * Warm-up: ``2 (P - r - 1) + (V - 1) P`` forwards, plus one when overlap is on, capped at N V. The extra one
       is what makes pairing possible: without it the last stage's first steady step would pair the forward and
       the backward of the same microbatch, and a backward cannot start before its own forward's loss exists.
@@ -63,7 +63,7 @@ def virtual_order(num_microbatches: int, pipeline_size: int, virtual_size: int) 
     order, start = [], 0
     while start < num_microbatches:
         # A last group smaller than P would reach a virtual stage before the pipeline has filled it: it joins the
-        # group before it instead (Megatron-Core refuses such an N; this schedule takes any N >= P).
+        # group before it instead (Megatron-Core refuses such an N; this schedule takes any N >= 1).
         end = num_microbatches if num_microbatches - start < 2 * pipeline_size else start + pipeline_size
         order.extend((m, v) for v in range(virtual_size) for m in range(start, end))
         start = end
