@@ -52,6 +52,7 @@ def install_cpu_stubs() -> None:
     torch.cuda.Stream, torch.cuda.Event = _Stream, _Event
     torch.cuda.current_stream = lambda *args, **kwargs: current
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
     zeros = torch.zeros

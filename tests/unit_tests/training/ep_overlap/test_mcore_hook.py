@@ -138,6 +138,66 @@ def test_hook_refuses_a_bad_config_before_any_step(change, expected):
         assert outcome.result.startswith("CommOverlapConfigError") and expected in outcome.result, outcome.result
 
 
-def test_hook_refuses_a_pipeline_stage():
-    for outcome in run_local_ranks(refuse, 2, ({"model": {"post_process": False}},)):
-        assert outcome.result.startswith("ValueError") and "pipeline_model_parallel_size must be 1" in outcome.result
+def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: bool) -> dict:
+    """Megatron-Core's interleaved schedule (PP 2 x VPP 2 x EP 2): plain, and combined 1F1B running our plan."""
+    install_cpu_stubs()
+    init_megatron(case.world, 2, 2)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+
+    from .test_mcore_pipeline import build_plans
+
+    out = {}
+    for arm in ("plain", "overlap"):
+        models = [plan.model for plan in build_plans(case, 2, 2)]
+        config = models[0].config  # shared by the chunks
+        # gloo matches P2P in posting order; Megatron-Core's batched P2P sends both directions of a 2-stage
+        # pipeline on one group, which only NCCL's group semantics keep apart.
+        config.batch_p2p_comm, config.overlap_p2p_comm = False, overlap_p2p_comm
+        if arm == "overlap":
+            config.overlap_moe_expert_parallel_comm = True
+            use_ep_overlap_schedule(models, timeout=timedelta(seconds=30))
+        optimizer = torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-2)
+        named = [(f"chunk{v}.{n}", p) for v, m in enumerate(models) for n, p in m.named_parameters()]
+        losses, grads = [], []
+        for step in range(case.steps):
+            gen = torch.Generator().manual_seed(100 * step + parallel_state.get_data_parallel_rank())
+            data = [
+                tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(case.microbatches)
+            ]
+            store = get_forward_backward_func()(
+                forward_step_func=bridge_style_forward_step,
+                data_iterator=[iter(data), iter(list(data))],  # one per chunk, as Megatron-Core wants
+                model=models,
+                num_microbatches=case.microbatches,
+                seq_length=SEQ,
+                micro_batch_size=MICRO_BATCH,
+                forward_only=False,
+            )
+            losses.append(torch.stack([logged["lm loss"] for logged in store]) if store else None)
+            grads.append({n: p.grad.clone() for n, p in named if p.grad is not None})
+            if arm == "overlap":  # our lane ran the all-to-alls, some of them in paired steps
+                phases = {r.phase for r in models[0].build_schedule_plan.recorder.comm if r.op == "dispatch"}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases if arm == "overlap" else None}
+    return out
+
+
+@pytest.mark.parametrize("overlap_p2p_comm", [False, True])
+def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overlap_p2p_comm):
+    # With overlap_p2p_comm Megatron-Core hands the plan its P2P hooks; without, it moves tensors between steps.
+    case = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2)  # Megatron-Core refuses N = 5 here
+    for outcome in run_local_ranks(train_interleaved, 4, (case, overlap_p2p_comm)):
+        plain, overlap = outcome.result["plain"], outcome.result["overlap"]
+        for step in range(case.steps):
+            where = f"rank {outcome.rank} step {step}"
+            assert (plain["losses"][step] is None) == (outcome.rank < 2)  # losses on the last stage only
+            if plain["losses"][step] is not None:
+                assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} losses")
+            assert plain["grads"][step].keys() == overlap["grads"][step].keys() and plain["grads"][step]
+            for param, grad in plain["grads"][step].items():
+                assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+        assert "paired" in overlap["phases"]

@@ -1,24 +1,32 @@
 """This project's layer schedule inside Megatron-Core's combined 1F1B driver, installed by a Megatron-Bridge hook.
 
 Contract:
-    * With ``overlap_moe_expert_parallel_comm`` on, Megatron-Core's schedule (``combined_1f1b``) asks the recipe's
-      ``forward_step`` for one schedule plan per microbatch, and Megatron-Bridge's stock ``forward_step`` builds it
-      with ``model.build_schedule_plan(tokens, position_ids, attention_mask, labels=..., loss_mask=...)``.
+    * With ``overlap_moe_expert_parallel_comm`` on, Megatron-Core's schedules (``combined_1f1b``, with or without
+      interleaved pipelining) ask the recipe's ``forward_step`` for one schedule plan per microbatch and model
+      chunk, and Megatron-Bridge's stock ``forward_step`` builds it with
+      ``model.build_schedule_plan(tokens, position_ids, attention_mask, labels=..., loss_mask=...)``.
     * :func:`use_ep_overlap_schedule` is a Bridge pre-wrap hook (``cfg.model.register_pre_wrap_hook``). It gives
-      each ``GPTModel`` its own ``build_schedule_plan`` (an instance attribute; the class is untouched), which
-      returns an :class:`EPOverlapSchedulePlan`. No upstream file changes.
-    * Megatron-Core runs each step of its driver as ``EPOverlapSchedulePlan.run(f_plan, b_plan, b_grad=...)``: the
-      first microbatch's forward alone, then forward of microbatch i+1 paired with backward of microbatch i
+      each ``GPTModel`` (a whole model, or each pipeline chunk) its own ``build_schedule_plan`` (an instance
+      attribute; the class is untouched), which returns an :class:`EPOverlapSchedulePlan`. No upstream file
+      changes.
+    * Megatron-Core runs each step of its driver as ``EPOverlapSchedulePlan.run(f_plan, b_plan, b_grad=...)``:
+      a forward alone, a backward alone, or the forward of one microbatch paired with the backward of another
       through :func:`~megatron.bridge.training.ep_overlap.schedule.paired_microbatch_step` (``layer_step`` per
-      layer), then the last backward alone. ``run`` returns what ``GPTModel.forward`` returns (per-token losses);
-      Megatron-Core applies the recipe's loss function to it and hands the gradient of that output back as
-      ``b_grad``. Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests).
+      layer). ``run`` returns what the chunk's ``GPTModel.forward`` returns: per-token losses on the last chunk,
+      which Megatron-Core reduces with the recipe's loss function, else the hidden states. ``b_grad`` is the
+      gradient of that output.
+    * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls them where its own plan does:
+      ``pre_forward`` and ``pre_backward`` (wait for the received activation / gradient) before the chunk starts,
+      ``post_forward`` (send the activation) and then ``post_backward`` (send the input gradient) after the
+      layers, before the deferred attention wgrad and the head. A chunk's input is the tensor Megatron-Core set
+      with ``set_input_tensor``; its gradient lands in that tensor's ``.grad``, where Megatron-Core reads it.
+    * Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests: PP = 1, and PP 2
+      x VPP 2 through its interleaved schedule).
     * Everything is checked when the hook runs, before the first step: the EP-overlap rules (one
-      :class:`CommOverlapConfigError`) and the adapter's limits (:class:`McoreGPTPlan`). Pipeline parallelism is
-      refused there: this plan runs whole models (PP = 1).
-    * All-to-alls go through one lane per model, so the two microbatches of a paired step share one comm stream
-      and every rank issues them in the same order. A new step (a plan built while none is in flight) starts a
-      new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
+      :class:`CommOverlapConfigError`) and the adapter's limits (:class:`McoreGPTPlan`).
+    * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
+      every rank of an EP group issues them in the same order. A new step (a plan built while none is in
+      flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
 """
 
 import logging
@@ -27,9 +35,9 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.lanes import make_lane
+from megatron.bridge.training.ep_overlap.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.nodes import MicrobatchNodes
+from megatron.bridge.training.ep_overlap.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.records import StepRecorder
 from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, paired_microbatch_step
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
@@ -55,6 +63,8 @@ class _MicrobatchModel:
 
     def __init__(self, plan: McoreGPTPlan, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
         self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
+        self.pre_process, self.post_process = plan.pre_process, plan.post_process
+        self.layer_numbers = plan.layer_numbers
         self.rotary_pos_emb = None
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 
@@ -68,11 +78,29 @@ class _MicrobatchModel:
         return self.plan.per_token_losses(x_SBH, labels_BS)
 
 
-class EPOverlapSchedulePlan(AbstractSchedulePlan):
-    """One microbatch of one model, as Megatron-Core's combined 1F1B driver schedules it."""
+class _RankSession:
+    """What a rank's chunks share: the lane of the current step and the plans in flight."""
 
-    def __init__(self, builder: "EPOverlapPlanBuilder", nodes: MicrobatchNodes, event):
+    def __init__(self, groups, high_priority: bool):
+        self.groups, self.high_priority = groups, high_priority
+        self.lane = None
+        self.step = 0
+        self.in_flight: set[tuple[int, int]] = set()  # (builder, microbatch)
+
+    def lane_for(self, device: torch.device):
+        if not self.in_flight:  # a new step
+            self.lane = make_lane(self.groups, device, high_priority=self.high_priority)
+            self.step += 1
+        return self.lane
+
+
+class EPOverlapSchedulePlan(AbstractSchedulePlan):
+    """One microbatch of one model chunk, as Megatron-Core's combined 1F1B driver schedules it."""
+
+    def __init__(self, builder: "EPOverlapPlanBuilder", nodes: MicrobatchNodes, event, input_tensor):
         self.builder, self.nodes, self.event = builder, nodes, event
+        self.vp_stage = builder.plan.model.vp_stage
+        self.input_tensor = input_tensor  # what Megatron-Core set as this chunk's input (None on the first chunk)
 
     @staticmethod
     def run(
@@ -87,46 +115,82 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         """Forward of ``f_schedule_plan`` paired with backward of ``b_schedule_plan`` (either may be None).
 
         Returns:
-            The forward's per-token losses, or None without a forward.
+            The forward's output (per-token losses on the last chunk, else hidden states), or None.
         """
-        if any(hook is not None for hook in (pre_forward, pre_backward, post_forward, post_backward)):
-            raise NotImplementedError("the EP-overlap plan runs PP = 1 only; it has no pipeline P2P hooks")
         f = f_schedule_plan.nodes if f_schedule_plan is not None else None
         b = b_schedule_plan.nodes if b_schedule_plan is not None else None
-        builder = (f_schedule_plan or b_schedule_plan).builder
+        session = (f_schedule_plan or b_schedule_plan).builder.session
+        output, posted = {}, set()
+
+        # Megatron-Core's P2P hooks run once per forward and per backward, activation first: they also post the
+        # receives of later steps. The first and last chunks send nothing (None), as in Megatron-Core's plan.
+        def post_f(x: torch.Tensor | None) -> None:
+            posted.add("F")
+            if post_forward is not None:
+                post_forward(x, f_schedule_plan.vp_stage)
+
+        def post_b(grad: torch.Tensor | None) -> None:
+            if f is not None and "F" not in posted:
+                post_f(None)
+            posted.add("B")
+            if post_backward is not None:
+                post_backward(grad, b_schedule_plan.vp_stage)
+
+        if f is not None:
+            if pre_forward is not None:
+                pre_forward(f_schedule_plan.vp_stage)  # the received activation is complete after this
+            f.io.input = done(f_schedule_plan.input_tensor)
+
+            def send_output(x: torch.Tensor) -> None:
+                output["x"] = x.detach()  # Megatron-Core may free what it gets back; the nodes keep their own
+                post_f(output["x"])
+
+            f.io.send_output = send_output
         if b is not None:
-            b.output_grad = b_grad
+            if pre_backward is not None:
+                pre_backward(b_schedule_plan.vp_stage)  # the received gradient is complete after this
+            if b.last:
+                b.output_grad = b_grad
+            else:
+                b.io.grad = done(b_grad)
+
+            def send_grad(grad: torch.Tensor) -> None:
+                b_schedule_plan.input_tensor.grad = grad  # where Megatron-Core reads the input gradient
+                post_b(grad)
+
+            b.io.send_grad = send_grad
         if f is not None and b is not None:
-            builder.lane.recorder.phase = "paired"
-            paired_microbatch_step(f, b, builder.attention_wgrad_window)
+            session.lane.recorder.phase = "paired"
+            paired_microbatch_step(f, b, f_schedule_plan.builder.attention_wgrad_window)
         elif f is not None:
-            builder.lane.recorder.phase = "warmup"
+            session.lane.recorder.phase = "warmup"
             f.forward()
         else:
-            builder.lane.recorder.phase = "cooldown"
+            session.lane.recorder.phase = "cooldown"
             b.backward()
+        if f is not None and "F" not in posted:
+            post_f(None)
+        if b is not None and "B" not in posted:
+            post_b(None)
         if b is not None:
-            builder.finished(b_schedule_plan)
-        return f.loss if f is not None else None
+            session.in_flight.discard((id(b_schedule_plan.builder), b.mb))
+        if f is None:
+            return None
+        return f.loss if f.last else output["x"]
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one GPTModel (see the module docstring).
+    """``build_schedule_plan`` for one GPTModel or pipeline chunk (see the module docstring).
 
     Args:
-        model: A Megatron-Core ``GPTModel`` (whole model: first and last pipeline stage).
-        timeout: How long any all-to-all may take before the rank raises instead of waiting on.
+        model: A Megatron-Core ``GPTModel``: the whole model, or one pipeline chunk of it.
+        session: What this rank's chunks share (one per rank; :func:`use_ep_overlap_schedule` makes it).
         attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2).
     """
 
-    def __init__(self, model: torch.nn.Module, *, timeout: timedelta, attention_wgrad_window: int = 1):
+    def __init__(self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1):
         if attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
-        if not (model.pre_process and model.post_process):
-            raise ValueError(
-                "the EP-overlap plan runs whole models: pipeline_model_parallel_size must be 1 (this chunk has "
-                f"pre_process={model.pre_process}, post_process={model.post_process})"
-            )
         config = model.config
         self.delay_wgrad = bool(config.delay_wgrad_compute)
         self.plan = McoreGPTPlan(model, delay_wgrad=self.delay_wgrad)
@@ -141,17 +205,14 @@ class EPOverlapPlanBuilder:
                 "use_ep_overlap_schedule: overlap_moe_expert_parallel_comm is off, so Megatron-Core never asks for a "
                 "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
             )
-        self.groups = mcore_ep_groups(timeout)
-        self.high_priority = bool(getattr(config, "high_priority_a2a_comm_stream", False))
+        self.session = session
         self.attention_wgrad_window = attention_wgrad_window
-        self.lane = None
-        self._in_flight: set[int] = set()
-        self._next_microbatch = 0
+        self._step, self._next_microbatch = 0, 0
 
     @property
     def recorder(self) -> StepRecorder | None:
-        """What the current (or last) step recorded: every all-to-all and compute node, by phase."""
-        return None if self.lane is None else self.lane.recorder
+        """What the current (or last) step recorded on this rank: every all-to-all and compute node, by phase."""
+        return None if self.session.lane is None else self.session.lane.recorder
 
     def __call__(
         self,
@@ -163,30 +224,31 @@ class EPOverlapPlanBuilder:
         loss_mask: torch.Tensor | None = None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
-        """Binds one microbatch to the model; runs nothing (``run`` does). Same arguments as ``GPTModel``'s."""
+        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as ``GPTModel``'s."""
         given = sorted(name for name, value in unsupported.items() if value is not None)
         if decoder_input is not None:
             given.insert(0, "decoder_input")
-        if labels is None or given:
-            problems = (["labels are required (the plan's output is per-token losses)"] if labels is None else []) + [
-                f"{name} is not supported; pass None" for name in given
-            ]
+        missing = []
+        if self.plan.pre_process and input_ids is None:
+            missing.append("input_ids are required on the first chunk")
+        if self.plan.post_process and labels is None:
+            missing.append("labels are required on the last chunk (its output is per-token losses)")
+        if missing or given:
+            problems = missing + [f"{name} is not supported; pass None" for name in given]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
-        if not self._in_flight:  # a new step
-            device = input_ids.device
-            self.lane = make_lane(self.groups, device, high_priority=self.high_priority)
-            self._next_microbatch = 0
+        session = self.session
+        device = next(self.plan.parameters()).device
+        lane = session.lane_for(device)
+        if self._step != session.step:  # this chunk's first microbatch of the step
+            self._step, self._next_microbatch = session.step, 0
         index = self._next_microbatch
         self._next_microbatch += 1
-        self._in_flight.add(index)
+        session.in_flight.add((id(self), index))
         view = _MicrobatchModel(self.plan, position_ids, attention_mask)
-        nodes = MicrobatchNodes(view, index, input_ids, labels, None, self.lane, self.delay_wgrad)
-        event = torch.cuda.Event() if input_ids.is_cuda else _HostEvent()
-        return EPOverlapSchedulePlan(self, nodes, event)
-
-    def finished(self, plan: EPOverlapSchedulePlan) -> None:
-        """Its backward ran: the plan leaves the step."""
-        self._in_flight.discard(plan.nodes.mb)
+        nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, self.delay_wgrad, ChunkIO())
+        event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
+        input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor
+        return EPOverlapSchedulePlan(self, nodes, event, input_tensor)
 
 
 def use_ep_overlap_schedule(
@@ -195,15 +257,16 @@ def use_ep_overlap_schedule(
     """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B then runs this project's layer schedule.
 
     Use it as ``cfg.model.register_pre_wrap_hook(use_ep_overlap_schedule)`` (``functools.partial`` sets the
-    keywords). Returns ``models`` unchanged but for their ``build_schedule_plan``.
+    keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
+    ``build_schedule_plan``.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the model is outside what the plan supports (pipeline stages, tied embeddings, biases,
-            a dispatcher other than ``alltoall``).
+        ValueError: When the model is outside what the plan supports (tied embeddings, biases, a dispatcher other
+            than ``alltoall``, RoPE on a chunk without the embedding).
     """
+    config = models[0].config
+    session = _RankSession(mcore_ep_groups(timeout), bool(getattr(config, "high_priority_a2a_comm_stream", False)))
     for model in models:
-        model.build_schedule_plan = EPOverlapPlanBuilder(
-            model, timeout=timeout, attention_wgrad_window=attention_wgrad_window
-        )
+        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, attention_wgrad_window=attention_wgrad_window)
     return models

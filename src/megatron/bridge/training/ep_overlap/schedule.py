@@ -100,8 +100,9 @@ def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes, wgrad_window:
 
     F starts with its embedding or received activation; B with its loss backward or received gradient. Forward
     layer j pairs with backward layer n-1-j. When the two chunks differ in layer count, the longer one's extra
-    layers run unpaired. Then B's input gradient goes out (or its embedding backward runs) and B's first layer's
-    attention wgrad runs while F's last combine is in flight; F ends with its head and loss, or sends its output.
+    layers run unpaired. Then F's activation goes out (when F's chunk is not the last), B's input gradient goes
+    out (or its embedding backward runs), B's first layer's attention wgrad runs (while F's last combine is in
+    flight, on the last chunk), and F ends with its head and loss.
     """
     f_output = f.forward_begin
     grad = b.backward_begin()
@@ -117,9 +118,12 @@ def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes, wgrad_window:
     for j in range(paired, nf):  # F's chunk is longer
         x = f.layers[j].forward(f_output())
         f_output = lambda x=x: x  # noqa: E731
+    if not f.last:  # P2P in Megatron-Core's order: the activation, then the gradient
+        f.forward_end(f_output())
     b.backward_end(grad)
     b_wgrad()
-    f.forward_end(f_output())
+    if f.last:
+        f.forward_end(f_output())
 
 
 @dataclass(frozen=True)
