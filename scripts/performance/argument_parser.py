@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         "B.combine backward; 2: beside F.dispatch); ep_overlap_plan.py says which suits a shape",
     )
     overlap.add_argument(
+        "--edge_pairing",
+        type=bool_arg,
+        default=True,
+        help="true/false: with overlap at PP 1, pair the warm-up's two forwards and the cool-down's two backwards "
+        "instead of running one microbatch alone at each end (numerics unchanged; default true)",
+    )
+    overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)

@@ -34,7 +34,13 @@ def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -
         + ["--link_gbps", str(link_gbps), *extra]
     )
     recipe = build_recipe(args)
-    specs = specs_for(plan_arms(recipe, True), recipe, "cpu", wgrad_window=args.attention_wgrad_window)
+    specs = specs_for(
+        plan_arms(recipe, True),
+        recipe,
+        "cpu",
+        wgrad_window=args.attention_wgrad_window,
+        edge_pairing=args.edge_pairing,
+    )
     for spec in specs:
         spec.progress = False
     results = run_local(specs, args, "cpu")
@@ -98,10 +104,12 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--delay_wgrad_compute", action="store_true", help="overlap arm also delays expert wgrad")
     parser.add_argument("--attention_wgrad_window", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--no_edge_pairing", action="store_true", help="run the warm-up and cool-down unpaired")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     extra = ["--delay_wgrad_compute", "true"] if args.delay_wgrad_compute else []
     extra += ["--attention_wgrad_window", str(args.attention_wgrad_window)]
+    extra += ["--edge_pairing", "false" if args.no_edge_pairing else "true"]
     title = (
         f"overlap arm: EP overlap{' + delayed wgrad' if args.delay_wgrad_compute else ''}; "
         f"{args.microbatches} microbatches, {args.steps} matched steps per arm, ABBA (first excluded), 2 ranks, "

@@ -135,6 +135,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
             f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
             f"delay_wgrad_compute={arm['delay_wgrad']}"
             + (f", attention_wgrad_window={args.attention_wgrad_window}" if arm["delay_wgrad"] else "")
+            + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
@@ -142,12 +143,17 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
 
 
 def specs_for(
-    arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference", wgrad_window: int = 1
+    arms: list[dict],
+    recipe: RecipeConfig,
+    device: str,
+    model_impl: str = "reference",
+    wgrad_window: int = 1,
+    edge_pairing: bool = True,
 ) -> list[ArmSpec]:
     return [
         ArmSpec(
             a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl,
-            attention_wgrad_window=wgrad_window,
+            attention_wgrad_window=wgrad_window, edge_pairing=edge_pairing,
         )
         for a in arms
     ]  # fmt: skip
@@ -236,6 +242,7 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "device": device,
         "link_gbps": args.link_gbps,
         "attention_wgrad_window": args.attention_wgrad_window,
+        "edge_pairing": args.edge_pairing,
     }
 
 
@@ -243,23 +250,25 @@ def _pipeline(model) -> tuple[int, int]:
     return model.pipeline_model_parallel_size or 1, model.virtual_pipeline_model_parallel_size or 1
 
 
-def pairing_bound(model, num_microbatches: int) -> float:
-    """The share of forward passes that run paired on the least-paired rank: overlap cannot hide the rest's
-    all-to-alls ((N-1)/N with PP = 1)."""
+def pairing_bound(model, num_microbatches: int, edge_pairing: bool = True) -> float:
+    """The share of forward passes that run beside another microbatch on the least-paired rank: overlap cannot
+    hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing, 1 with it)."""
     P, V = _pipeline(model)
     shares = []
     for rank in range(P):
-        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True)
-        shares.append(sum(step.paired for step in steps) / (num_microbatches * V))
+        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True, edge_pairing=edge_pairing)
+        overlapped = sum(step.paired + 2 * (step.partner is not None and step.forward is not None) for step in steps)
+        shares.append(overlapped / (num_microbatches * V))
     return min(shares)
 
 
-def print_schedules(model, num_microbatches: int) -> None:
+def print_schedules(model, num_microbatches: int, edge_pairing: bool = True) -> None:
     P, V = _pipeline(model)
     print(f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; F/B m<microbatch> c<chunk>, "
           "<received >sent transfer@r<pipeline rank>")  # fmt: skip
     for rank in range(P):
-        print(format_schedule(pipeline_schedule(P, V, num_microbatches, rank, overlap=True), rank, P))
+        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True, edge_pairing=edge_pairing)
+        print(format_schedule(steps, rank, P))
 
 
 def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device: str, world: int) -> dict:
@@ -280,7 +289,7 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
-        summary["bound"] = pairing_bound(m, t.num_microbatches)
+        summary["bound"] = pairing_bound(m, t.num_microbatches, args.edge_pairing)
         if args.predict:
             summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary
@@ -295,7 +304,10 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     )
     delay = bool(over.get("delay_wgrad", False))
     window = over.get("attention_wgrad_window", 1)
-    comparison = predict(costs, link, recipe.train.num_microbatches, delay_wgrad=delay, wgrad_window=window)
+    edges = over.get("edge_pairing", True)
+    comparison = predict(
+        costs, link, recipe.train.num_microbatches, delay_wgrad=delay, wgrad_window=window, edge_pairing=edges
+    )
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})
     return {
@@ -342,12 +354,12 @@ def run(args) -> int:
         arms = plan_arms(recipe, args.ab)
         device = pick_device(args)
         if args.print_schedule:
-            print_schedules(recipe.model, recipe.train.num_microbatches)
+            print_schedules(recipe.model, recipe.train.num_microbatches, args.edge_pairing)
         if args.dryrun:
             print(describe(recipe, arms, args, device, world))
             return 0
         partial_to = run_config(recipe, args, device, world)
-        specs = specs_for(arms, recipe, device, args.model_impl, args.attention_wgrad_window)
+        specs = specs_for(arms, recipe, device, args.model_impl, args.attention_wgrad_window, args.edge_pairing)
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
     except ConfigError as exc:
         for problem in exc.problems:

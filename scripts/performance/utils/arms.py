@@ -32,6 +32,7 @@ class ArmSpec:
     progress: bool = True
     model_impl: str = "reference"
     attention_wgrad_window: int = 1
+    edge_pairing: bool = True
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -122,6 +123,7 @@ class _Arm:
             overlap=spec.overlap,
             delay_wgrad=spec.delay_wgrad,
             attention_wgrad_window=spec.attention_wgrad_window,
+            edge_pairing=spec.edge_pairing,
         )
         self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
@@ -177,6 +179,7 @@ class _Arm:
             "param_digest": _digest(self.chunks),
             "delay_wgrad": self.spec.delay_wgrad,
             "attention_wgrad_window": self.spec.attention_wgrad_window,
+            "edge_pairing": self.spec.edge_pairing,
         }
 
 

@@ -75,7 +75,7 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
     return [
         first,
         f"hidden fraction h of the hideable time: {ci(matched['h'], '{:.2f}')} "
-        f"(pairing bound {bound:.3f}: the share of forwards that run paired)",
+        f"(pairing bound {bound:.3f}: the share of forwards that run beside another microbatch)",
         f"exposed comm / step (s): baseline {ci(exposed['baseline'], '{:.3f}')}, "
         f"overlap {ci(exposed['overlap'], '{:.3f}')}",
     ]

@@ -1,5 +1,6 @@
 """From the engine's records (not wall-clock speed): in every paired layer step, each all-to-all of one
-microbatch was in flight while the other microbatch's compute ran, exactly as the timeline says."""
+microbatch was in flight while the other microbatch's compute ran, exactly as the timeline says; with edge
+pairing, in the warm-up and cool-down steps too."""
 
 import pytest
 
@@ -33,7 +34,8 @@ def test_each_paired_all_to_all_hides_behind_the_other_microbatch(records, arm):
         comm, compute = outcome.result[arm]["comm"], outcome.result[arm]["compute"]
         paired = [c for c in comm if c["phase"] == "paired"]
         moe_layers = sum(case.layer_freq)
-        assert len(paired) == 4 * moe_layers * (case.microbatches - 1)
+        # Edge pairing: the warm-up and cool-down steps take two microbatches each, so N - 2 steps are F + B.
+        assert len(paired) == 4 * moe_layers * (case.microbatches - 2)
         for op in paired:
             assert op["wait_start_host"] is not None, f"{op['op']} was never waited on"
             partners = [
@@ -45,6 +47,29 @@ def test_each_paired_all_to_all_hides_behind_the_other_microbatch(records, arm):
                 f"nothing of the other microbatch ran while {op['op']} (layer {op['layer']}) was in flight"
             )
             assert TIMELINE[op["op"]] in {c["node"] for c in partners}
+
+
+@pytest.mark.parametrize("arm", ["overlap", "delayed"])
+def test_edge_pairing_hides_the_warmup_and_cooldown_all_to_alls_too(records, arm):
+    case, outcomes = records
+    for outcome in outcomes:
+        comm, compute = outcome.result[arm]["comm"], outcome.result[arm]["compute"]
+        edges = [c for c in comm if c["phase"] in ("warmup", "cooldown")]
+        assert len(edges) == 2 * 2 * 2 * sum(case.layer_freq)  # 2 microbatches x 2 all-to-alls x 2 phases
+        assert {c["microbatch"] for c in edges if c["phase"] == "warmup"} == {0, 1}
+        assert {c["microbatch"] for c in edges if c["phase"] == "cooldown"} == {
+            case.microbatches - 2,
+            case.microbatches - 1,
+        }
+        for op in edges:
+            partners = [
+                c
+                for c in compute
+                if c["phase"] == op["phase"] and c["microbatch"] != op["microbatch"] and ran_in_flight(op, c)
+            ]
+            assert partners, (
+                f"nothing of the other microbatch ran while {op['op']} (layer {op['layer']}) was in flight"
+            )
 
 
 def test_delayed_expert_wgrad_runs_under_dispatch_backward(records):

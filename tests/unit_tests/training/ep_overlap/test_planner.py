@@ -31,12 +31,24 @@ def balanced(layers: int, c: float = 1.0, head: float = 0.0) -> tuple[StepCosts,
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_comm_equal_to_compute_per_window_hides_exactly_the_pairing_bound(layers, n):
     costs, link = balanced(layers)
-    comparison = predict(costs, link, n)
+    comparison = predict(costs, link, n, edge_pairing=False)
     assert comparison.baseline.step_s == 8 * layers * n  # everything serial
     assert comparison.overlap.step_s == 4 * layers * (n + 1)  # only F(0) and B(N-1) expose their comm
     assert comparison.h == (n - 1) / n
     assert comparison.overlap.exposed_s.get("paired", 0) == 0
     assert comparison.overlap.exposed_s["warmup"] == comparison.overlap.exposed_s["cooldown"] == 2 * layers
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_edge_pairing_hides_what_the_unpaired_ends_exposed(layers, n):
+    costs, link = balanced(layers)
+    alone, edges = predict(costs, link, n, edge_pairing=False), predict(costs, link, n)
+    assert edges.overlap.step_s < alone.overlap.step_s
+    assert edges.h > (n - 1) / n  # past the bound that one microbatch alone at each end sets
+    for phase in ("warmup", "cooldown"):
+        assert edges.overlap.exposed_s[phase] < alone.overlap.exposed_s[phase]
+    assert edges.overlap.exposed_s.get("paired", 0) == 0
 
 
 def test_one_microbatch_hides_nothing():
@@ -72,22 +84,26 @@ def test_attention_wgrad_goes_where_the_window_is_comm_bound():
     assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
 
 
-def _launch_order(rank: int, world: int, case: Case) -> list[tuple[str, int, int]]:
+def _launch_order(rank: int, world: int, case: Case, edge_pairing: bool) -> list[tuple[str, int, int]]:
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
-    engine = EPOverlapEngine(MoEGPTModel(case.config(), groups), groups, overlap=True, delay_wgrad=True)
+    model = MoEGPTModel(case.config(), groups)
+    engine = EPOverlapEngine(model, groups, overlap=True, delay_wgrad=True, edge_pairing=edge_pairing)
     recorder = engine.step(batches(case, rank, 0)).recorder
     return [(r.op, r.layer, r.microbatch) for r in recorder.comm]
 
 
+@pytest.mark.parametrize("edge_pairing", [True, False])
 @pytest.mark.parametrize("layer_freq", [(1, 1), (1, 0, 1)])
-def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_order(layer_freq):
+def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_order(layer_freq, edge_pairing):
     case = Case(layer_freq=layer_freq, microbatches=3)
-    engine_order = run_local_ranks(_launch_order, 2, (case,))[0].result
+    engine_order = run_local_ranks(_launch_order, 2, (case, edge_pairing))[0].result
     moe = LayerCosts(1, 1, 1, 1, dispatch_bytes=1, combine_bytes=1)
     dense = LayerCosts(1, 1, 1, 1)
     costs = StepCosts(layers=tuple(moe if f else dense for f in layer_freq), f_tail=1, b_head=1)
     for window in (1, 2):
-        simulated = simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window)
+        simulated = simulate(
+            costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window, edge_pairing=edge_pairing
+        )
         assert simulated.launches == engine_order
 
 

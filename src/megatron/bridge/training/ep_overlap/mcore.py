@@ -12,8 +12,8 @@ Contract:
           combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
       These are exactly the ops of ``TransformerLayer.forward``, so losses and gradients stay bitwise equal.
     * The dispatcher keeps one microbatch's routing state on itself between ``preprocess`` and ``postprocess``.
-      The schedule runs those steps for one microbatch at a time per layer (the other microbatch only runs
-      backward, which reads autograd's saved tensors), so that state is never overwritten mid-flight.
+      Two forwards of one layer may be in flight at once (edge pairing), so each microbatch's :class:`McoreRouting`
+      saves the dispatcher's attributes after each step that sets them and puts them back before the next.
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward. The adapter then logs one warning saying nothing is delayed (numerics are unchanged).
@@ -23,6 +23,7 @@ Contract:
       ``add_bias_linear=False``.
 """
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -51,11 +52,20 @@ def _uses_transformer_engine(module: torch.nn.Module) -> bool:
 
 @dataclass
 class McoreRouting:
-    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher."""
+    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the
+    dispatcher's routing state for this microbatch (its attributes, saved after each step that sets them)."""
 
     dispatcher: object
+    state: dict = field(default_factory=dict)
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def active(self):
+        """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
+        self.dispatcher.__dict__.update(self.state)
+        yield self.dispatcher
+        self.state = dict(self.dispatcher.__dict__)
 
 
 class McoreLayer:
@@ -110,29 +120,35 @@ class McoreLayer:
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
-        return h, (tokens, permuted_probs), shared, McoreRouting(mlp.token_dispatcher)
+        routing = McoreRouting(mlp.token_dispatcher, dict(mlp.token_dispatcher.__dict__))
+        return h, (tokens, permuted_probs), shared, routing
 
     def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
         """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
         if routing is None:
             return
-        dispatcher = routing.dispatcher
-        dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
-            "before_ep_alltoall", dispatcher.tokens_per_expert
-        )
-        routing.in_splits = _as_list(dispatcher.input_splits)
-        routing.out_splits = _as_list(dispatcher.output_splits)
+        with routing.active() as dispatcher:
+            dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
+                "before_ep_alltoall", dispatcher.tokens_per_expert
+            )
+            routing.in_splits = _as_list(dispatcher.input_splits)
+            routing.out_splits = _as_list(dispatcher.output_splits)
 
     def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
         if routing is None:
             output, bias = self.layer.mlp(received[0])
             return output
         tokens, probs = received
-        output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
+        with routing.active():
+            output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
         return output
 
     def combine(self, back: torch.Tensor, shared, h: torch.Tensor, routing: McoreRouting | None) -> torch.Tensor:
-        output = back if routing is None else self.layer.mlp.postprocess(back, shared)
+        if routing is None:
+            output = back
+        else:
+            with routing.active():
+                output = self.layer.mlp.postprocess(back, shared)
         return self.layer._forward_post_mlp((output, None), h)
 
     # ---- delayed weight gradients -------------------------------------------------------------------

@@ -43,8 +43,9 @@ class Transfer:
 class PipelineStep:
     """One step of the driver on one pipeline rank.
 
-    ``forward``/``backward`` are (microbatch, virtual stage on this rank) or None. ``recv`` lists what the step
-    consumes from peers, ``send`` what it produces for them.
+    ``forward``/``backward`` are (microbatch, virtual stage on this rank) or None. ``partner`` is a second
+    microbatch in the same direction, interleaved with the first (edge pairing: two forwards in the warm-up, two
+    backwards in the cool-down). ``recv`` lists what the step consumes from peers, ``send`` what it produces.
     """
 
     phase: str  # "warmup", "paired" (steady, overlap on), "steady" (overlap off), "cooldown"; or "forward"
@@ -52,10 +53,17 @@ class PipelineStep:
     backward: tuple[int, int] | None
     recv: tuple[Transfer, ...] = ()
     send: tuple[Transfer, ...] = ()
+    partner: tuple[int, int] | None = None
 
     @property
     def paired(self) -> bool:
+        """Forward and backward interleaved (the steady state)."""
         return self.forward is not None and self.backward is not None
+
+    @property
+    def overlapped(self) -> bool:
+        """Two microbatches interleaved: forward with backward, or two of one direction."""
+        return self.paired or self.partner is not None
 
 
 def virtual_order(num_microbatches: int, pipeline_size: int, virtual_size: int) -> list[tuple[int, int]]:
@@ -104,12 +112,15 @@ def pipeline_schedule(
     *,
     overlap: bool,
     forward_only: bool = False,
+    edge_pairing: bool = False,
 ) -> list[PipelineStep]:
     """The ordered steps of pipeline rank ``rank`` (see the module docstring); with ``forward_only``, only the
-    forwards, in the same order."""
+    forwards, in the same order. ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
     P, V, N = pipeline_size, virtual_size, num_microbatches
     if P < 1 or V < 1 or N < 1 or not 0 <= rank < P:
         raise ValueError(f"no schedule for pipeline_size={P}, virtual_size={V}, microbatches={N}, rank={rank}")
+    if edge_pairing and overlap and not forward_only and P == V == 1 and N >= 2:
+        return edge_paired_schedule(N)
     forwards = virtual_order(N, P, V)
     backwards = [(m, V - 1 - v) for m, v in forwards]
     total, warmup = len(forwards), warmup_count(P, V, N, rank, overlap)
@@ -190,8 +201,25 @@ def format_schedule(steps: list[PipelineStep], rank: int, pipeline_size: int) ->
     for i, s in enumerate(steps):
         f = f"F m{s.forward[0]} c{s.forward[1] * pipeline_size + rank}" if s.forward else ""
         b = f"B m{s.backward[0]} c{s.backward[1] * pipeline_size + rank}" if s.backward else ""
-        work = " + ".join(x for x in (f, b) if x)
+        p = f"{'F' if s.forward else 'B'} m{s.partner[0]} c{s.partner[1] * pipeline_size + rank}" if s.partner else ""
+        work = " + ".join(x for x in (f, b, p) if x)
         recv = " ".join(f"<{t.kind}m{t.microbatch}c{t.chunk}@r{t.peer}" for t in s.recv)
         send = " ".join(f">{t.kind}m{t.microbatch}c{t.chunk}@r{t.peer}" for t in s.send)
         lines.append(f"  {i:3d} {s.phase:8s} {work:20s} {recv} {send}".rstrip())
     return "\n".join(lines)
+
+
+def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
+    """PP = 1 with nothing unpaired: F(0) with F(1); F(i+2) with B(i) for i = 0..N-3; B(N-2) with B(N-1).
+
+    The two microbatches of an edge step interleave layer by layer as a forward/backward pair does, so their
+    all-to-alls hide behind each other's compute. Every microbatch still runs exactly its own ops, and every
+    parameter gets its gradient contributions in microbatch order, so numerics are unchanged. One more
+    microbatch's activations are alive at the peak (three instead of two).
+    """
+    n = num_microbatches
+    return [
+        PipelineStep("warmup", (0, 0), None, partner=(1, 0)),
+        *(PipelineStep("paired", (i + 2, 0), (i, 0)) for i in range(n - 2)),
+        PipelineStep("cooldown", None, (n - 2, 0), partner=(n - 1, 0)),
+    ]

@@ -2,8 +2,10 @@
 
 Contract:
     * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.schedule.schedule_actions`
-      (F(0); F(i+1) paired with B(i); B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
-      windows in its host order, and the unpaired forward/backward of the plain path. ``simulate`` also returns the
+      (with edge pairing, the engine's default: F(0) with F(1); F(i+2) paired with B(i); B(N-2) with B(N-1);
+      without: F(0); F(i+1) with B(i); B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
+      windows in its host order, the edge steps as ``forward_pair_step``/``backward_pair_step`` interleave them,
+      and the unpaired forward/backward of the plain path. ``simulate`` also returns the
       order in which it launched the all-to-alls, which a test compares with what the engine recorded.
     * One rank is simulated (EP ranks are symmetric): a compute resource that runs its ops in host order, each once
       its inputs have arrived (the time it waits is exposed comm), and one FIFO link. An all-to-all occupies the
@@ -156,6 +158,42 @@ def _backward(sim: _Sim, costs: StepCosts, mb: int, delay_wgrad: bool) -> None:
         sim.compute(attention_wgrad)
 
 
+def _forward_pair(sim: _Sim, costs: StepCosts, a: int, b: int) -> None:
+    """``forward_pair_step``: two forwards interleaved, each one's all-to-alls beside the other's compute."""
+    previous: dict[int, tuple[str, int, int] | None] = {a: None, b: None}
+    for j, layer in enumerate(costs.layers):
+        for mb in (a, b):
+            sim.compute(layer.f_pre, previous[mb])
+            sim.launch(("dispatch", j, mb), layer.dispatch_bytes, split_exchange=True)
+        for mb in (a, b):
+            sim.compute(layer.f_exp, ("dispatch", j, mb))
+            sim.launch(("combine", j, mb), layer.combine_bytes)
+            previous[mb] = ("combine", j, mb)
+    for mb in (a, b):
+        sim.compute(costs.f_tail, previous[mb])
+
+
+def _backward_pair(sim: _Sim, costs: StepCosts, a: int, b: int, delay_wgrad: bool) -> None:
+    """``backward_pair_step``: two backwards interleaved, A's part of each layer before B's."""
+    sim.compute(2 * costs.b_head)
+    attention_wgrads = 0.0
+    for k in reversed(range(len(costs.layers))):
+        layer = costs.layers[k]
+        expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
+        attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
+        sim.launch(("combine_bwd", k, a), layer.combine_bytes)
+        sim.compute(attention_wgrads)
+        sim.launch(("combine_bwd", k, b), layer.combine_bytes)
+        for mb in (a, b):
+            sim.compute(layer.b_exp - expert_wgrad, ("combine_bwd", k, mb))
+            sim.launch(("dispatch_bwd", k, mb), layer.dispatch_bytes)
+            sim.compute(expert_wgrad)
+        for mb in (a, b):
+            sim.compute(layer.b_pre - attention_wgrad, ("dispatch_bwd", k, mb))
+        attention_wgrads = 2 * attention_wgrad
+    sim.compute(attention_wgrads)
+
+
 def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool, wgrad_window: int) -> None:
     """``paired_microbatch_step``: head backward of B, then F layer j with B layer L-1-j, window by window."""
     layers, num = costs.layers, len(costs.layers)
@@ -196,10 +234,12 @@ def simulate(
     overlap: bool,
     delay_wgrad: bool = False,
     wgrad_window: int = 1,
+    edge_pairing: bool = True,
 ) -> Prediction:
     """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule.
 
-    ``wgrad_window`` places the delayed attention wgrad as the engine's ``attention_wgrad_window`` does.
+    ``wgrad_window`` places the delayed attention wgrad as the engine's ``attention_wgrad_window`` does;
+    ``edge_pairing`` pairs the warm-up's and the cool-down's two microbatches as the engine's option does.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
@@ -210,11 +250,15 @@ def simulate(
             _forward(sim, costs, mb)
             _backward(sim, costs, mb, delay_wgrad=False)
     else:
-        for action in schedule_actions(num_microbatches):
+        for action in schedule_actions(num_microbatches, edge_pairing):
             sim.phase = action.phase
             sim.exposed.setdefault(action.phase, 0.0)
             if action.forward is not None and action.backward is not None:
                 _paired(sim, costs, action.forward, action.backward, delay_wgrad, wgrad_window)
+            elif action.partner is not None and action.forward is not None:
+                _forward_pair(sim, costs, action.forward, action.partner)
+            elif action.partner is not None:
+                _backward_pair(sim, costs, action.backward, action.partner, delay_wgrad)
             elif action.forward is not None:
                 _forward(sim, costs, action.forward)
             else:
@@ -252,12 +296,26 @@ class Comparison:
 
 
 def predict(
-    costs: StepCosts, link: Link, num_microbatches: int, delay_wgrad: bool = False, wgrad_window: int = 1
+    costs: StepCosts,
+    link: Link,
+    num_microbatches: int,
+    delay_wgrad: bool = False,
+    wgrad_window: int = 1,
+    edge_pairing: bool = True,
 ) -> Comparison:
     """Plain vs overlapped step for one microbatch count (and, with delayed wgrad, one attention-wgrad window)."""
+    overlapped = simulate(
+        costs,
+        link,
+        num_microbatches,
+        overlap=True,
+        delay_wgrad=delay_wgrad,
+        wgrad_window=wgrad_window,
+        edge_pairing=edge_pairing,
+    )
     return Comparison(
         simulate(costs, link, num_microbatches, overlap=False),
-        simulate(costs, link, num_microbatches, overlap=True, delay_wgrad=delay_wgrad, wgrad_window=wgrad_window),
+        overlapped,
         num_microbatches,
         delay_wgrad,
         wgrad_window,

@@ -126,6 +126,58 @@ def paired_microbatch_step(f: MicrobatchNodes, b: MicrobatchNodes, wgrad_window:
         f.forward_end(f_output())
 
 
+def forward_pair_step(a: MicrobatchNodes, b: MicrobatchNodes) -> None:
+    """Two forwards interleaved layer by layer (the warm-up under edge pairing): each one's all-to-alls run while
+    the other computes. Numerics are each microbatch's own."""
+    a_output, b_output = a.forward_begin, b.forward_begin
+    for fa, fb in zip(a.layers, b.layers):
+        # A.pre_dispatch waits for A's previous combine while B's is still in flight
+        fa.pre_dispatch(a_output())
+        fa.dispatch()
+        # A.dispatch (comm)  ||  B.pre_dispatch (compute)
+        fb.pre_dispatch(b_output())
+        fb.dispatch()
+        # B.dispatch (comm)  ||  A.experts (compute)
+        fa.experts()
+        fa.combine()
+        # A.combine (comm)   ||  B.experts (compute)
+        fb.experts()
+        fb.combine()
+        # B.combine (comm)   ||  A's next layer (compute)
+        a_output, b_output = fa.combine_finish, fb.combine_finish
+    a.forward_end(a_output())
+    b.forward_end(b_output())
+
+
+def backward_pair_step(a: MicrobatchNodes, b: MicrobatchNodes) -> None:
+    """Two backwards interleaved layer by layer (the cool-down under edge pairing). Every parameter gets A's
+    gradient contribution before B's, as when they run one after the other, so numerics are unchanged."""
+    a_grad, b_grad = a.backward_begin(), b.backward_begin()
+    wgrads: list[Callable[[], None]] = []
+    for la, lb in zip(reversed(a.layers), reversed(b.layers)):
+        # A.combine backward (comm)  ||  [both previous layers' attention wgrads], B.combine backward (compute)
+        la.combine_backward(a_grad)
+        for wgrad in wgrads:
+            wgrad()
+        lb.combine_backward(b_grad)
+        # B.combine backward (comm)  ||  A.experts backward
+        la.experts_backward()
+        la.dispatch_backward()
+        la.expert_wgrad()
+        # A.dispatch backward (comm) ||  B.experts backward, wgrad
+        lb.experts_backward()
+        lb.dispatch_backward()
+        lb.expert_wgrad()
+        # B.dispatch backward (comm) ||  A.pre_dispatch backward
+        a_grad = la.pre_dispatch_backward()
+        b_grad = lb.pre_dispatch_backward()
+        wgrads = [la.attention_wgrad, lb.attention_wgrad]
+    for wgrad in wgrads:
+        wgrad()
+    a.backward_end(a_grad)
+    b.backward_end(b_grad)
+
+
 @dataclass(frozen=True)
 class Action:
     """One step of the PP = 1 driver: the forward of a microbatch, its backward, or both paired."""
@@ -133,18 +185,21 @@ class Action:
     phase: str  # "warmup", "paired" or "cooldown"
     forward: int | None
     backward: int | None
+    partner: int | None = None  # a second forward (warm-up) or backward (cool-down) under edge pairing
 
 
-def schedule_actions(num_microbatches: int) -> list[Action]:
+def schedule_actions(num_microbatches: int, edge_pairing: bool = False) -> list[Action]:
     """:func:`pipeline_schedule` for PP = 1 with overlap, by microbatch (what the planner simulates): F(0); F(i+1)
-    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired."""
+    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired. With ``edge_pairing``:
+    F(0) with F(1); F(i+2) with B(i); B(N-2) with B(N-1)."""
     return [
         Action(
             step.phase,
             None if step.forward is None else step.forward[0],
             None if step.backward is None else step.backward[0],
+            None if step.partner is None else step.partner[0],
         )
-        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True)
+        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True, edge_pairing=edge_pairing)
     ]
 
 
@@ -239,6 +294,9 @@ class EPOverlapEngine:
         attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
             wgrad: 1 (the default) or 2. The planner (``planner.best_plan``) says which suits a shape.
         high_priority_comm: On CUDA, give the comm stream high priority.
+        edge_pairing: With overlap at PP = 1, pair the two forwards of the warm-up and the two backwards of the
+            cool-down instead of running one microbatch alone at each end (numerics unchanged; one more
+            microbatch's activations alive at the peak). On by default; PP > 1 ignores it.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
@@ -254,6 +312,7 @@ class EPOverlapEngine:
         delay_wgrad: bool = False,
         high_priority_comm: bool = False,
         attention_wgrad_window: int = 1,
+        edge_pairing: bool = True,
     ):
         if attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
@@ -271,6 +330,7 @@ class EPOverlapEngine:
         self.overlap, self.delay_wgrad = overlap, delay_wgrad
         self.high_priority_comm = high_priority_comm
         self.attention_wgrad_window = attention_wgrad_window
+        self.edge_pairing = edge_pairing
 
     @classmethod
     def from_config(cls, model, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
@@ -287,7 +347,12 @@ class EPOverlapEngine:
     def schedule(self, num_microbatches: int) -> list[PipelineStep]:
         """This rank's order for a step of ``num_microbatches`` (what ``step`` executes)."""
         return pipeline_schedule(
-            self.groups.pp_size, len(self.chunks), num_microbatches, self.groups.pp_rank, overlap=self.overlap
+            self.groups.pp_size,
+            len(self.chunks),
+            num_microbatches,
+            self.groups.pp_rank,
+            overlap=self.overlap,
+            edge_pairing=self.edge_pairing,
         )
 
     def step(self, microbatches: list[Microbatch], *, forward_only: bool = False) -> StepResult:
@@ -345,7 +410,13 @@ class EPOverlapEngine:
         """Executes this rank's :func:`pipeline_schedule`; returns the losses (last pipeline stage only)."""
         P, V = self.groups.pp_size, len(self.chunks)
         steps = pipeline_schedule(
-            P, V, len(microbatches), self.groups.pp_rank, overlap=overlap, forward_only=forward_only
+            P,
+            V,
+            len(microbatches),
+            self.groups.pp_rank,
+            overlap=overlap,
+            forward_only=forward_only,
+            edge_pairing=self.edge_pairing,
         )
         device = next(self.chunks[0].parameters()).device
         p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
@@ -381,18 +452,26 @@ class EPOverlapEngine:
                 lane.recorder.phase = step.phase if overlap else "plain"
                 f = run_of(*step.forward) if step.forward is not None else None
                 b = run_of(*step.backward) if step.backward is not None else None
+                partner = run_of(*step.partner) if step.partner is not None else None
                 if p2p is not None:
                     _connect(step, f, b, p2p)
                 if step.paired:
                     paired_microbatch_step(f, b, self.attention_wgrad_window)
+                elif partner is not None and f is not None:
+                    forward_pair_step(f, partner)
+                elif partner is not None:
+                    backward_pair_step(b, partner)
                 elif f is not None:
                     f.forward()
                 else:
                     b.backward()
-                if f is not None and f.last:
-                    losses[f.mb] = f.loss
+                for run in (f, partner if f is not None else None):
+                    if run is not None and run.last:
+                        losses[run.mb] = run.loss
                 if b is not None:
                     del runs[step.backward]
+                    if partner is not None:
+                        del runs[step.partner]
             if p2p is not None:
                 p2p.finish()
             check_no_pending_wgrads(linears)
