@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument(
         "--edge_pairing",
         type=bool_arg,
-        default=True,
+        default=False,
         help="true/false: with overlap at PP 1, pair the warm-up's two forwards and the cool-down's two backwards "
-        "instead of running one microbatch alone at each end (numerics unchanged; default true)",
+        "instead of running one microbatch alone at each end (numerics unchanged; one more microbatch's "
+        "activations alive; default false)",
     )
     overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"

@@ -104,12 +104,12 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--delay_wgrad_compute", action="store_true", help="overlap arm also delays expert wgrad")
     parser.add_argument("--attention_wgrad_window", type=int, choices=[1, 2], default=1)
-    parser.add_argument("--no_edge_pairing", action="store_true", help="run the warm-up and cool-down unpaired")
+    parser.add_argument("--edge_pairing", action="store_true", help="pair the warm-up's and cool-down's microbatches")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     extra = ["--delay_wgrad_compute", "true"] if args.delay_wgrad_compute else []
     extra += ["--attention_wgrad_window", str(args.attention_wgrad_window)]
-    extra += ["--edge_pairing", "false" if args.no_edge_pairing else "true"]
+    extra += ["--edge_pairing", "true" if args.edge_pairing else "false"]
     title = (
         f"overlap arm: EP overlap{' + delayed wgrad' if args.delay_wgrad_compute else ''}; "
         f"{args.microbatches} microbatches, {args.steps} matched steps per arm, ABBA (first excluded), 2 ranks, "

@@ -148,7 +148,7 @@ def specs_for(
     device: str,
     model_impl: str = "reference",
     wgrad_window: int = 1,
-    edge_pairing: bool = True,
+    edge_pairing: bool = False,
 ) -> list[ArmSpec]:
     return [
         ArmSpec(
@@ -250,7 +250,7 @@ def _pipeline(model) -> tuple[int, int]:
     return model.pipeline_model_parallel_size or 1, model.virtual_pipeline_model_parallel_size or 1
 
 
-def pairing_bound(model, num_microbatches: int, edge_pairing: bool = True) -> float:
+def pairing_bound(model, num_microbatches: int, edge_pairing: bool = False) -> float:
     """The share of forward passes that run beside another microbatch on the least-paired rank: overlap cannot
     hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing, 1 with it)."""
     P, V = _pipeline(model)
@@ -262,7 +262,7 @@ def pairing_bound(model, num_microbatches: int, edge_pairing: bool = True) -> fl
     return min(shares)
 
 
-def print_schedules(model, num_microbatches: int, edge_pairing: bool = True) -> None:
+def print_schedules(model, num_microbatches: int, edge_pairing: bool = False) -> None:
     P, V = _pipeline(model)
     print(f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; F/B m<microbatch> c<chunk>, "
           "<received >sent transfer@r<pipeline rank>")  # fmt: skip
@@ -304,7 +304,7 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     )
     delay = bool(over.get("delay_wgrad", False))
     window = over.get("attention_wgrad_window", 1)
-    edges = over.get("edge_pairing", True)
+    edges = over.get("edge_pairing", False)
     comparison = predict(
         costs, link, recipe.train.num_microbatches, delay_wgrad=delay, wgrad_window=window, edge_pairing=edges
     )

@@ -32,7 +32,7 @@ class ArmSpec:
     progress: bool = True
     model_impl: str = "reference"
     attention_wgrad_window: int = 1
-    edge_pairing: bool = True
+    edge_pairing: bool = False
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):

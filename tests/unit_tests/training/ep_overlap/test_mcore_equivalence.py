@@ -82,11 +82,17 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
 
     groups = mcore_ep_groups(timedelta(seconds=30))
     out = {}
-    for arm in ("plain", "overlap"):
+    # overlap_edges: edge pairing, two forwards of one layer in flight (the dispatcher's state kept apart)
+    for arm in ("plain", "overlap", "overlap_edges"):
         model = build_gpt(case)
-        plan = McoreGPTPlan(model, delay_wgrad=case.delay_wgrad and arm == "overlap")
+        overlap = arm != "plain"
+        plan = McoreGPTPlan(model, delay_wgrad=case.delay_wgrad and overlap)
         engine = EPOverlapEngine(
-            plan, groups, overlap=arm == "overlap", delay_wgrad=case.delay_wgrad and arm == "overlap"
+            plan,
+            groups,
+            overlap=overlap,
+            delay_wgrad=case.delay_wgrad and overlap,
+            edge_pairing=arm == "overlap_edges",
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads = [], []
@@ -120,13 +126,15 @@ CASES = {
 
 def check_equal(case: McoreCase, outcomes) -> None:
     for outcome in outcomes:
-        plain, overlap = outcome.result["plain"], outcome.result["overlap"]
+        plain = outcome.result["plain"]
         assert plain["mlps"] == ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
-        for step in range(case.steps):
-            assert_bitwise(plain["losses"][step], overlap["losses"][step], f"rank {outcome.rank} step {step} losses")
-            assert plain["grads"][step].keys() == overlap["grads"][step].keys()
-            for param, grad in plain["grads"][step].items():
-                assert_bitwise(grad, overlap["grads"][step][param], f"rank {outcome.rank} step {step} {param}")
+        for arm in ("overlap", "overlap_edges"):
+            overlap, where = outcome.result[arm], f"rank {outcome.rank} {arm}"
+            for step in range(case.steps):
+                assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} step {step} losses")
+                assert plain["grads"][step].keys() == overlap["grads"][step].keys()
+                for param, grad in plain["grads"][step].items():
+                    assert_bitwise(grad, overlap["grads"][step][param], f"{where} step {step} {param}")
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
 
 

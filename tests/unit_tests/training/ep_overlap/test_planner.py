@@ -31,7 +31,7 @@ def balanced(layers: int, c: float = 1.0, head: float = 0.0) -> tuple[StepCosts,
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_comm_equal_to_compute_per_window_hides_exactly_the_pairing_bound(layers, n):
     costs, link = balanced(layers)
-    comparison = predict(costs, link, n, edge_pairing=False)
+    comparison = predict(costs, link, n)
     assert comparison.baseline.step_s == 8 * layers * n  # everything serial
     assert comparison.overlap.step_s == 4 * layers * (n + 1)  # only F(0) and B(N-1) expose their comm
     assert comparison.h == (n - 1) / n
@@ -43,7 +43,7 @@ def test_comm_equal_to_compute_per_window_hides_exactly_the_pairing_bound(layers
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_edge_pairing_hides_what_the_unpaired_ends_exposed(layers, n):
     costs, link = balanced(layers)
-    alone, edges = predict(costs, link, n, edge_pairing=False), predict(costs, link, n)
+    alone, edges = predict(costs, link, n), predict(costs, link, n, edge_pairing=True)
     assert edges.overlap.step_s < alone.overlap.step_s
     assert edges.h > (n - 1) / n  # past the bound that one microbatch alone at each end sets
     for phase in ("warmup", "cooldown"):

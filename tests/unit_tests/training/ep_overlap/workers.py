@@ -9,8 +9,9 @@ from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-# overlap off; overlap on; overlap on with delayed wgrad (and, where a case adds it, its attention wgrad in window 2)
-ARMS = ("plain", "overlap", "delayed")
+# overlap off; overlap on; overlap on with delayed wgrad; the same with edge pairing (and, where a case adds it,
+# the attention wgrad in window 2)
+ARMS = ("plain", "overlap", "delayed", "delayed_edges")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
             overlap=arm != "plain",
             delay_wgrad=arm.startswith("delayed"),
             attention_wgrad_window=2 if arm == "delayed_window2" else 1,
+            edge_pairing=arm.endswith("_edges"),
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, records = [], [], None

@@ -2,8 +2,8 @@
 
 Contract:
     * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.schedule.schedule_actions`
-      (with edge pairing, the engine's default: F(0) with F(1); F(i+2) paired with B(i); B(N-2) with B(N-1);
-      without: F(0); F(i+1) with B(i); B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
+      (F(0); F(i+1) with B(i); B(N-1); with the engine's edge pairing: F(0) with F(1); F(i+2) paired with B(i);
+      B(N-2) with B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
       windows in its host order, the edge steps as ``forward_pair_step``/``backward_pair_step`` interleave them,
       and the unpaired forward/backward of the plain path. ``simulate`` also returns the
       order in which it launched the all-to-alls, which a test compares with what the engine recorded.
@@ -234,7 +234,7 @@ def simulate(
     overlap: bool,
     delay_wgrad: bool = False,
     wgrad_window: int = 1,
-    edge_pairing: bool = True,
+    edge_pairing: bool = False,
 ) -> Prediction:
     """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule.
 
@@ -301,7 +301,7 @@ def predict(
     num_microbatches: int,
     delay_wgrad: bool = False,
     wgrad_window: int = 1,
-    edge_pairing: bool = True,
+    edge_pairing: bool = False,
 ) -> Comparison:
     """Plain vs overlapped step for one microbatch count (and, with delayed wgrad, one attention-wgrad window)."""
     overlapped = simulate(

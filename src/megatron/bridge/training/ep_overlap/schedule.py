@@ -295,8 +295,8 @@ class EPOverlapEngine:
             wgrad: 1 (the default) or 2. The planner (``planner.best_plan``) says which suits a shape.
         high_priority_comm: On CUDA, give the comm stream high priority.
         edge_pairing: With overlap at PP = 1, pair the two forwards of the warm-up and the two backwards of the
-            cool-down instead of running one microbatch alone at each end (numerics unchanged; one more
-            microbatch's activations alive at the peak). On by default; PP > 1 ignores it.
+            cool-down instead of running one microbatch alone at each end. Numerics are unchanged, but one more
+            microbatch's activations are alive at the peak, so it is off unless asked for. PP > 1 ignores it.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
@@ -312,7 +312,7 @@ class EPOverlapEngine:
         delay_wgrad: bool = False,
         high_priority_comm: bool = False,
         attention_wgrad_window: int = 1,
-        edge_pairing: bool = True,
+        edge_pairing: bool = False,
     ):
         if attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
