@@ -17,7 +17,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .test_mcore_equivalence import McoreCase
-from .test_numerics import assert_bitwise
+from .test_pipeline import assert_matches_reference
 
 
 def global_name(plan, name: str, local_experts: int, ep_rank: int) -> str:
@@ -124,13 +124,6 @@ def test_mcore_chunks_pipelined_are_bitwise_equal_to_pp1(name):
     for outcome in run_local_ranks(train, 4, (replace(case), 2, 2, ("plain", "overlap"))):
         ref = reference[outcome.result["data_rank"]]
         for arm in ("plain", "overlap"):
-            run, where = outcome.result[arm], f"rank {outcome.rank} {arm}"
-            for step in range(case.steps):
-                if run["losses"][step] is not None:
-                    assert_bitwise(ref["losses"][step], run["losses"][step], f"{where} step {step} losses")
-                for param, grad in run["grads"][step].items():
-                    assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
-            for param, value in run["params"].items():
-                assert_bitwise(ref["params"][param], value, f"{where} {param} after {case.steps} steps")
-            seen.update(run["params"])
+            assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
+            seen.update(outcome.result[arm]["params"])
     assert seen == set(reference[0]["params"]) | set(reference[1]["params"])  # the whole model, every expert

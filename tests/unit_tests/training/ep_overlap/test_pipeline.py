@@ -179,6 +179,19 @@ def train_layout(rank: int, world: int, case: PipeCase, pp: int, vpp: int, arms:
 
 PIPELINE_ARMS = ("plain", "overlap", "delayed")
 
+
+def assert_matches_reference(ref: dict, run: dict, steps: int, where: str) -> None:
+    """A pipelined run's losses (last stage only), gradients and final parameters against the PP = 1 run's, by
+    global parameter name, bit for bit."""
+    for step in range(steps):
+        if run["losses"][step] is not None:
+            assert_bitwise(ref["losses"][step], run["losses"][step], f"{where} step {step} losses")
+        for param, grad in run["grads"][step].items():
+            assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
+    for param, value in run["params"].items():
+        assert_bitwise(ref["params"][param], value, f"{where} param {param} after {steps} steps")
+
+
 PIPE_CASES = {
     "pp2-vpp2-ep2-N2": PipeCase(microbatches=2),
     "pp2-vpp2-ep2-N5": PipeCase(microbatches=5),
@@ -210,16 +223,8 @@ def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
     for outcome in outcomes:
         ref = reference[outcome.result["data_rank"]]
         for arm in PIPELINE_ARMS:
-            run = outcome.result[arm]
-            where = f"rank {outcome.rank} {arm}"
-            for step in range(case.steps):
-                if run["losses"][step] is not None:  # the last stage
-                    assert_bitwise(ref["losses"][step], run["losses"][step], f"{where} step {step} losses")
-                for param, grad in run["grads"][step].items():
-                    assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
-            for param, value in run["params"].items():
-                assert_bitwise(ref["params"][param], value, f"{where} param {param} after {case.steps} steps")
-            seen.update(run["params"])
+            assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
+            seen.update(outcome.result[arm]["params"])
     assert seen == set(reference[0]["params"])  # the pipeline holds the whole model
 
 
