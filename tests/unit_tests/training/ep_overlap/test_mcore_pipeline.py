@@ -17,7 +17,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .test_mcore_equivalence import McoreCase
-from .test_pipeline import assert_matches_reference
+from .test_pipeline import assert_matches_reference, train_recording
 
 
 def global_name(plan, name: str, local_experts: int, ep_rank: int) -> str:
@@ -97,16 +97,11 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
             for plan in plans
             for n, p in plan.named_parameters()
         ]
-        losses, grads = [], []
+        data = []
         for step in range(case.steps):
             gen = torch.Generator().manual_seed(100 * step + data_rank)
-            data = [tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(case.microbatches)]
-            result = engine.step(data)
-            losses.append(torch.stack(result.losses) if result.losses else None)
-            grads.append({n: p.grad.clone() for n, p in named})
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        out[arm] = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+            data.append([tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(case.microbatches)])
+        out[arm] = train_recording(engine, optimizer, named, data)
     return out
 
 

@@ -166,15 +166,21 @@ def train_layout(rank: int, world: int, case: PipeCase, pp: int, vpp: int, arms:
         engine = EPOverlapEngine(model, groups, overlap=arm != "plain", delay_wgrad=arm == "delayed")
         optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-2)
         named = [item for c in chunks for item in c.global_named_parameters()]
-        losses, grads = [], []
-        for step in range(case.steps):
-            result = engine.step(batches(case, data_rank, step))
-            losses.append(torch.stack(result.losses) if result.losses else None)
-            grads.append({name: p.grad.clone() for name, p in named})
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        out[arm] = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+        out[arm] = train_recording(engine, optimizer, named, [batches(case, data_rank, s) for s in range(case.steps)])
     return out
+
+
+def train_recording(engine, optimizer, named: list, data_per_step: list) -> dict:
+    """Steps of training; per step the losses (None off the last stage) and every gradient by ``named``'s names,
+    then the final parameters."""
+    losses, grads = [], []
+    for data in data_per_step:
+        result = engine.step(data)
+        losses.append(torch.stack(result.losses) if result.losses else None)
+        grads.append({name: p.grad.clone() for name, p in named})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
 
 
 PIPELINE_ARMS = ("plain", "overlap", "delayed")
