@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from megatron.bridge.training.ep_overlap.records import uncovered
+from megatron.bridge.training.ep_overlap.planner import exposed_by_phase_and_kind
 from utils.stats import describe_matched
 
 
@@ -15,26 +15,6 @@ def _steady(values: list[float], warmup: int) -> list[float]:
 
 
 PHASE_ORDER = ("warmup", "paired", "steady", "cooldown", "plain")
-
-
-def comm_kind(op: str) -> str:
-    """``p2p`` for pipeline transfers, ``all-to-all`` for the EP dispatch/combine (and their backward)."""
-    return "p2p" if op.startswith("p2p") else "all-to-all"
-
-
-def exposed_by_phase_and_kind(records: dict) -> dict[str, dict[str, float]]:
-    """One rank's step: per phase, the time each kind of communication was on the critical path, as
-    ``{phase: {kind: seconds}}``. P2P counts where the host waited on it and nothing computed; all-to-all where
-    it was in flight and the host neither computed nor waited on P2P (so the kinds add up to the total)."""
-    compute = [(r["start_s"], r["end_s"]) for r in records["compute"]]
-    p2p = [(r["start_s"], r["end_s"]) for r in records["comm"] if comm_kind(r["op"]) == "p2p"]
-    grouped: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for r in records["comm"]:
-        grouped.setdefault((r["phase"], comm_kind(r["op"])), []).append((r["start_s"], r["end_s"]))
-    out: dict[str, dict[str, float]] = {}
-    for (phase, kind), intervals in grouped.items():
-        out.setdefault(phase, {})[kind] = uncovered(intervals, compute if kind == "p2p" else compute + p2p)
-    return out
 
 
 def _exposed_breakdown(per_rank: list[dict], warmup: int) -> dict[str, dict[str, float]]:

@@ -207,8 +207,9 @@ class ChunkIO:
 class MicrobatchNodes:
     """All nodes of one microbatch in one model chunk: the chunk's start, its layers' nodes, and its end.
 
-    ``model`` provides ``layers`` (each with the node functions above), and where it is the model's first chunk
-    (``pre_process``, true when absent) ``embed(tokens)``, where it is the last (``post_process``)
+    ``model`` provides ``layers`` (each with the node functions above) and their global ``layer_numbers``,
+    ``pre_process``/``post_process`` (whether it is the model's first/last chunk; both for a whole model), and where
+    it is the first chunk ``embed(tokens)``, where it is the last
     ``head_loss(x, labels, normalizer)``: the reference ``MoEGPTModel`` does, and so does the Megatron-Core plan.
     Other chunks receive their input and output gradient and send theirs through ``io`` (:class:`ChunkIO`).
 
@@ -230,10 +231,10 @@ class MicrobatchNodes:
     ):
         self.model, self.mb, self.lane, self.io = model, microbatch, lane, io
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
-        self.first = getattr(model, "pre_process", True)
-        self.last = getattr(model, "post_process", True)
-        numbers = getattr(model, "layer_numbers", range(len(model.layers)))
-        self.layers = [LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in zip(numbers, model.layers)]
+        self.first, self.last = model.pre_process, model.post_process
+        self.layers = [
+            LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in zip(model.layer_numbers, model.layers)
+        ]
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
 

@@ -408,10 +408,26 @@ def costs_from_records(
     return costs, Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=statistics.median(meta) if meta else 0.0)
 
 
-def exposed_by_phase(step: dict) -> dict[str, float]:
-    """Measured exposed comm per phase of one recorded step: all-to-all time that no compute covered."""
+def comm_kind(op: str) -> str:
+    """``p2p`` for pipeline transfers, ``all-to-all`` for the EP dispatch/combine (and their backward)."""
+    return "p2p" if op.startswith("p2p") else "all-to-all"
+
+
+def exposed_by_phase_and_kind(step: dict) -> dict[str, dict[str, float]]:
+    """One recorded step of one rank: per phase, the time each kind of communication was on the critical path, as
+    ``{phase: {kind: seconds}}``. P2P counts where the host waited on it and nothing computed; all-to-all where
+    it was in flight and the host neither computed nor waited on P2P (so the kinds add up to the total)."""
     compute = [(r["start_s"], r["end_s"]) for r in step["compute"]]
-    by_phase: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    p2p = [(r["start_s"], r["end_s"]) for r in step["comm"] if comm_kind(r["op"]) == "p2p"]
+    grouped: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for r in step["comm"]:
-        by_phase[r["phase"]].append((r["start_s"], r["end_s"]))
-    return {phase: uncovered(intervals, compute) for phase, intervals in by_phase.items()}
+        grouped[(r["phase"], comm_kind(r["op"]))].append((r["start_s"], r["end_s"]))
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for (phase, kind), intervals in grouped.items():
+        out[phase][kind] = uncovered(intervals, compute if kind == "p2p" else compute + p2p)
+    return dict(out)
+
+
+def exposed_by_phase(step: dict) -> dict[str, float]:
+    """Measured exposed comm per phase of one recorded step: communication time that no compute covered."""
+    return {phase: sum(kinds.values()) for phase, kinds in exposed_by_phase_and_kind(step).items()}

@@ -283,10 +283,11 @@ class EPOverlapEngine:
     Args:
         model: A whole model, or this pipeline rank's model chunks in virtual-stage order (Megatron-Core's
             layout: a list of V chunks, the first holding the embedding on pipeline rank 0 and the last the head on
-            the last rank). A model or chunk offers ``config``, ``vocab_size``, ``layers`` with node functions,
-            ``parameters``, and where it is the first/last chunk ``embed`` and ``head_loss`` (ignoring
-            :data:`IGNORE_INDEX` labels); a whole model also a plain ``__call__``, a chunk ``hidden_shape``,
-            ``pre_process`` and ``post_process``. The reference ``MoEGPTModel`` and the Megatron-Core plan do.
+            the last rank). A model or chunk offers ``config``, ``vocab_size``, ``layers`` with node functions and
+            their global ``layer_numbers``, ``pre_process``/``post_process``, ``parameters``, and where it is the
+            first/last chunk ``embed`` and ``head_loss`` (ignoring :data:`IGNORE_INDEX` labels); a whole model also
+            a plain ``__call__``, a chunk ``hidden_shape``. The reference ``MoEGPTModel`` and the Megatron-Core plan
+            do.
             Its ``config`` is checked against the EP-overlap rules.
         groups: This rank's process groups (with the pipeline group when PP > 1).
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
@@ -344,14 +345,18 @@ class EPOverlapEngine:
             **kwargs,
         )
 
-    def schedule(self, num_microbatches: int) -> list[PipelineStep]:
-        """This rank's order for a step of ``num_microbatches`` (what ``step`` executes)."""
+    def schedule(
+        self, num_microbatches: int, *, overlap: bool | None = None, forward_only: bool = False
+    ) -> list[PipelineStep]:
+        """This rank's order for a step of ``num_microbatches`` (what ``step`` executes); ``overlap`` None means
+        the engine's."""
         return pipeline_schedule(
             self.groups.pp_size,
             len(self.chunks),
             num_microbatches,
             self.groups.pp_rank,
-            overlap=self.overlap,
+            overlap=self.overlap if overlap is None else overlap,
+            forward_only=forward_only,
             edge_pairing=self.edge_pairing,
         )
 
@@ -364,9 +369,9 @@ class EPOverlapEngine:
         normalizer = self._loss_token_count(microbatches, device)
         if forward_only:
             with torch.no_grad():
-                losses = self._run(microbatches, normalizer, lane, overlap=False, forward_only=True)
+                losses = self._run(microbatches, normalizer, lane, device, overlap=False, forward_only=True)
         else:
-            losses = self._run(microbatches, normalizer, lane, overlap=self.overlap)
+            losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap)
             for chunk in self.chunks:
                 sync_grads(chunk, self.groups)
         if device.type == "cuda":
@@ -387,7 +392,7 @@ class EPOverlapEngine:
         tally = torch.zeros(1 + world, dtype=torch.float64, device=device)
         if problems:
             tally[1 + rank] = 1
-        elif getattr(self.chunks[-1], "post_process", True):  # every pipeline stage has the data; one counts it
+        elif self.chunks[-1].post_process:  # every pipeline stage has the data; one counts it
             tally[0] = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
         if initialized:
             all_reduce(tally, None, op="loss token count", timeout=self.groups.timeout)
@@ -405,20 +410,18 @@ class EPOverlapEngine:
     # ---- the driver -------------------------------------------------------------------------------------
 
     def _run(
-        self, microbatches: list[Microbatch], normalizer: float, lane, *, overlap: bool, forward_only: bool = False
+        self,
+        microbatches: list[Microbatch],
+        normalizer: float,
+        lane,
+        device: torch.device,
+        *,
+        overlap: bool,
+        forward_only: bool = False,
     ) -> list[torch.Tensor]:
-        """Executes this rank's :func:`pipeline_schedule`; returns the losses (last pipeline stage only)."""
+        """Executes this rank's :meth:`schedule`; returns the losses (last pipeline stage only)."""
+        steps = self.schedule(len(microbatches), overlap=overlap, forward_only=forward_only)
         P, V = self.groups.pp_size, len(self.chunks)
-        steps = pipeline_schedule(
-            P,
-            V,
-            len(microbatches),
-            self.groups.pp_rank,
-            overlap=overlap,
-            forward_only=forward_only,
-            edge_pairing=self.edge_pairing,
-        )
-        device = next(self.chunks[0].parameters()).device
         p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
         timeline = None if overlap else _PlainTimeline(lane)
         linears = delayable_linears(self.chunks)
@@ -511,11 +514,9 @@ def _layout_problems(chunks: list, config, groups: EPGroups) -> list[str]:
         )
     first = groups.pp_rank == 0
     last = groups.pp_rank == P - 1
-    if getattr(chunks[0], "pre_process", True) != first or any(getattr(c, "pre_process", False) for c in chunks[1:]):
+    if chunks[0].pre_process != first or any(c.pre_process for c in chunks[1:]):
         problems.append("only the first chunk of pipeline rank 0 may hold the embedding")
-    if getattr(chunks[-1], "post_process", True) != last or any(
-        getattr(c, "post_process", False) for c in chunks[:-1]
-    ):
+    if chunks[-1].post_process != last or any(c.post_process for c in chunks[:-1]):
         problems.append("only the last chunk of the last pipeline rank may hold the head")
     return problems
 
@@ -554,8 +555,7 @@ class _PlainTimeline:
             self.start(microbatch)
 
     def attach(self, chunk, microbatch: int) -> None:
-        numbers = getattr(chunk, "layer_numbers", range(len(chunk.layers)))
-        for number, layer in zip(numbers, chunk.layers):
+        for number, layer in zip(chunk.layer_numbers, chunk.layers):
             if hasattr(layer, "comm_observer"):
                 layer.comm_observer = lambda op, event, sent, got, j=number: self.observe(
                     op, event, sent, got, j, microbatch
@@ -578,8 +578,7 @@ class _PlainRun:
     def __init__(self, chunk, microbatch: int, tokens, labels, normalizer: float, io: ChunkIO, timeline):
         self.chunk, self.mb, self.io, self.timeline = chunk, microbatch, io, timeline
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
-        self.first = getattr(chunk, "pre_process", True)
-        self.last = getattr(chunk, "post_process", True)
+        self.first, self.last = chunk.pre_process, chunk.post_process
         self.loss: torch.Tensor | None = None
 
     def forward(self) -> None:
