@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "activations alive; default false)",
     )
     overlap.add_argument(
+        "--moe_ep_overlap_chunks",
+        type=int,
+        default=1,
+        help="1 (default) or 2: with overlap at PP 1, split the first and the last microbatch in two along the batch "
+        "so no all-to-all runs with nothing beside it (needs micro_batch_size >= 2; not bitwise: a split "
+        "microbatch's loss and gradients are summed from two halves)",
+    )
+    overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
+from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, chunk_problems
 from megatron.bridge.training.ep_overlap.pipeline import format_schedule, pipeline_schedule
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
@@ -136,6 +137,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
             f"delay_wgrad_compute={arm['delay_wgrad']}"
             + (f", attention_wgrad_window={args.attention_wgrad_window}" if arm["delay_wgrad"] else "")
             + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
+            + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
@@ -149,14 +151,35 @@ def specs_for(
     model_impl: str = "reference",
     wgrad_window: int = 1,
     edge_pairing: bool = False,
+    chunks: int = 1,
 ) -> list[ArmSpec]:
+    """One spec per arm; the options of the overlap schedule go to the arms that run it."""
     return [
         ArmSpec(
             a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl,
             attention_wgrad_window=wgrad_window, edge_pairing=edge_pairing,
+            moe_ep_overlap_chunks=chunks if a["overlap"] else 1,
         )
         for a in arms
     ]  # fmt: skip
+
+
+def chunking_problems(recipe: RecipeConfig, arms: list[dict], args) -> list[str]:
+    """``--moe_ep_overlap_chunks`` against the arm that would run it (the overlap arm of an A/B)."""
+    model = recipe.model
+    settings = ChunkSettings(
+        args.moe_ep_overlap_chunks,
+        overlap=arms[-1]["overlap"],
+        edge_pairing=args.edge_pairing,
+        pipeline_size=model.pipeline_model_parallel_size or 1,
+        config=model,
+        micro_batch_size=recipe.train.micro_batch_size,
+    )
+    flags = ("moe_ep_overlap_chunks", "edge_pairing", "micro_batch_size", "pipeline_model_parallel_size")
+    # Each line starts with the field's name; say it as the user sets it here: a flag, or a model.<field> override.
+    return [
+        (f"--{problem}" if problem.startswith(flags) else f"model.{problem}") for problem in chunk_problems(settings)
+    ]
 
 
 @dataclass
@@ -243,6 +266,7 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "link_gbps": args.link_gbps,
         "attention_wgrad_window": args.attention_wgrad_window,
         "edge_pairing": args.edge_pairing,
+        "moe_ep_overlap_chunks": args.moe_ep_overlap_chunks,
     }
 
 
@@ -250,9 +274,11 @@ def _pipeline(model) -> tuple[int, int]:
     return model.pipeline_model_parallel_size or 1, model.virtual_pipeline_model_parallel_size or 1
 
 
-def pairing_bound(model, num_microbatches: int, edge_pairing: bool = False) -> float:
+def pairing_bound(model, num_microbatches: int, edge_pairing: bool = False, chunks: int = 1) -> float:
     """The share of forward passes that run beside another microbatch on the least-paired rank: overlap cannot
-    hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing, 1 with it)."""
+    hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing or chunking, 1 with either)."""
+    if chunks == 2:  # (PP = 1) a microbatch that runs alone runs as two halves beside each other
+        return 1.0
     P, V = _pipeline(model)
     shares = []
     for rank in range(P):
@@ -288,8 +314,9 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     }
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
+        summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
-        summary["bound"] = pairing_bound(m, t.num_microbatches, args.edge_pairing)
+        summary["bound"] = pairing_bound(m, t.num_microbatches, args.edge_pairing, args.moe_ep_overlap_chunks)
         if args.predict:
             summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary
@@ -304,9 +331,14 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     )
     delay = bool(over.get("delay_wgrad", False))
     window = over.get("attention_wgrad_window", 1)
-    edges = over.get("edge_pairing", False)
     comparison = predict(
-        costs, link, recipe.train.num_microbatches, delay_wgrad=delay, wgrad_window=window, edge_pairing=edges
+        costs,
+        link,
+        recipe.train.num_microbatches,
+        delay_wgrad=delay,
+        wgrad_window=window,
+        edge_pairing=over.get("edge_pairing", False),
+        chunks=over.get("moe_ep_overlap_chunks", 1),
     )
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})
@@ -352,6 +384,9 @@ def run(args) -> int:
             raise ConfigError(problems)
         recipe = _finalized(recipe)
         arms = plan_arms(recipe, args.ab)
+        problems = chunking_problems(recipe, arms, args)
+        if problems:
+            raise ConfigError(problems)
         device = pick_device(args)
         if args.print_schedule:
             print_schedules(recipe.model, recipe.train.num_microbatches, args.edge_pairing)
@@ -359,7 +394,15 @@ def run(args) -> int:
             print(describe(recipe, arms, args, device, world))
             return 0
         partial_to = run_config(recipe, args, device, world)
-        specs = specs_for(arms, recipe, device, args.model_impl, args.attention_wgrad_window, args.edge_pairing)
+        specs = specs_for(
+            arms,
+            recipe,
+            device,
+            args.model_impl,
+            args.attention_wgrad_window,
+            args.edge_pairing,
+            args.moe_ep_overlap_chunks,
+        )
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
     except ConfigError as exc:
         for problem in exc.problems:

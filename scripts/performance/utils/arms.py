@@ -33,6 +33,7 @@ class ArmSpec:
     model_impl: str = "reference"
     attention_wgrad_window: int = 1
     edge_pairing: bool = False
+    moe_ep_overlap_chunks: int = 1
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -124,6 +125,7 @@ class _Arm:
             delay_wgrad=spec.delay_wgrad,
             attention_wgrad_window=spec.attention_wgrad_window,
             edge_pairing=spec.edge_pairing,
+            moe_ep_overlap_chunks=spec.moe_ep_overlap_chunks,
         )
         self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
@@ -180,6 +182,7 @@ class _Arm:
             "delay_wgrad": self.spec.delay_wgrad,
             "attention_wgrad_window": self.spec.attention_wgrad_window,
             "edge_pairing": self.spec.edge_pairing,
+            "moe_ep_overlap_chunks": self.spec.moe_ep_overlap_chunks,
         }
 
 

@@ -360,3 +360,36 @@ def test_pipelined_ab_is_bitwise_equal_and_reports_p2p_apart(tmp_path, capsys):
     # The planner simulates PP = 1: it refuses a pipelined run's JSON instead of misreading it.
     assert ep_overlap_plan.main(["--from_json", str(json_path)]) == 2
     assert "the planner simulates PP = 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--moe_ep_overlap_chunks", "2"], "--micro_batch_size=1: chunks split a microbatch along its sequences"),
+        (["--moe_ep_overlap_chunks", "4"], "--moe_ep_overlap_chunks=4: must be 1 (off) or 2"),
+        (["--moe_ep_overlap_chunks", "2", "--micro_batch_size", "2", "--edge_pairing", "true"], "--edge_pairing=True"),
+        (
+            ["--moe_ep_overlap_chunks", "2", "--micro_batch_size", "2", "model.moe_aux_loss_coeff=0.01"],
+            "model.moe_aux_loss_coeff=0.01: a load-balancing loss over half a microbatch",
+        ),
+    ],
+)
+def test_chunking_it_cannot_serve_is_refused_before_any_rank(argv, message, capsys):
+    assert ep_overlap_ab.main(TINY + ["--ab", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "fix: " in err and "Traceback" not in err
+    assert all(line.startswith("error: ") for line in err.splitlines())
+
+
+def test_chunked_ab_reports_the_rounding_difference_it_expects(tmp_path, capsys):
+    json_path = tmp_path / "chunks.json"
+    argv = TINY + ["--ab", "--predict", "--moe_ep_overlap_chunks", "2", "--micro_batch_size", "2",
+                   "--json", str(json_path)]  # fmt: skip
+    assert ep_overlap_ab.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bitwise equal: no (expected: chunking)" in out and "largest relative loss difference" in out
+    result = json.loads(json_path.read_text())
+    assert result["numerics"]["expected_bitwise"] is False
+    assert result["numerics"]["max_loss_rel_diff"] < 1e-5
+    assert result["bound"] == 1.0 and result["config"]["moe_ep_overlap_chunks"] == 2
+    assert {"warmup", "paired", "cooldown"} <= set(result["prediction"]["exposed_comm_s_by_phase"])

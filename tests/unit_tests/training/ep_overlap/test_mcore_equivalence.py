@@ -15,6 +15,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .test_numerics import assert_bitwise
+from .workers import as_units, summed_per_microbatch
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,11 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
 
     groups = mcore_ep_groups(timedelta(seconds=30))
     out = {}
-    # overlap_edges: edge pairing, two forwards of one layer in flight (the dispatcher's state kept apart)
-    for arm in ("plain", "overlap", "overlap_edges"):
+    # overlap_edges: edge pairing, two forwards of one layer in flight (the dispatcher's state kept apart);
+    # overlap_chunks: chunked unpaired phases, compared with plain_units (the plain path fed the same halves)
+    for arm in ("plain", "overlap", "overlap_edges", "plain_units", "overlap_chunks"):
         model = build_gpt(case)
-        overlap = arm != "plain"
+        overlap = not arm.startswith("plain")
         plan = McoreGPTPlan(model, delay_wgrad=case.delay_wgrad and overlap)
         engine = EPOverlapEngine(
             plan,
@@ -93,6 +95,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             overlap=overlap,
             delay_wgrad=case.delay_wgrad and overlap,
             edge_pairing=arm == "overlap_edges",
+            moe_ep_overlap_chunks=2 if arm == "overlap_chunks" else 1,
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads = [], []
@@ -101,8 +104,12 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             data = [
                 tuple(torch.randint(0, 64, (2, 2, 8), generator=gen).to(case.device)) for _ in range(case.microbatches)
             ]
-            result = engine.step(data)
-            losses.append(torch.stack(result.losses))
+            if arm == "plain_units":
+                halves, plan_units = as_units(data)
+                result = engine.step(halves)
+                losses.append(summed_per_microbatch(plan_units, result.losses))
+            else:
+                losses.append(torch.stack(engine.step(data).losses))
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -128,12 +135,13 @@ def check_equal(case: McoreCase, outcomes) -> None:
     for outcome in outcomes:
         plain = outcome.result["plain"]
         assert plain["mlps"] == ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
-        for arm in ("overlap", "overlap_edges"):
-            overlap, where = outcome.result[arm], f"rank {outcome.rank} {arm}"
+        for reference, arm in (("plain", "overlap"), ("plain", "overlap_edges"), ("plain_units", "overlap_chunks")):
+            expected, overlap = outcome.result[reference], outcome.result[arm]
+            where = f"rank {outcome.rank} {arm}"
             for step in range(case.steps):
-                assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} step {step} losses")
-                assert plain["grads"][step].keys() == overlap["grads"][step].keys()
-                for param, grad in plain["grads"][step].items():
+                assert_bitwise(expected["losses"][step], overlap["losses"][step], f"{where} step {step} losses")
+                assert expected["grads"][step].keys() == overlap["grads"][step].keys()
+                for param, grad in expected["grads"][step].items():
                     assert_bitwise(grad, overlap["grads"][step][param], f"{where} step {step} {param}")
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
 

@@ -51,6 +51,20 @@ def test_edge_pairing_hides_what_the_unpaired_ends_exposed(layers, n):
     assert edges.overlap.exposed_s.get("paired", 0) == 0
 
 
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_chunking_hides_most_of_what_the_unpaired_ends_exposed(layers, n):
+    costs, link = balanced(layers)
+    alone, chunked = predict(costs, link, n), predict(costs, link, n, chunks=2)
+    assert chunked.baseline.step_s == alone.baseline.step_s  # the plain path does not chunk
+    # Each half hides the other's all-to-alls; only the second half's last one at each end (half of one
+    # microbatch's, 0.5 s) is left, where a microbatch alone exposed all of its 2 per layer.
+    assert chunked.overlap.exposed_s["warmup"] == 0.5
+    assert alone.overlap.exposed_s.get("warmup", alone.overlap.exposed_s.get("cooldown")) == 2 * layers
+    assert chunked.h > (n - 1) / n
+    assert chunked.overlap.exposed_s.get("paired", 0) <= alone.overlap.exposed_s.get("paired", 0)
+
+
 def test_one_microbatch_hides_nothing():
     costs, link = balanced(2, head=0.5)
     comparison = predict(costs, link, 1)
@@ -84,26 +98,28 @@ def test_attention_wgrad_goes_where_the_window_is_comm_bound():
     assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
 
 
-def _launch_order(rank: int, world: int, case: Case, edge_pairing: bool) -> list[tuple[str, int, int]]:
+ENDS = {"alone": {}, "edges": {"edge_pairing": True}, "chunks": {"moe_ep_overlap_chunks": 2}}
+
+
+def _launch_order(rank: int, world: int, case: Case, ends: str) -> list[tuple[str, int, int]]:
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
     model = MoEGPTModel(case.config(), groups)
-    engine = EPOverlapEngine(model, groups, overlap=True, delay_wgrad=True, edge_pairing=edge_pairing)
+    engine = EPOverlapEngine(model, groups, overlap=True, delay_wgrad=True, **ENDS[ends])
     recorder = engine.step(batches(case, rank, 0)).recorder
     return [(r.op, r.layer, r.microbatch) for r in recorder.comm]
 
 
-@pytest.mark.parametrize("edge_pairing", [True, False])
+@pytest.mark.parametrize("ends", sorted(ENDS))
 @pytest.mark.parametrize("layer_freq", [(1, 1), (1, 0, 1)])
-def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_order(layer_freq, edge_pairing):
+def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_order(layer_freq, ends):
     case = Case(layer_freq=layer_freq, microbatches=3)
-    engine_order = run_local_ranks(_launch_order, 2, (case, edge_pairing))[0].result
+    engine_order = run_local_ranks(_launch_order, 2, (case, ends))[0].result
     moe = LayerCosts(1, 1, 1, 1, dispatch_bytes=1, combine_bytes=1)
     dense = LayerCosts(1, 1, 1, 1)
     costs = StepCosts(layers=tuple(moe if f else dense for f in layer_freq), f_tail=1, b_head=1)
+    options = {"edge_pairing": ends == "edges", "chunks": 2 if ends == "chunks" else 1}
     for window in (1, 2):
-        simulated = simulate(
-            costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window, edge_pairing=edge_pairing
-        )
+        simulated = simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window, **options)
         assert simulated.launches == engine_order
 
 

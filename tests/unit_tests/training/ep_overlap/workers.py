@@ -7,6 +7,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.chunking import Unit, units
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 # overlap off; overlap on; overlap on with delayed wgrad; the same with edge pairing (and, where a case adds it,
@@ -83,8 +84,32 @@ def _grad(param):
     return param.main_grad if hasattr(param, "main_grad") else param.grad
 
 
+def as_units(microbatches: list) -> tuple[list, list[Unit]]:
+    """The microbatches chunking splits, given as separate microbatches (its halves), and the units they are."""
+    plan = units(len(microbatches), 2)
+    split = []
+    for unit in plan:
+        tokens, labels = microbatches[unit.microbatch]
+        rows = unit.rows(tokens.shape[0])
+        split.append((tokens[rows], labels[rows]))
+    return split, plan
+
+
+def summed_per_microbatch(plan: list[Unit], losses: list[torch.Tensor]) -> torch.Tensor:
+    """Per-unit losses summed back per microbatch, first half first (as the engine sums a chunked microbatch's)."""
+    summed: dict[int, torch.Tensor] = {}
+    for unit, loss in zip(plan, losses):
+        summed[unit.microbatch] = loss if unit.microbatch not in summed else summed[unit.microbatch] + loss
+    return torch.stack([summed[m] for m in sorted(summed)])
+
+
 def train_arms(rank: int, world: int, case: Case) -> dict:
-    """Trains a fresh model per arm on identical data; returns per-arm losses, grads and final params."""
+    """Trains a fresh model per arm on identical data; returns per-arm losses, grads and final params.
+
+    Arm names: ``plain``; ``overlap``; ``delayed`` (with delayed wgrad), suffixed ``_window2`` (attention wgrad in
+    window 2), ``_edges`` (edge pairing) or ``_chunks`` (chunked unpaired phases); ``plain_units`` is the plain
+    path fed the halves chunking makes as microbatches of their own (its losses summed back per microbatch).
+    """
     groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s))
     out = {}
     for arm in case.arms:
@@ -94,16 +119,23 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
         engine = EPOverlapEngine(
             model,
             groups,
-            overlap=arm != "plain",
+            overlap=not arm.startswith("plain"),
             delay_wgrad=arm.startswith("delayed"),
             attention_wgrad_window=2 if arm == "delayed_window2" else 1,
             edge_pairing=arm.endswith("_edges"),
+            moe_ep_overlap_chunks=2 if arm.endswith("chunks") else 1,
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, records = [], [], None
         for step in range(case.steps):
-            result = engine.step(batches(case, rank, step))
-            losses.append(torch.stack(result.losses))
+            data = batches(case, rank, step)
+            if arm == "plain_units":
+                split, plan = as_units(data)
+                result = engine.step(split)
+                losses.append(summed_per_microbatch(plan, result.losses))
+            else:
+                result = engine.step(data)
+                losses.append(torch.stack(result.losses))
             grads.append({name: _grad(p).clone() for name, p in model.named_parameters()})
             records = result.recorder
             with torch.no_grad():

@@ -74,14 +74,21 @@ class LayerNodes:
             self.x = _leaf(x_in)
             with torch.enable_grad():
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
+        self._splits_known = False
+
+    def exchange_splits(self) -> None:
+        """The split-size exchange (a host sync), once; ``dispatch`` runs it unless a schedule ran it earlier."""
+        if self.routing is not None and not self._splits_known:
+            self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+            self._splits_known = True
 
     def dispatch(self) -> None:
-        """Launch. The split-size exchange (a host sync) sits here, after this microbatch's compute is issued."""
+        """Launch. The split-size exchange sits here unless done before, after this microbatch's compute is issued."""
         routing = self.routing
         if routing is None:
             self._dispatched = [done(_leaf(t)) for t in self.send]
             return
-        self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+        self.exchange_splits()
         sent = [t.detach() for t in self.send]
         self._dispatched = self._all_to_all(sent, routing.out_splits, routing.in_splits, "dispatch")
 

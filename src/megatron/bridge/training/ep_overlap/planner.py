@@ -3,7 +3,8 @@
 Contract:
     * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.schedule.schedule_actions`
       (F(0); F(i+1) with B(i); B(N-1); with the engine's edge pairing: F(0) with F(1); F(i+2) paired with B(i);
-      B(N-2) with B(N-1)), each paired step expanded layer by layer into ``layer_step``'s four
+      B(N-2) with B(N-1); with chunking, the same over the halves of the first and last microbatch, each half
+      at half the costs), each paired step expanded layer by layer into ``layer_step``'s four
       windows in its host order, the edge steps as ``forward_pair_step``/``backward_pair_step`` interleave them,
       and the unpaired forward/backward of the plain path. ``simulate`` also returns the
       order in which it launched the all-to-alls, which a test compares with what the engine recorded.
@@ -25,8 +26,9 @@ Contract:
 
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from megatron.bridge.training.ep_overlap.chunking import units
 from megatron.bridge.training.ep_overlap.records import uncovered
 from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, schedule_actions
 
@@ -68,6 +70,26 @@ class StepCosts:
     f_tail: float  # after the last combine: its unpermute, final norm, head and loss
     b_head: float  # loss and head backward, and the last layer's unpermute backward
     other_s: float = 0.0  # per step: gradient sync, optimizer
+
+    def scaled(self, share: float) -> "StepCosts":
+        """``share`` of the microbatch's tokens: compute and bytes scale with it, ``other_s`` does not."""
+        return StepCosts(
+            layers=tuple(
+                replace(
+                    layer,
+                    f_pre=layer.f_pre * share,
+                    f_exp=layer.f_exp * share,
+                    b_exp=layer.b_exp * share,
+                    b_pre=layer.b_pre * share,
+                    dispatch_bytes=layer.dispatch_bytes * share,
+                    combine_bytes=layer.combine_bytes * share,
+                )
+                for layer in self.layers
+            ),
+            f_tail=self.f_tail * share,
+            b_head=self.b_head * share,
+            other_s=self.other_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,15 +139,22 @@ class _Sim:
         self.host += seconds
         self.compute_s += seconds
 
+    def exchange(self, nbytes: float) -> None:
+        """The split-size exchange before a dispatch of ``nbytes``: a blocking round trip, behind the bytes still
+        queued on the link."""
+        if nbytes > 0:
+            start = max(self.host, self.link_free)
+            self._wait_until(start + self.link.meta_s)
+            self.comm_s += self.link.meta_s
+
     def launch(self, key: tuple[str, int, int], nbytes: float, *, split_exchange: bool = False) -> None:
+        """An all-to-all of ``nbytes`` (after its split-size exchange, unless that ran before)."""
+        if split_exchange:
+            self.exchange(nbytes)
         if nbytes <= 0:  # a dense layer: nothing crosses the link
             self.arrived[key] = self.host
             return
         link = self.link
-        if split_exchange:  # a blocking round trip, behind the bytes still queued on the link
-            start = max(self.host, self.link_free)
-            self._wait_until(start + link.meta_s)
-            self.comm_s += link.meta_s
         start = max(self.host, self.link_free)
         self.link_free = start + nbytes / link.bandwidth_Bps
         self.arrived[key] = self.link_free + link.latency_s
@@ -148,8 +177,7 @@ def _backward(sim: _Sim, costs: StepCosts, mb: int, delay_wgrad: bool) -> None:
     sim.compute(costs.b_head)
     for k in reversed(range(len(costs.layers))):
         layer = costs.layers[k]
-        expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
-        attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
+        expert_wgrad, attention_wgrad = _wgrads(layer, delay_wgrad)
         sim.launch(("combine_bwd", k, mb), layer.combine_bytes)
         sim.compute(layer.b_exp - expert_wgrad, ("combine_bwd", k, mb))
         sim.launch(("dispatch_bwd", k, mb), layer.dispatch_bytes)
@@ -158,72 +186,93 @@ def _backward(sim: _Sim, costs: StepCosts, mb: int, delay_wgrad: bool) -> None:
         sim.compute(attention_wgrad)
 
 
-def _forward_pair(sim: _Sim, costs: StepCosts, a: int, b: int) -> None:
+Side = list[tuple[int, StepCosts]]  # one microbatch in a step: (unit, costs) for it whole, or for each half
+
+
+def _forward_pair(sim: _Sim, pair: Side) -> None:
     """``forward_pair_step``: two forwards interleaved, each one's all-to-alls beside the other's compute."""
-    previous: dict[int, tuple[str, int, int] | None] = {a: None, b: None}
-    for j, layer in enumerate(costs.layers):
-        for mb in (a, b):
-            sim.compute(layer.f_pre, previous[mb])
-            sim.launch(("dispatch", j, mb), layer.dispatch_bytes, split_exchange=True)
-        for mb in (a, b):
-            sim.compute(layer.f_exp, ("dispatch", j, mb))
-            sim.launch(("combine", j, mb), layer.combine_bytes)
-            previous[mb] = ("combine", j, mb)
-    for mb in (a, b):
-        sim.compute(costs.f_tail, previous[mb])
+    previous: dict[int, tuple[str, int, int] | None] = {u: None for u, _ in pair}
+    for j in range(len(pair[0][1].layers)):
+        for u, costs in pair:
+            sim.compute(costs.layers[j].f_pre, previous[u])
+            sim.launch(("dispatch", j, u), costs.layers[j].dispatch_bytes, split_exchange=True)
+        for u, costs in pair:
+            sim.compute(costs.layers[j].f_exp, ("dispatch", j, u))
+            sim.launch(("combine", j, u), costs.layers[j].combine_bytes)
+            previous[u] = ("combine", j, u)
+    for u, costs in pair:
+        sim.compute(costs.f_tail, previous[u])
 
 
-def _backward_pair(sim: _Sim, costs: StepCosts, a: int, b: int, delay_wgrad: bool) -> None:
+def _wgrads(layer: LayerCosts, delay_wgrad: bool) -> tuple[float, float]:
+    """(expert wgrad, attention wgrad) of a layer's backward that delayed wgrad defers (0 without it)."""
+    if not delay_wgrad:
+        return 0.0, 0.0
+    return layer.b_exp * layer.expert_wgrad_share, layer.b_pre * layer.attention_wgrad_share
+
+
+def _backward_pair(sim: _Sim, pair: Side, delay_wgrad: bool) -> None:
     """``backward_pair_step``: two backwards interleaved, A's part of each layer before B's."""
-    sim.compute(2 * costs.b_head)
+    (a, _), (b, _) = pair
+    sim.compute(sum(costs.b_head for _, costs in pair))
     attention_wgrads = 0.0
-    for k in reversed(range(len(costs.layers))):
-        layer = costs.layers[k]
-        expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
-        attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
-        sim.launch(("combine_bwd", k, a), layer.combine_bytes)
+    for k in reversed(range(len(pair[0][1].layers))):
+        layer = {u: costs.layers[k] for u, costs in pair}
+        wgrads = {u: _wgrads(layer[u], delay_wgrad) for u in layer}
+        sim.launch(("combine_bwd", k, a), layer[a].combine_bytes)
         sim.compute(attention_wgrads)
-        sim.launch(("combine_bwd", k, b), layer.combine_bytes)
-        for mb in (a, b):
-            sim.compute(layer.b_exp - expert_wgrad, ("combine_bwd", k, mb))
-            sim.launch(("dispatch_bwd", k, mb), layer.dispatch_bytes)
-            sim.compute(expert_wgrad)
-        for mb in (a, b):
-            sim.compute(layer.b_pre - attention_wgrad, ("dispatch_bwd", k, mb))
-        attention_wgrads = 2 * attention_wgrad
+        sim.launch(("combine_bwd", k, b), layer[b].combine_bytes)
+        for u in (a, b):
+            sim.compute(layer[u].b_exp - wgrads[u][0], ("combine_bwd", k, u))
+            sim.launch(("dispatch_bwd", k, u), layer[u].dispatch_bytes)
+            sim.compute(wgrads[u][0])
+        for u in (a, b):
+            sim.compute(layer[u].b_pre - wgrads[u][1], ("dispatch_bwd", k, u))
+        attention_wgrads = wgrads[a][1] + wgrads[b][1]
     sim.compute(attention_wgrads)
 
 
-def _paired(sim: _Sim, costs: StepCosts, f: int, b: int, delay_wgrad: bool, wgrad_window: int) -> None:
-    """``paired_microbatch_step``: head backward of B, then F layer j with B layer L-1-j, window by window."""
-    layers, num = costs.layers, len(costs.layers)
-    sim.compute(costs.b_head)
+def _paired(sim: _Sim, f: Side, b: Side, delay_wgrad: bool, wgrad_window: int) -> None:
+    """``paired_microbatch_step``: head backward of B, then F layer j with B layer L-1-j, window by window. A
+    chunked microbatch's side has two halves, and each of its nodes runs on the first half, then the second."""
+    num = len(f[0][1].layers)
+    sim.compute(sum(costs.b_head for _, costs in b))
     previous_attention_wgrad = 0.0
     for j in range(num):
         k = num - 1 - j
-        fl, bl = layers[j], layers[k]
-        expert_wgrad = bl.b_exp * bl.expert_wgrad_share if delay_wgrad else 0.0
-        attention_wgrad = bl.b_pre * bl.attention_wgrad_share if delay_wgrad else 0.0
+        wgrads = {u: _wgrads(costs.layers[k], delay_wgrad) for u, costs in b}
         # window 1: B.combine backward (comm) || [B's previous attention wgrad], F.pre_dispatch (compute)
-        sim.launch(("combine_bwd", k, b), bl.combine_bytes)
+        for u, costs in b:
+            sim.launch(("combine_bwd", k, u), costs.layers[k].combine_bytes)
         if wgrad_window == 1:
             sim.compute(previous_attention_wgrad)
-        sim.compute(fl.f_pre, ("combine", j - 1, f) if j else None)
+        for u, costs in f:
+            sim.compute(costs.layers[j].f_pre, ("combine", j - 1, u) if j else None)
         # window 2: F.dispatch (comm) || [B's previous attention wgrad], B.experts backward, dgrad (compute)
-        sim.launch(("dispatch", j, f), fl.dispatch_bytes, split_exchange=True)
+        for _, costs in f:  # every half's split-size exchange before any half's bulk transfer
+            sim.exchange(costs.layers[j].dispatch_bytes)
+        for u, costs in f:
+            sim.launch(("dispatch", j, u), costs.layers[j].dispatch_bytes)
         if wgrad_window == 2:
             sim.compute(previous_attention_wgrad)
-        sim.compute(bl.b_exp - expert_wgrad, ("combine_bwd", k, b))
+        for u, costs in b:
+            sim.compute(costs.layers[k].b_exp - wgrads[u][0], ("combine_bwd", k, u))
         # window 3: B.dispatch backward (comm) || B.experts wgrad, F.experts (compute)
-        sim.launch(("dispatch_bwd", k, b), bl.dispatch_bytes)
-        sim.compute(expert_wgrad)
-        sim.compute(fl.f_exp, ("dispatch", j, f))
+        for u, costs in b:
+            sim.launch(("dispatch_bwd", k, u), costs.layers[k].dispatch_bytes)
+        for u, _ in b:
+            sim.compute(wgrads[u][0])
+        for u, costs in f:
+            sim.compute(costs.layers[j].f_exp, ("dispatch", j, u))
         # window 4: F.combine (comm) || B.pre_dispatch backward, dgrad (compute)
-        sim.launch(("combine", j, f), fl.combine_bytes)
-        sim.compute(bl.b_pre - attention_wgrad, ("dispatch_bwd", k, b))
-        previous_attention_wgrad = attention_wgrad
+        for u, costs in f:
+            sim.launch(("combine", j, u), costs.layers[j].combine_bytes)
+        for u, costs in b:
+            sim.compute(costs.layers[k].b_pre - wgrads[u][1], ("dispatch_bwd", k, u))
+        previous_attention_wgrad = sum(wgrads[u][1] for u, _ in b)
     sim.compute(previous_attention_wgrad)
-    sim.compute(costs.f_tail, ("combine", num - 1, f))
+    for u, costs in f:
+        sim.compute(costs.f_tail, ("combine", num - 1, u))
 
 
 def simulate(
@@ -235,11 +284,14 @@ def simulate(
     delay_wgrad: bool = False,
     wgrad_window: int = 1,
     edge_pairing: bool = False,
+    chunks: int = 1,
 ) -> Prediction:
     """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule.
 
     ``wgrad_window`` places the delayed attention wgrad as the engine's ``attention_wgrad_window`` does;
-    ``edge_pairing`` pairs the warm-up's and the cool-down's two microbatches as the engine's option does.
+    ``edge_pairing`` pairs the warm-up's and the cool-down's two microbatches as the engine's option does;
+    ``chunks=2`` splits the microbatches that would run alone as ``moe_ep_overlap_chunks`` does (each half costs
+    half of the microbatch's compute and bytes; latencies stay per all-to-all).
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
@@ -250,19 +302,25 @@ def simulate(
             _forward(sim, costs, mb)
             _backward(sim, costs, mb, delay_wgrad=False)
     else:
+        sides: dict[int, Side] = defaultdict(list)
+        for u, unit in enumerate(units(num_microbatches, chunks)):
+            sides[unit.microbatch].append((u, costs if unit.half is None else costs.scaled(0.5)))
         for action in schedule_actions(num_microbatches, edge_pairing):
             sim.phase = action.phase
             sim.exposed.setdefault(action.phase, 0.0)
-            if action.forward is not None and action.backward is not None:
-                _paired(sim, costs, action.forward, action.backward, delay_wgrad, wgrad_window)
-            elif action.partner is not None and action.forward is not None:
-                _forward_pair(sim, costs, action.forward, action.partner)
-            elif action.partner is not None:
-                _backward_pair(sim, costs, action.backward, action.partner, delay_wgrad)
-            elif action.forward is not None:
-                _forward(sim, costs, action.forward)
+            f = sides[action.forward] if action.forward is not None else None
+            b = sides[action.backward] if action.backward is not None else None
+            partner = sides[action.partner] if action.partner is not None else None
+            if f is not None and b is not None:
+                _paired(sim, f, b, delay_wgrad, wgrad_window)
+            elif f is not None and (partner is not None or len(f) == 2):  # edge pairing, or a chunk's halves
+                _forward_pair(sim, f + (partner or []))
+            elif b is not None and (partner is not None or len(b) == 2):
+                _backward_pair(sim, b + (partner or []), delay_wgrad)
+            elif f is not None:
+                _forward(sim, f[0][1], f[0][0])
             else:
-                _backward(sim, costs, action.backward, delay_wgrad)
+                _backward(sim, b[0][1], b[0][0], delay_wgrad)
     return Prediction(
         step_s=sim.host + costs.other_s,
         compute_s=sim.compute_s,
@@ -302,6 +360,7 @@ def predict(
     delay_wgrad: bool = False,
     wgrad_window: int = 1,
     edge_pairing: bool = False,
+    chunks: int = 1,
 ) -> Comparison:
     """Plain vs overlapped step for one microbatch count (and, with delayed wgrad, one attention-wgrad window)."""
     overlapped = simulate(
@@ -312,6 +371,7 @@ def predict(
         delay_wgrad=delay_wgrad,
         wgrad_window=wgrad_window,
         edge_pairing=edge_pairing,
+        chunks=chunks,
     )
     return Comparison(
         simulate(costs, link, num_microbatches, overlap=False),

@@ -29,6 +29,10 @@ Contract:
       ``attention_wgrad_window=2`` the attention wgrad goes to window 2 instead (beside F.dispatch), for shapes
       whose window 2 is comm-bound; numerics are the same (each parameter still gets its contributions in the
       same order).
+    * ``moe_ep_overlap_chunks=2`` (opt-in, PP = 1) splits the first and the last microbatch in two halves along
+      the batch: where such a microbatch would run alone its halves run as a pair, and in a paired step they take
+      its place node by node (``chunking.py``). It is the one option that is not bitwise equal to the plain path
+      (a chunked microbatch's loss and gradients are summed from its halves).
     * The engine knows no model: it drives whatever offers the node functions (``nodes.py``) and the delayed-wgrad
       contract (``wgrad.py``).
 """
@@ -40,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, HalvesNodes, Unit, chunk_problems
+from megatron.bridge.training.ep_overlap.chunking import units as chunk_units
 from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import ChunkIO, LayerNodes, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.p2p import PipelineP2P
@@ -243,14 +249,20 @@ def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
             offset += g.numel()
 
 
-def _microbatch_problems(microbatches: list[Microbatch], vocab_size: int) -> list[str]:
-    """What is wrong with this rank's microbatches (empty when nothing is), each naming the microbatch."""
+def _microbatch_problems(microbatches: list[Microbatch], vocab_size: int, split: set[int]) -> list[str]:
+    """What is wrong with this rank's microbatches (empty when nothing is), each naming the microbatch; those in
+    ``split`` are chunked and need two sequences or more."""
     problems = []
     flags = []
     for i, (tokens, labels) in enumerate(microbatches):
         if tokens.dim() != 2 or tokens.shape != labels.shape:
             problems.append(
                 f"microbatch {i}: tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]"
+            )
+        elif i in split and tokens.shape[0] < 2:
+            problems.append(
+                f"microbatch {i}: moe_ep_overlap_chunks=2 splits it in two along the batch, but it has "
+                f"{tokens.shape[0]} sequence; fix: give it at least 2, or set moe_ep_overlap_chunks=1"
             )
         elif tokens.is_floating_point() or labels.is_floating_point():
             problems.append(
@@ -298,10 +310,14 @@ class EPOverlapEngine:
         edge_pairing: With overlap at PP = 1, pair the two forwards of the warm-up and the two backwards of the
             cool-down instead of running one microbatch alone at each end. Numerics are unchanged, but one more
             microbatch's activations are alive at the peak, so it is off unless asked for. PP > 1 ignores it.
+        moe_ep_overlap_chunks: 2 splits each microbatch that would run alone (the first and the last; PP = 1) in
+            two halves along the batch and runs them as a pair (``chunking.py``). Not bitwise: a chunked
+            microbatch's loss and gradients are summed from two halves. 1 (the default) is off.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
-        ValueError: When the chunks do not match the pipeline layout of ``groups`` and the config.
+        ValueError: When the chunks do not match the pipeline layout of ``groups`` and the config, or chunking is
+            asked for where it cannot run (one line per problem, with its fix).
     """
 
     def __init__(
@@ -314,6 +330,7 @@ class EPOverlapEngine:
         high_priority_comm: bool = False,
         attention_wgrad_window: int = 1,
         edge_pairing: bool = False,
+        moe_ep_overlap_chunks: int = 1,
     ):
         if attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
@@ -327,11 +344,15 @@ class EPOverlapEngine:
         problems = _layout_problems(self.chunks, config, groups)
         if problems:
             raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))
+        problems = chunk_problems(ChunkSettings(moe_ep_overlap_chunks, overlap, edge_pairing, groups.pp_size, config))
+        if problems:
+            raise ValueError("\n".join(problems))
         self.model, self.groups = model, groups
         self.overlap, self.delay_wgrad = overlap, delay_wgrad
         self.high_priority_comm = high_priority_comm
         self.attention_wgrad_window = attention_wgrad_window
         self.edge_pairing = edge_pairing
+        self.moe_ep_overlap_chunks = moe_ep_overlap_chunks
 
     @classmethod
     def from_config(cls, model, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
@@ -344,6 +365,11 @@ class EPOverlapEngine:
             delay_wgrad=bool(config.delay_wgrad_compute),
             **kwargs,
         )
+
+    def units(self, num_microbatches: int, *, overlap: bool | None = None, forward_only: bool = False) -> list[Unit]:
+        """What runs as one sequence of nodes: each microbatch whole, or (chunking) its two halves in its place."""
+        overlap = self.overlap if overlap is None else overlap
+        return chunk_units(num_microbatches, self.moe_ep_overlap_chunks if overlap and not forward_only else 1)
 
     def schedule(
         self, num_microbatches: int, *, overlap: bool | None = None, forward_only: bool = False
@@ -366,7 +392,7 @@ class EPOverlapEngine:
             raise ValueError("a step needs at least one microbatch")
         device = next(self.chunks[0].parameters()).device
         lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
-        normalizer = self._loss_token_count(microbatches, device)
+        normalizer = self._loss_token_count(microbatches, device, forward_only)
         if forward_only:
             with torch.no_grad():
                 losses = self._run(microbatches, normalizer, lane, device, overlap=False, forward_only=True)
@@ -378,7 +404,7 @@ class EPOverlapEngine:
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
 
-    def _loss_token_count(self, microbatches: list[Microbatch], device: torch.device) -> float:
+    def _loss_token_count(self, microbatches: list[Microbatch], device: torch.device, forward_only: bool) -> float:
         """Tokens that count in the loss, over every microbatch of every rank; refuses malformed input everywhere.
 
         Raises:
@@ -387,7 +413,9 @@ class EPOverlapEngine:
         """
         initialized = torch.distributed.is_initialized()
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if initialized else (0, 1)
-        problems = [f"rank {rank}: {p}" for p in _microbatch_problems(microbatches, self.chunks[0].vocab_size)]
+        plan = self.units(len(microbatches), forward_only=forward_only)
+        split = {unit.microbatch for unit in plan if unit.half is not None}
+        problems = [f"rank {rank}: {p}" for p in _microbatch_problems(microbatches, self.chunks[0].vocab_size, split)]
         # [tokens that count, then one "bad input" flag per rank]: one small collective for both.
         tally = torch.zeros(1 + world, dtype=torch.float64, device=device)
         if problems:
@@ -419,7 +447,10 @@ class EPOverlapEngine:
         overlap: bool,
         forward_only: bool = False,
     ) -> list[torch.Tensor]:
-        """Executes this rank's :meth:`schedule`; returns the losses (last pipeline stage only)."""
+        """Executes this rank's :meth:`schedule`; returns the losses per microbatch (last pipeline stage only)."""
+        plan = self.units(len(microbatches), overlap=overlap, forward_only=forward_only)
+        halves_of = {unit.microbatch: u for u, unit in enumerate(plan) if unit.half == 0}
+        whole = {unit.microbatch: u for u, unit in enumerate(plan) if unit.half is None}
         steps = self.schedule(len(microbatches), overlap=overlap, forward_only=forward_only)
         P, V = self.groups.pp_size, len(self.chunks)
         p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
@@ -429,14 +460,23 @@ class EPOverlapEngine:
         runs: dict[tuple[int, int], MicrobatchNodes | _PlainRun] = {}
         losses: dict[int, torch.Tensor] = {}
 
-        def run_of(microbatch: int, virtual: int) -> "MicrobatchNodes | _PlainRun":
+        def nodes(u: int, chunk, io: ChunkIO) -> MicrobatchNodes:
+            """The nodes of unit ``u`` (records are numbered by unit)."""
+            tokens, labels = microbatches[plan[u].microbatch]
+            rows = plan[u].rows(tokens.shape[0])
+            return MicrobatchNodes(chunk, u, tokens[rows], labels[rows], normalizer, lane, self.delay_wgrad, io)
+
+        def run_of(microbatch: int, virtual: int) -> "MicrobatchNodes | HalvesNodes | _PlainRun":
             if (microbatch, virtual) not in runs:
-                tokens, labels = microbatches[microbatch]
                 chunk, io = self.chunks[virtual], ChunkIO()
-                if overlap:
-                    run = MicrobatchNodes(chunk, microbatch, tokens, labels, normalizer, lane, self.delay_wgrad, io)
-                else:
+                if not overlap:
+                    tokens, labels = microbatches[microbatch]
                     run = _PlainRun(chunk, microbatch, tokens, labels, normalizer, io, timeline)
+                elif microbatch in halves_of:
+                    u = halves_of[microbatch]
+                    run = HalvesNodes(microbatch, nodes(u, chunk, io), nodes(u + 1, chunk, io))
+                else:
+                    run = nodes(whole[microbatch], chunk, io)
                 runs[(microbatch, virtual)] = run
             return runs[(microbatch, virtual)]
 
@@ -464,13 +504,17 @@ class EPOverlapEngine:
                     forward_pair_step(f, partner)
                 elif partner is not None:
                     backward_pair_step(b, partner)
+                elif isinstance(f, HalvesNodes):  # a chunked microbatch alone: its halves pair with each other
+                    forward_pair_step(*f.halves)
                 elif f is not None:
                     f.forward()
+                elif isinstance(b, HalvesNodes):
+                    backward_pair_step(*b.halves)
                 else:
                     b.backward()
-                for run in (f, partner if f is not None else None):
+                for run, at in ((f, step.forward), (partner if f is not None else None, step.partner)):
                     if run is not None and run.last:
-                        losses[run.mb] = run.loss
+                        losses[at[0]] = run.loss
                 if b is not None:
                     del runs[step.backward]
                     if partner is not None:
