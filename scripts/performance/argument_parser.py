@@ -28,6 +28,16 @@ def bool_arg(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def wgrad_window_arg(text: str) -> int | None:
+    """1 or 2, or auto (None: the engine lets the planner choose)."""
+    lowered = text.strip().lower()
+    if lowered == "auto":
+        return None
+    if lowered in ("1", "2"):
+        return int(lowered)
+    raise argparse.ArgumentTypeError(f"expected 1, 2 or auto, got {text!r}")
+
+
 def backend_arg(text: str) -> str | None:
     lowered = text.strip().lower()
     if lowered in ("none", "null", ""):
@@ -67,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument("--delay_wgrad_compute", type=bool_arg, default=None, help="true/false: delayed expert wgrad")
     overlap.add_argument(
         "--attention_wgrad_window",
-        type=int,
-        choices=[1, 2],
+        type=wgrad_window_arg,
         default=1,
         help="with delayed wgrad: the window of the next layer step that runs a layer's attention wgrad (1: beside "
-        "B.combine backward; 2: beside F.dispatch); ep_overlap_plan.py says which suits a shape",
+        "B.combine backward; 2: beside F.dispatch; auto: the engine runs its first step plain and the planner "
+        "picks from that step's costs, printed with the results; PP 1 only); ep_overlap_plan.py says which suits "
+        "a shape",
     )
     overlap.add_argument(
         "--edge_pairing",

@@ -135,7 +135,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         lines.append(
             f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
             f"delay_wgrad_compute={arm['delay_wgrad']}"
-            + (f", attention_wgrad_window={args.attention_wgrad_window}" if arm["delay_wgrad"] else "")
+            + (f", attention_wgrad_window={_window(args)}" if arm["delay_wgrad"] else "")
             + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
             + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
         )
@@ -264,10 +264,14 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "world_size": world,
         "device": device,
         "link_gbps": args.link_gbps,
-        "attention_wgrad_window": args.attention_wgrad_window,
+        "attention_wgrad_window": _window(args),
         "edge_pairing": args.edge_pairing,
         "moe_ep_overlap_chunks": args.moe_ep_overlap_chunks,
     }
+
+
+def _window(args) -> int | str:
+    return "auto" if args.attention_wgrad_window is None else args.attention_wgrad_window
 
 
 def _pipeline(model) -> tuple[int, int]:
@@ -312,6 +316,9 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         "config": run_config(recipe, args, device, world),
         "arms": {name: summarize_arm(per_rank, t.warmup_steps, tokens_per_step) for name, per_rank in results.items()},
     }
+    placement = results["overlap" if args.ab else "run"][0].get("placement")
+    if placement:
+        summary["placement"] = placement
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1

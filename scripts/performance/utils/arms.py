@@ -31,7 +31,7 @@ class ArmSpec:
     device: str
     progress: bool = True
     model_impl: str = "reference"
-    attention_wgrad_window: int = 1
+    attention_wgrad_window: int | None = 1  # None: auto (the engine's planner-driven placement)
     edge_pairing: bool = False
     moe_ep_overlap_chunks: int = 1
 
@@ -155,7 +155,7 @@ class _Arm:
         self.exposed.append(result.stats.exposed_comm_s)
         comm_iv, compute_iv = result.recorder.intervals()
         self.timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
-        self.records.append(step_records(result.recorder))
+        self.records.append(result.recorder.as_dict())
         report_progress(
             {"arm": spec.name, "step": step + 1, "step_time_s": self.step_times[-1], "loss": self.losses[-1],
              "comm_s": self.comm[-1], "exposed_comm_s": self.exposed[-1]}
@@ -180,7 +180,8 @@ class _Arm:
             "peak_memory_mb": self.peak_mb,
             "param_digest": _digest(self.chunks),
             "delay_wgrad": self.spec.delay_wgrad,
-            "attention_wgrad_window": self.spec.attention_wgrad_window,
+            "attention_wgrad_window": self.engine.attention_wgrad_window,
+            "placement": self.engine.placement.describe() if self.engine.placement else None,
             "edge_pairing": self.spec.edge_pairing,
             "moe_ep_overlap_chunks": self.spec.moe_ep_overlap_chunks,
         }
@@ -198,21 +199,3 @@ def run_arms(rank: int, world: int, specs: list[ArmSpec]) -> dict[str, dict]:
         for name in arm_order(step, list(arms)):
             arms[name].step(step)
     return {name: arm.result() for name, arm in arms.items()}
-
-
-def step_records(recorder) -> dict:
-    """One step's records in plain numbers (seconds from the step start), for the planner and the JSON."""
-    seconds = recorder.clock.seconds
-    return {
-        "comm": [
-            {"op": r.op, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
-             "start_s": seconds(r.launch), "end_s": seconds(r.done), "bytes_sent": r.bytes_sent,
-             "bytes_received": r.bytes_received}
-            for r in recorder.comm if r.done is not None
-        ],
-        "compute": [
-            {"node": r.node, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
-             "start_s": seconds(r.start), "end_s": seconds(r.end)}
-            for r in recorder.compute if r.end is not None
-        ],
-    }  # fmt: skip

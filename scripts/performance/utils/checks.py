@@ -129,6 +129,10 @@ def run_problems(
             f"{world} ranks cannot hold {held}: use --nproc_per_node (or torchrun's world size) that is a multiple "
             f"of {expert_parallel * pipeline}"
         )
+    if pipeline > 1 and args.attention_wgrad_window is None:
+        problems.append(
+            "--attention_wgrad_window=auto: the planner that chooses simulates PP = 1; give 1 or 2 with pipelines"
+        )
     if pipeline > 1 and args.predict:
         problems.append("--predict: the planner simulates PP = 1; drop --predict or the pipeline flags")
     if pipeline > 1 and args.model_impl == "mcore":

@@ -53,6 +53,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "exposed_comm_s": exposed_median,
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
+        "attention_wgrad_window": per_rank[0].get("attention_wgrad_window"),  # as run (auto: as chosen)
         "exposed_comm_s_by_phase": _exposed_breakdown(per_rank, warmup),
         "timeline": {r["rank"]: r["timeline"] for r in per_rank},
         "records": {r["rank"]: r["records"] for r in per_rank},
@@ -106,6 +107,8 @@ def format_table(summary: dict[str, Any]) -> str:
             f"(losses {numerics['losses_equal']}, parameters {numerics['params_equal']}"
             + (f"; largest relative loss difference {numerics['max_loss_rel_diff']:.1e})" if not expected else ")")
         )
+    if "placement" in summary:
+        lines.append(f"placement: {summary['placement']}")
     lines += describe_exposed_by_phase(arms)
     if "speedup" in summary:
         lines += describe_matched(summary, summary["bound"])

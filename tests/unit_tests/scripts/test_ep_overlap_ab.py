@@ -393,3 +393,28 @@ def test_chunked_ab_reports_the_rounding_difference_it_expects(tmp_path, capsys)
     assert result["numerics"]["max_loss_rel_diff"] < 1e-5
     assert result["bound"] == 1.0 and result["config"]["moe_ep_overlap_chunks"] == 2
     assert {"warmup", "paired", "cooldown"} <= set(result["prediction"]["exposed_comm_s_by_phase"])
+
+
+def test_auto_placement_is_printed_and_recorded(tmp_path, capsys):
+    json_path = tmp_path / "auto.json"
+    argv = TINY + ["--ab", "--delay_wgrad_compute", "true", "--attention_wgrad_window", "auto",
+                   "--json", str(json_path)]  # fmt: skip
+    assert ep_overlap_ab.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "placement: attention wgrad in window " in out and "(auto: the planner predicted window 1 " in out
+    assert "losses and final parameters bitwise equal: yes" in out
+    result = json.loads(json_path.read_text())
+    assert result["config"]["attention_wgrad_window"] == "auto"
+    chosen = result["arms"]["overlap"]["attention_wgrad_window"]
+    assert chosen in (1, 2) and result["placement"].startswith(f"attention wgrad in window {chosen} (auto")
+
+
+def test_auto_placement_misuse_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exited:
+        ep_overlap_ab.main(TINY + ["--ab", "--attention_wgrad_window", "3"])
+    assert exited.value.code == 2
+    assert "expected 1, 2 or auto, got '3'" in capsys.readouterr().err
+    argv = TINY + PIPELINE + ["--ab", "--nproc_per_node", "4", "--attention_wgrad_window", "auto"]
+    assert ep_overlap_ab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--attention_wgrad_window=auto: the planner that chooses simulates PP = 1" in err and "Traceback" not in err

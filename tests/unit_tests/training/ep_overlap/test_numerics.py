@@ -41,6 +41,8 @@ CASES = {
     # The attention wgrad in window 2 of the next layer step instead of window 1.
     "ep2-fp32-wgrad-window2-mixed": Case(layer_freq=(1, 0, 1), arms=ARMS + ("delayed_window2",)),
     "ep2-bf16-wgrad-window2-main-grad": Case(bf16=True, main_grad=True, arms=ARMS + ("delayed_window2",)),
+    # The engine places the attention wgrad itself: its first step runs plain, the rest in the chosen window.
+    "ep2-fp32-wgrad-auto-mixed": Case(layer_freq=(1, 0, 1), arms=("plain", "delayed_auto")),
 }
 
 

@@ -23,8 +23,25 @@ def ran_in_flight(comm: dict, compute: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def records():
+    """Per arm, the bulk all-to-alls (``comm``) apart from the blocking split-size exchanges (``exchanges``)."""
     case = Case(steps=1, arms=("overlap", "delayed", "plain", "overlap_edges", "delayed_edges"), layer_freq=(1, 0, 1))
-    return case, run_local_ranks(train_arms, case.world, (case,))
+    outcomes = run_local_ranks(train_arms, case.world, (case,))
+    for outcome in outcomes:
+        for arm in outcome.result.values():
+            arm["exchanges"] = [c for c in arm["comm"] if c["op"] == "split_exchange"]
+            arm["comm"] = [c for c in arm["comm"] if c["op"] != "split_exchange"]
+    return case, outcomes
+
+
+@pytest.mark.parametrize("arm", ["overlap", "delayed_edges", "plain"])
+def test_split_size_exchanges_count_as_blocking_communication(records, arm):
+    # Every MoE layer of every microbatch exchanges its split sizes once, and the host waits for it at once, in
+    # the overlapped arms as in the plain path (so exposed comm is counted alike).
+    case, outcomes = records
+    for outcome in outcomes:
+        exchanges = outcome.result[arm]["exchanges"]
+        assert len(exchanges) == sum(case.layer_freq) * case.microbatches
+        assert all(c["launch_host"] == c["wait_start_host"] <= c["wait_end_host"] for c in exchanges)
 
 
 @pytest.mark.parametrize("arm", ["overlap", "delayed", "overlap_edges", "delayed_edges"])

@@ -17,11 +17,11 @@ from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipe
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.training.ep_overlap.pipeline import (
     pipeline_schedule,
+    schedule_actions,
     simulate,
     virtual_order,
     warmup_count,
 )
-from megatron.bridge.training.ep_overlap.schedule import schedule_actions
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.pipeline_layout import chunk_layers, chunk_layers_of
 from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups

@@ -107,7 +107,8 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
     """Trains a fresh model per arm on identical data; returns per-arm losses, grads and final params.
 
     Arm names: ``plain``; ``overlap``; ``delayed`` (with delayed wgrad), suffixed ``_window2`` (attention wgrad in
-    window 2), ``_edges`` (edge pairing) or ``_chunks`` (chunked unpaired phases); ``plain_units`` is the plain
+    window 2), ``_auto`` (the engine places it), ``_edges`` (edge pairing) or ``_chunks`` (chunked unpaired
+    phases); ``plain_units`` is the plain
     path fed the halves chunking makes as microbatches of their own (its losses summed back per microbatch).
     """
     groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s))
@@ -121,7 +122,7 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
             groups,
             overlap=not arm.startswith("plain"),
             delay_wgrad=arm.startswith("delayed"),
-            attention_wgrad_window=2 if arm == "delayed_window2" else 1,
+            attention_wgrad_window={"delayed_window2": 2, "delayed_auto": None}.get(arm, 1),
             edge_pairing=arm.endswith("_edges"),
             moe_ep_overlap_chunks=2 if arm.endswith("chunks") else 1,
         )

@@ -3,15 +3,9 @@
 Start at ``schedule.py``: ``layer_step`` is the paired layer step, ``EPOverlapEngine`` the PP=1 driver.
 """
 
+from megatron.bridge.training.ep_overlap.pipeline import Action, schedule_actions
 from megatron.bridge.training.ep_overlap.records import StepRecorder, StepStats
-from megatron.bridge.training.ep_overlap.schedule import (
-    IGNORE_INDEX,
-    Action,
-    EPOverlapEngine,
-    StepResult,
-    layer_step,
-    schedule_actions,
-)
+from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX, EPOverlapEngine, StepResult, layer_step
 
 __all__ = [
     "IGNORE_INDEX",

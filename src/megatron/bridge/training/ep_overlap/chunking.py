@@ -3,7 +3,8 @@
 Contract:
     * With ``moe_ep_overlap_chunks = 2`` (PP = 1, overlap on) the engine splits along the batch dimension (the
       first ``ceil(B / 2)`` sequences, then the rest) each microbatch that its schedule runs alone somewhere: the
-      first one (its forward opens the step) and the last one (its backward closes it), or the only one.
+      first one (its forward opens the step) and the last one (its backward closes it), or the only one; in a
+      forward-only step, whose forwards run two by two, the last one of an odd count.
     * Where such a microbatch runs alone, its halves run as a pair (the engine's ``forward_pair_step`` /
       ``backward_pair_step``): each half's all-to-alls hide behind the other half's compute. Where it is paired
       with another microbatch (B(0) beside F(1), F(N-1) beside B(N-2)), :class:`HalvesNodes` runs its halves node
@@ -43,14 +44,17 @@ class Unit:
         return slice(0, cut) if self.half == 0 else slice(cut, batch)
 
 
-def chunked_microbatches(num_microbatches: int) -> list[int]:
+def chunked_microbatches(num_microbatches: int, *, forward_only: bool = False) -> list[int]:
     """The microbatches the schedule runs alone somewhere (see the module docstring), which chunking splits."""
-    return [0] if num_microbatches == 1 else [0, num_microbatches - 1]
+    n = num_microbatches
+    if forward_only:  # forwards go two by two; an odd count leaves the last one alone
+        return [n - 1] if n % 2 else []
+    return [0] if n == 1 else [0, n - 1]
 
 
-def units(num_microbatches: int, chunks: int) -> list[Unit]:
+def units(num_microbatches: int, chunks: int, *, forward_only: bool = False) -> list[Unit]:
     """The schedule's units in order: each microbatch whole, or its two halves in its place."""
-    split = set(chunked_microbatches(num_microbatches)) if chunks == 2 else set()
+    split = set(chunked_microbatches(num_microbatches, forward_only=forward_only)) if chunks == 2 else set()
     return [unit for m in range(num_microbatches) for unit in ((Unit(m, 0), Unit(m, 1)) if m in split else (Unit(m),))]
 
 

@@ -39,7 +39,8 @@ from megatron.bridge.training.ep_overlap.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.records import StepRecorder
-from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, paired_microbatch_step
+from megatron.bridge.training.ep_overlap.schedule import paired_microbatch_step
+from megatron.bridge.training.ep_overlap.wgrad import WGRAD_WINDOWS
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
 from megatron.bridge.utils.logging import warn_rank0
 

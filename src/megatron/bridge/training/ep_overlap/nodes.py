@@ -51,11 +51,12 @@ class LayerNodes:
     dispatch and ``keep`` stays on this rank for combine; ``exchange_splits(routing, op=...)``;
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``; ``expert_backward_dw()`` and
     ``attention_backward_dw()``. ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
+    With ``grad`` False (a forward-only step) the nodes build no autograd graph.
     """
 
-    def __init__(self, layer, index: int, microbatch: int, lane, delay_wgrad: bool):
+    def __init__(self, layer, index: int, microbatch: int, lane, delay_wgrad: bool, grad: bool = True):
         self.layer, self.index, self.mb, self.lane = layer, index, microbatch, lane
-        self.delay_wgrad = delay_wgrad
+        self.delay_wgrad, self.grad = delay_wgrad, grad
         self.routing = None
 
     def _compute(self, node: str):
@@ -72,14 +73,15 @@ class LayerNodes:
     def pre_dispatch(self, x_in: torch.Tensor) -> None:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
-            with torch.enable_grad():
+            with torch.set_grad_enabled(self.grad):
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
         self._splits_known = False
 
     def exchange_splits(self) -> None:
         """The split-size exchange (a host sync), once; ``dispatch`` runs it unless a schedule ran it earlier."""
         if self.routing is not None and not self._splits_known:
-            self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+            with self.lane.blocking("split_exchange", self.index, self.mb):
+                self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
             self._splits_known = True
 
     def dispatch(self) -> None:
@@ -100,7 +102,7 @@ class LayerNodes:
                     _free(sent)
                     got.requires_grad_(sent.requires_grad)
             self.received = received
-            with torch.enable_grad():
+            with torch.set_grad_enabled(self.grad):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
 
     def combine(self) -> None:
@@ -119,9 +121,9 @@ class LayerNodes:
         with self._compute("combine"):
             if self.routing is not None:
                 _free(self.expert_out)
-                back.requires_grad_(True)
+                back.requires_grad_(self.grad)
             self.back, self.h_in, self.keep_in = back, _leaf(self.h), _leaf(self.keep)
-            with torch.enable_grad():
+            with torch.set_grad_enabled(self.grad):
                 self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
         return self.out
 
@@ -220,6 +222,8 @@ class MicrobatchNodes:
     ``head_loss(x, labels, normalizer)``: the reference ``MoEGPTModel`` does, and so does the Megatron-Core plan.
     Other chunks receive their input and output gradient and send theirs through ``io`` (:class:`ChunkIO`).
 
+    With ``grad`` False (a forward-only step) nothing builds an autograd graph.
+
     ``loss`` is the head's output. It is the scalar loss, unless a driver computes the loss from it (Megatron-Core's
     combined 1F1B does: the head then returns per-token losses); such a driver sets ``output_grad``, the gradient
     of the head's output, before the backward starts.
@@ -235,12 +239,15 @@ class MicrobatchNodes:
         lane,
         delay_wgrad: bool,
         io: ChunkIO | None = None,
+        grad: bool = True,
     ):
         self.model, self.mb, self.lane, self.io = model, microbatch, lane, io
+        self.grad = grad
         self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
         self.first, self.last = model.pre_process, model.post_process
         self.layers = [
-            LayerNodes(layer, j, microbatch, lane, delay_wgrad) for j, layer in zip(model.layer_numbers, model.layers)
+            LayerNodes(layer, j, microbatch, lane, delay_wgrad, grad)
+            for j, layer in zip(model.layer_numbers, model.layers)
         ]
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
@@ -250,8 +257,8 @@ class MicrobatchNodes:
     def forward_begin(self) -> torch.Tensor:
         """The embedding, or the activation received from the previous pipeline stage."""
         if not self.first:
-            return self.io.input.wait().requires_grad_(True)
-        with self.lane.compute("embedding", -1, self.mb), torch.enable_grad():
+            return self.io.input.wait().requires_grad_(self.grad)
+        with self.lane.compute("embedding", -1, self.mb), torch.set_grad_enabled(self.grad):
             self.embedded = self.model.embed(self.tokens)
         return self.embedded
 
@@ -262,7 +269,7 @@ class MicrobatchNodes:
             return
         with self.lane.compute("head", len(self.layers), self.mb):
             self.head_in = _leaf(x_in)
-            with torch.enable_grad():
+            with torch.set_grad_enabled(self.grad):
                 self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer)
 
     def backward_begin(self) -> torch.Tensor:

@@ -115,12 +115,15 @@ def pipeline_schedule(
     edge_pairing: bool = False,
 ) -> list[PipelineStep]:
     """The ordered steps of pipeline rank ``rank`` (see the module docstring); with ``forward_only``, only the
-    forwards, in the same order. ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
+    forwards, in the same order (PP = 1 with overlap: two by two, see :func:`forward_paired_schedule`).
+    ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
     P, V, N = pipeline_size, virtual_size, num_microbatches
     if P < 1 or V < 1 or N < 1 or not 0 <= rank < P:
         raise ValueError(f"no schedule for pipeline_size={P}, virtual_size={V}, microbatches={N}, rank={rank}")
     if edge_pairing and overlap and not forward_only and P == V == 1 and N >= 2:
         return edge_paired_schedule(N)
+    if forward_only and overlap and P == V == 1:
+        return forward_paired_schedule(N)
     forwards = virtual_order(N, P, V)
     backwards = [(m, V - 1 - v) for m, v in forwards]
     total, warmup = len(forwards), warmup_count(P, V, N, rank, overlap)
@@ -209,6 +212,14 @@ def format_schedule(steps: list[PipelineStep], rank: int, pipeline_size: int) ->
     return "\n".join(lines)
 
 
+def forward_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
+    """A forward-only step (evaluation) at PP = 1 with overlap: F(0) with F(1), F(2) with F(3), ...; the last one
+    alone when N is odd. Each microbatch still runs exactly its own ops, so numerics are unchanged."""
+    n = num_microbatches
+    steps = [PipelineStep("forward", (m, 0), None, partner=(m + 1, 0)) for m in range(0, n - 1, 2)]
+    return steps + ([PipelineStep("forward", (n - 1, 0), None)] if n % 2 else [])
+
+
 def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
     """PP = 1 with nothing unpaired: F(0) with F(1); F(i+2) with B(i) for i = 0..N-3; B(N-2) with B(N-1).
 
@@ -222,4 +233,29 @@ def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
         PipelineStep("warmup", (0, 0), None, partner=(1, 0)),
         *(PipelineStep("paired", (i + 2, 0), (i, 0)) for i in range(n - 2)),
         PipelineStep("cooldown", None, (n - 2, 0), partner=(n - 1, 0)),
+    ]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of the PP = 1 driver: the forward of a microbatch, its backward, or both paired."""
+
+    phase: str  # "warmup", "paired" or "cooldown"
+    forward: int | None
+    backward: int | None
+    partner: int | None = None  # a second forward (warm-up) or backward (cool-down) under edge pairing
+
+
+def schedule_actions(num_microbatches: int, edge_pairing: bool = False) -> list[Action]:
+    """:func:`pipeline_schedule` for PP = 1 with overlap, by microbatch (what the planner simulates): F(0); F(i+1)
+    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired. With ``edge_pairing``:
+    F(0) with F(1); F(i+2) with B(i); B(N-2) with B(N-1)."""
+    return [
+        Action(
+            step.phase,
+            None if step.forward is None else step.forward[0],
+            None if step.backward is None else step.backward[0],
+            None if step.partner is None else step.partner[0],
+        )
+        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True, edge_pairing=edge_pairing)
     ]

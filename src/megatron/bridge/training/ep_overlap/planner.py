@@ -1,7 +1,7 @@
 """Predicts a training step with and without EP overlap: a discrete-event simulation of the engine's schedule.
 
 Contract:
-    * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.schedule.schedule_actions`
+    * The simulated order is the engine's: :func:`~megatron.bridge.training.ep_overlap.pipeline.schedule_actions`
       (F(0); F(i+1) with B(i); B(N-1); with the engine's edge pairing: F(0) with F(1); F(i+2) paired with B(i);
       B(N-2) with B(N-1); with chunking, the same over the halves of the first and last microbatch, each half
       at half the costs), each paired step expanded layer by layer into ``layer_step``'s four
@@ -29,8 +29,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron.bridge.training.ep_overlap.chunking import units
+from megatron.bridge.training.ep_overlap.pipeline import schedule_actions
 from megatron.bridge.training.ep_overlap.records import uncovered
-from megatron.bridge.training.ep_overlap.schedule import WGRAD_WINDOWS, schedule_actions
+from megatron.bridge.training.ep_overlap.wgrad import WGRAD_WINDOWS
 
 PHASES = ("warmup", "paired", "cooldown", "plain")
 
@@ -380,6 +381,26 @@ def predict(
         delay_wgrad,
         wgrad_window,
     )
+
+
+def step_by_wgrad_window(
+    costs: StepCosts, link: Link, num_microbatches: int, *, edge_pairing: bool = False, chunks: int = 1
+) -> dict[int, float]:
+    """The overlapped step with delayed wgrad for each attention-wgrad window (what the engine's auto placement
+    compares)."""
+    return {
+        window: simulate(
+            costs,
+            link,
+            num_microbatches,
+            overlap=True,
+            delay_wgrad=True,
+            wgrad_window=window,
+            edge_pairing=edge_pairing,
+            chunks=chunks,
+        ).step_s
+        for window in WGRAD_WINDOWS
+    }
 
 
 def best_plan(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:

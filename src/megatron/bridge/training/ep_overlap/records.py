@@ -145,3 +145,21 @@ class StepRecorder:
     def stats(self) -> StepStats:
         comm, compute = self.intervals()
         return StepStats(_length(_union(comm)), uncovered(comm, compute), _length(_union(compute)))
+
+    def as_dict(self) -> dict:
+        """The step's records in plain numbers (seconds from the step start): what the planner reads
+        (``planner.costs_from_records``) and the harness's JSON holds; call after the step finished."""
+        seconds = self.clock.seconds
+        return {
+            "comm": [
+                {"op": r.op, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
+                 "start_s": seconds(r.launch), "end_s": seconds(r.done), "bytes_sent": r.bytes_sent,
+                 "bytes_received": r.bytes_received}
+                for r in self.comm if r.done is not None
+            ],
+            "compute": [
+                {"node": r.node, "layer": r.layer, "microbatch": r.microbatch, "phase": r.phase,
+                 "start_s": seconds(r.start), "end_s": seconds(r.end)}
+                for r in self.compute if r.end is not None
+            ],
+        }  # fmt: skip

@@ -50,8 +50,9 @@ from megatron.bridge.training.ep_overlap.lanes import make_lane
 from megatron.bridge.training.ep_overlap.nodes import ChunkIO, LayerNodes, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.p2p import PipelineP2P
 from megatron.bridge.training.ep_overlap.pipeline import FORWARD, PipelineStep, pipeline_schedule
+from megatron.bridge.training.ep_overlap.placement import WgradPlacement, choose_wgrad_window
 from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, StepRecorder, StepStats
-from megatron.bridge.training.ep_overlap.wgrad import check_no_pending_wgrads
+from megatron.bridge.training.ep_overlap.wgrad import WGRAD_WINDOWS, check_no_pending_wgrads
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
-WGRAD_WINDOWS = (1, 2)  # where a layer step may put the previous layer's delayed attention wgrad
 
 
 def layer_step(
@@ -184,31 +184,6 @@ def backward_pair_step(a: MicrobatchNodes, b: MicrobatchNodes) -> None:
     b.backward_end(b_grad)
 
 
-@dataclass(frozen=True)
-class Action:
-    """One step of the PP = 1 driver: the forward of a microbatch, its backward, or both paired."""
-
-    phase: str  # "warmup", "paired" or "cooldown"
-    forward: int | None
-    backward: int | None
-    partner: int | None = None  # a second forward (warm-up) or backward (cool-down) under edge pairing
-
-
-def schedule_actions(num_microbatches: int, edge_pairing: bool = False) -> list[Action]:
-    """:func:`pipeline_schedule` for PP = 1 with overlap, by microbatch (what the planner simulates): F(0); F(i+1)
-    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired. With ``edge_pairing``:
-    F(0) with F(1); F(i+2) with B(i); B(N-2) with B(N-1)."""
-    return [
-        Action(
-            step.phase,
-            None if step.forward is None else step.forward[0],
-            None if step.backward is None else step.backward[0],
-            None if step.partner is None else step.partner[0],
-        )
-        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True, edge_pairing=edge_pairing)
-    ]
-
-
 @dataclass
 class StepResult:
     """Outcome of one step on this rank."""
@@ -305,7 +280,9 @@ class EPOverlapEngine:
         overlap: Pair microbatches so all-to-all hides behind the other microbatch's compute.
         delay_wgrad: Defer expert/attention wgrad as described in the module docstring (needs overlap).
         attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
-            wgrad: 1 (the default) or 2. The planner (``planner.best_plan``) says which suits a shape.
+            wgrad: 1 (the default) or 2. None lets the engine choose (PP = 1): its first training step runs the
+            plain path and the planner picks the window from that step's per-window costs (``placement.py``);
+            ``engine.placement`` then says which it picked and why.
         high_priority_comm: On CUDA, give the comm stream high priority.
         edge_pairing: With overlap at PP = 1, pair the two forwards of the warm-up and the two backwards of the
             cool-down instead of running one microbatch alone at each end. Numerics are unchanged, but one more
@@ -332,8 +309,15 @@ class EPOverlapEngine:
         edge_pairing: bool = False,
         moe_ep_overlap_chunks: int = 1,
     ):
-        if attention_wgrad_window not in WGRAD_WINDOWS:
-            raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
+        if attention_wgrad_window is not None and attention_wgrad_window not in WGRAD_WINDOWS:
+            raise ValueError(
+                f"attention_wgrad_window must be one of {WGRAD_WINDOWS} or None (auto), got {attention_wgrad_window!r}"
+            )
+        if attention_wgrad_window is None and groups.pp_size > 1:
+            raise ValueError(
+                "attention_wgrad_window=None (auto) needs PP = 1: the planner that chooses simulates PP = 1; "
+                f"set it to one of {WGRAD_WINDOWS}"
+            )
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         config = self.chunks[0].config
         violations = check_moe_overlap(
@@ -351,6 +335,10 @@ class EPOverlapEngine:
         self.overlap, self.delay_wgrad = overlap, delay_wgrad
         self.high_priority_comm = high_priority_comm
         self.attention_wgrad_window = attention_wgrad_window
+        # Auto placement without delayed wgrad has nothing to place: window 1, decided now.
+        if attention_wgrad_window is None and not (overlap and delay_wgrad):
+            self.attention_wgrad_window = WGRAD_WINDOWS[0]
+        self.placement: WgradPlacement | None = None
         self.edge_pairing = edge_pairing
         self.moe_ep_overlap_chunks = moe_ep_overlap_chunks
 
@@ -369,7 +357,7 @@ class EPOverlapEngine:
     def units(self, num_microbatches: int, *, overlap: bool | None = None, forward_only: bool = False) -> list[Unit]:
         """What runs as one sequence of nodes: each microbatch whole, or (chunking) its two halves in its place."""
         overlap = self.overlap if overlap is None else overlap
-        return chunk_units(num_microbatches, self.moe_ep_overlap_chunks if overlap and not forward_only else 1)
+        return chunk_units(num_microbatches, self.moe_ep_overlap_chunks if overlap else 1, forward_only=forward_only)
 
     def schedule(
         self, num_microbatches: int, *, overlap: bool | None = None, forward_only: bool = False
@@ -393,15 +381,32 @@ class EPOverlapEngine:
         device = next(self.chunks[0].parameters()).device
         lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
         normalizer = self._loss_token_count(microbatches, device, forward_only)
+        placing = self.attention_wgrad_window is None and not forward_only
+        start = time.perf_counter()
         if forward_only:
+            # With overlap at PP = 1 the forwards run two by two, building no autograd graph.
             with torch.no_grad():
-                losses = self._run(microbatches, normalizer, lane, device, overlap=False, forward_only=True)
+                overlap = self.overlap and self.groups.pp_size == 1
+                losses = self._run(microbatches, normalizer, lane, device, overlap=overlap, forward_only=True)
         else:
-            losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap)
+            # While placing, the plain path: the same numbers, and its records are the planner's costs.
+            losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap and not placing)
             for chunk in self.chunks:
                 sync_grads(chunk, self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if placing:
+            self.placement = choose_wgrad_window(
+                lane.recorder,
+                time.perf_counter() - start,
+                len(microbatches),
+                len(self.chunks[0].layers),
+                self.groups,
+                device,
+                edge_pairing=self.edge_pairing,
+                chunks=self.moe_ep_overlap_chunks,
+            )
+            self.attention_wgrad_window = self.placement.window
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
 
     def _loss_token_count(self, microbatches: list[Microbatch], device: torch.device, forward_only: bool) -> float:
@@ -464,7 +469,9 @@ class EPOverlapEngine:
             """The nodes of unit ``u`` (records are numbered by unit)."""
             tokens, labels = microbatches[plan[u].microbatch]
             rows = plan[u].rows(tokens.shape[0])
-            return MicrobatchNodes(chunk, u, tokens[rows], labels[rows], normalizer, lane, self.delay_wgrad, io)
+            return MicrobatchNodes(
+                chunk, u, tokens[rows], labels[rows], normalizer, lane, self.delay_wgrad, io, grad=not forward_only
+            )
 
         def run_of(microbatch: int, virtual: int) -> "MicrobatchNodes | HalvesNodes | _PlainRun":
             if (microbatch, virtual) not in runs:
@@ -519,6 +526,9 @@ class EPOverlapEngine:
                     del runs[step.backward]
                     if partner is not None:
                         del runs[step.partner]
+                if forward_only:  # nothing comes back for these microbatches: drop their activations now
+                    runs.pop(step.forward, None)
+                    runs.pop(step.partner, None)
             if p2p is not None:
                 p2p.finish()
             check_no_pending_wgrads(linears)

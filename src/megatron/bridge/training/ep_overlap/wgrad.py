@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+WGRAD_WINDOWS = (1, 2)  # where a paired layer step may put the previous layer's delayed attention wgrad
+
 
 class DelayableLinear(Protocol):
     name: str

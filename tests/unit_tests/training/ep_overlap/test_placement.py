@@ -1,0 +1,71 @@
+"""The engine's own placement of the delayed attention wgrad (``attention_wgrad_window=None``)."""
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+
+from megatron.bridge.models.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
+from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.utils.process_groups import init_ep_groups
+
+from .workers import Case, batches
+
+
+def test_the_planner_prefers_the_window_beside_the_comm_bound_dispatch():
+    # Window 2 (F.dispatch) has 2 s of comm beside 0.4 s of B.experts dgrad; window 1 is balanced.
+    layer = LayerCosts(f_pre=1, f_exp=1, b_exp=0.4, b_pre=2, dispatch_bytes=2e9, combine_bytes=1e9)
+    steps = step_by_wgrad_window(StepCosts(layers=(layer, layer), f_tail=0, b_head=0), Link(1e9), 8)
+    assert steps[2] < steps[1]
+
+
+def _auto(rank: int, world: int, delay_wgrad: bool) -> dict:
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    case = Case(layer_freq=(1, 1))
+    engine = EPOverlapEngine(
+        MoEGPTModel(case.config(), groups, seed=7),
+        groups,
+        overlap=True,
+        delay_wgrad=delay_wgrad,
+        attention_wgrad_window=None,
+    )
+    phases = []
+    for step in range(3):
+        recorder = engine.step(batches(case, rank, step)).recorder
+        phases.append({r.phase for r in recorder.comm})
+    return {"placement": engine.placement, "window": engine.attention_wgrad_window, "phases": phases}
+
+
+def test_the_first_step_measures_then_every_rank_runs_the_same_planned_window():
+    outcomes = run_local_ranks(_auto, 2, (True,))
+    placements = [o.result["placement"] for o in outcomes]
+    assert placements[0] == placements[1], "ranks must agree"
+    placement = placements[0]
+    assert set(placement.predicted_step_s) == {1, 2}
+    assert placement.window == min(placement.predicted_step_s, key=lambda w: (placement.predicted_step_s[w], w))
+    assert f"attention wgrad in window {placement.window} (auto" in placement.describe()
+    for outcome in outcomes:
+        assert outcome.result["window"] == placement.window
+        first, *later = outcome.result["phases"]
+        assert first == {"plain"}  # the measured step ran the plain path
+        assert all(phases == {"warmup", "paired", "cooldown"} for phases in later)
+
+
+def test_without_delayed_wgrad_there_is_nothing_to_place():
+    for outcome in run_local_ranks(_auto, 2, (False,)):
+        assert outcome.result["placement"] is None and outcome.result["window"] == 1
+        assert all(phases == {"warmup", "paired", "cooldown"} for phases in outcome.result["phases"])
+
+
+def test_auto_placement_with_pipelines_is_refused():
+    # The planner that chooses simulates PP = 1; the engine says so before it looks at the model.
+    with pytest.raises(ValueError, match=r"attention_wgrad_window=None \(auto\) needs PP = 1"):
+        EPOverlapEngine([], SimpleNamespace(pp_size=2), overlap=True, delay_wgrad=True, attention_wgrad_window=None)
+
+
+@pytest.mark.parametrize("window", [0, 3, "auto"])
+def test_a_window_that_is_not_one_or_two_or_none_is_refused(window):
+    with pytest.raises(ValueError, match="attention_wgrad_window must be one of"):
+        EPOverlapEngine(None, None, overlap=True, attention_wgrad_window=window)
