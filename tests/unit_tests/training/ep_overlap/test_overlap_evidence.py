@@ -34,14 +34,28 @@ def records():
 
 
 @pytest.mark.parametrize("arm", ["overlap", "delayed_edges", "plain"])
-def test_split_size_exchanges_count_as_blocking_communication(records, arm):
-    # Every MoE layer of every microbatch exchanges its split sizes once, and the host waits for it at once, in
-    # the overlapped arms as in the plain path (so exposed comm is counted alike).
+def test_split_size_exchanges_count_as_communication(records, arm):
+    # Every MoE layer of every microbatch exchanges its split sizes once, recorded from the moment they go out to
+    # the end of the host's wait, in the overlapped arms as in the plain path (so exposed comm is counted alike).
     case, outcomes = records
     for outcome in outcomes:
         exchanges = outcome.result[arm]["exchanges"]
         assert len(exchanges) == sum(case.layer_freq) * case.microbatches
-        assert all(c["launch_host"] == c["wait_start_host"] <= c["wait_end_host"] for c in exchanges)
+        assert all(c["launch_host"] <= c["wait_start_host"] <= c["wait_end_host"] for c in exchanges)
+
+
+def test_split_sizes_travel_while_the_delayed_attention_wgrad_computes(records):
+    # In a paired layer step after the first, F's split sizes go out as soon as its routing is known, and the
+    # host computes B's previous attention wgrad before it waits for them: it never blocks there for a slower peer.
+    case, outcomes = records
+    for outcome in outcomes:
+        compute = outcome.result["delayed"]["compute"]
+        later = [c for c in outcome.result["delayed"]["exchanges"] if c["phase"] == "paired" and c["layer"] > 0]
+        assert later
+        for exchange in later:
+            mb = exchange["microbatch"]
+            other = [c for c in compute if c["node"] == "attention_wgrad" and c["microbatch"] != mb]
+            assert any(ran_in_flight(exchange, c) for c in other), f"layer {exchange['layer']}: nothing hid it"
 
 
 @pytest.mark.parametrize("arm", ["overlap", "delayed", "overlap_edges", "delayed_edges"])
@@ -108,6 +122,7 @@ def test_attention_wgrad_follows_its_dgrad_under_an_all_to_all(records):
     _, outcomes = records
     for outcome in outcomes:
         comm, compute = outcome.result["delayed"]["comm"], outcome.result["delayed"]["compute"]
+        comm = comm + outcome.result["delayed"]["exchanges"]  # what the wgrad may hide: any transfer in flight
         dgrads = {(c["microbatch"], c["layer"]): c for c in compute if c["node"] == "pre_dispatch_bwd"}
         wgrads = [c for c in compute if c["node"] == "attention_wgrad"]
         assert len(wgrads) == len(dgrads)

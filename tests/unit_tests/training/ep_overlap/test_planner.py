@@ -80,8 +80,11 @@ def test_a_slow_link_bounds_the_step_by_comm():
 
 
 def test_delayed_wgrad_fills_the_dispatch_backward_window():
-    # Window 3 (dispatch backward) has no compute of its own unless the expert wgrad moves there.
-    layer = LayerCosts(f_pre=1, f_exp=0.2, b_exp=2, b_pre=1, dispatch_bytes=2e9, combine_bytes=1e9)
+    # Window 3 (dispatch backward) has no compute of its own unless the expert wgrad moves there (no attention
+    # wgrad here: only the expert wgrad moves).
+    layer = LayerCosts(
+        f_pre=1, f_exp=0.2, b_exp=2, b_pre=1, dispatch_bytes=2e9, combine_bytes=1e9, attention_wgrad_share=0.0
+    )
     costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
     plain, delayed = predict(costs, Link(1e9), 8), predict(costs, Link(1e9), 8, delay_wgrad=True)
     assert delayed.overlap.step_s < plain.overlap.step_s

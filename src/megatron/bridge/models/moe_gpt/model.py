@@ -41,6 +41,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     all_to_all_with_grad,
     exchange_splits,
     permute,
+    start_split_exchange,
     unpermute,
 )
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
@@ -155,6 +156,11 @@ class TransformerLayer(torch.nn.Module):
         probs_TK = probs_TK.to(n_TD.dtype)
         routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
         return h_TD, (permute(n_TD, routing, self.topk),), probs_TK, routing
+
+    def start_split_exchange(self, routing: Routing | None) -> None:
+        """Sends the split sizes ahead without blocking the host (no-op for dense layers)."""
+        if routing is not None:
+            start_split_exchange(routing, self.groups)
 
     def exchange_splits(self, routing: Routing | None, *, op: str) -> None:
         """Host sync of the dispatch: split sizes for both all-to-alls (no-op for dense layers)."""

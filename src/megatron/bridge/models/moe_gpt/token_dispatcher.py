@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from megatron.bridge.utils.process_groups import EPGroups, all_to_all, exchanged_bytes
+from megatron.bridge.utils.process_groups import EPGroups, all_to_all, exchanged_bytes, wait_work
 
 
 @dataclass
@@ -34,6 +35,10 @@ class Routing:
     local_group_sizes: list[int] = field(default_factory=list)  # received rows per local expert
     sort_R: torch.Tensor | None = None  # received (source rank, local expert) order -> (local expert, source) order
     unsort_R: torch.Tensor | None = None
+    # Set by start_split_exchange(): the counts on their way (host copy, CUDA copy event, gloo work and its buffer).
+    counts_host: torch.Tensor | None = None
+    counts_copied: object = None
+    counts_in_flight: tuple | None = None
 
     @classmethod
     def build(cls, experts_TK: torch.Tensor, num_experts: int, ep_size: int) -> "Routing":
@@ -49,23 +54,57 @@ class Routing:
 CommObserver = Callable[[str, str, int, int], None]
 
 
+def start_split_exchange(routing: Routing, groups: EPGroups) -> None:
+    """Sends this rank's counts without blocking the host; :func:`exchange_splits` finishes the exchange.
+
+    On CPU the counts go out at once (gloo async work on the metadata group). On CUDA the device-to-host copy is
+    queued behind the router's kernels, so the host can queue more work before it waits for the copy; the counts
+    go out when the exchange is finished. Once per routing; a second call does nothing.
+    """
+    if routing.counts_host is not None:
+        return
+    L, ep = routing.num_local_experts, routing.ep_size
+    if routing.counts_E.is_cuda:
+        routing.counts_host = torch.empty((ep, L), dtype=routing.counts_E.dtype, pin_memory=True)
+        routing.counts_host.copy_(routing.counts_E.view(ep, L), non_blocking=True)
+        routing.counts_copied = torch.cuda.Event()
+        routing.counts_copied.record()
+        return
+    routing.counts_host = routing.counts_E.view(ep, L)
+    if groups.ep_meta_group is not None:  # row r of the counts goes to EP rank r
+        received = torch.empty_like(routing.counts_host)
+        work = dist.all_to_all_single(
+            received, routing.counts_host.contiguous(), [1] * ep, [1] * ep, group=groups.ep_meta_group, async_op=True
+        )
+        routing.counts_in_flight = (work, received)
+
+
 def exchange_splits(routing: Routing, groups: EPGroups, *, op: str, observer: CommObserver | None = None) -> None:
     """Tells every EP rank how many rows it receives per local expert; fills the host-side split sizes.
 
-    This is the host sync of the dispatch (device counts to host), run on the gloo metadata group. ``observer``
-    sees the round trip as the all-to-all ``split_exchange``.
+    This is the host sync of the dispatch (device counts to host), run on the gloo metadata group; it finishes what
+    :func:`start_split_exchange` began, or runs all of it. ``observer`` sees the round trip as the all-to-all
+    ``split_exchange``.
     """
     L, ep = routing.num_local_experts, routing.ep_size
-    send_counts = routing.counts_E.to("cpu").view(ep, L)
+    if observer is not None and groups.ep_meta_group is not None:
+        observer("split_exchange", "start", *exchanged_bytes(routing.counts_E.view(ep, L), [1] * ep, [1] * ep,
+                                                             groups.ep_rank))  # fmt: skip
+    start_split_exchange(routing, groups)
+    if routing.counts_copied is not None:
+        routing.counts_copied.synchronize()
+    send_counts = routing.counts_host
     routing.in_splits = send_counts.sum(1).tolist()
     if groups.ep_meta_group is None:
         recv_counts = send_counts
-    else:  # row r of the counts goes to EP rank r
-        if observer is not None:
-            observer("split_exchange", "start", *exchanged_bytes(send_counts, [1] * ep, [1] * ep, groups.ep_rank))
+    elif routing.counts_in_flight is not None:
+        work, recv_counts = routing.counts_in_flight
+        wait_work(work, op=op, timeout=groups.timeout)
+    else:
         recv_counts = all_to_all(send_counts, [1] * ep, [1] * ep, groups.ep_meta_group, op=op, timeout=groups.timeout)
-        if observer is not None:
-            observer("split_exchange", "end", 0, 0)
+    routing.counts_host = routing.counts_copied = routing.counts_in_flight = None
+    if observer is not None and groups.ep_meta_group is not None:
+        observer("split_exchange", "end", 0, 0)
     routing.out_splits = recv_counts.sum(1).tolist()
     routing.local_group_sizes = recv_counts.sum(0).tolist()
     # Received rows come in (source rank, local expert) blocks; experts want (local expert, source rank).

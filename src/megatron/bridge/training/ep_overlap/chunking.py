@@ -72,6 +72,14 @@ class _HalvesLayer:
         for half, x in zip(self.halves, inputs):
             half.pre_dispatch(x())
 
+    @property
+    def is_moe(self) -> bool:
+        return self.halves[0].is_moe
+
+    def start_exchange(self) -> None:
+        for half in self.halves:
+            half.start_exchange()
+
     def dispatch(self) -> None:
         # Both split-size exchanges first: the second would otherwise queue behind the first half's bulk transfer.
         for half in self.halves:

@@ -71,15 +71,6 @@ class _Lane:
     def _after_compute(self, microbatch: int) -> None:
         pass
 
-    @contextmanager
-    def blocking(self, op: str, layer: int, microbatch: int) -> Iterator[None]:
-        """Records a transfer the host blocks on (the split-size exchange): launched and waited for at once, so
-        its time counts as communication, as the plain path records it."""
-        record = self.record_comm(op, layer, microbatch)
-        record.wait_start_host = record.launch_host
-        yield
-        record.done, record.wait_end_host = self.recorder.clock.mark(), time.perf_counter()
-
     def record_comm(
         self, op: str, layer: int, microbatch: int, stream=None, exchanged: tuple[int, int] = (0, 0)
     ) -> CommRecord:

@@ -123,6 +123,10 @@ class McoreLayer:
         routing = McoreRouting(mlp.token_dispatcher, dict(mlp.token_dispatcher.__dict__))
         return h, (tokens, permuted_probs), shared, routing
 
+    def start_split_exchange(self, routing: McoreRouting | None) -> None:
+        """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are
+        kept); the device-to-host sync stays in :meth:`exchange_splits`."""
+
     def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
         """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
         if routing is None:

@@ -18,6 +18,8 @@ Bitwise equality with the plain path holds because every node runs exactly the o
 (the residual ``h``) gets them summed in one addition, which is exact whatever the order.
 """
 
+import time
+
 import torch
 
 from megatron.bridge.training.ep_overlap.lanes import Pending, done
@@ -75,14 +77,29 @@ class LayerNodes:
             self.x = _leaf(x_in)
             with torch.set_grad_enabled(self.grad):
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
-        self._splits_known = False
+        self._splits_known, self._exchange = False, None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.layer.is_moe
+
+    def start_exchange(self) -> None:
+        """Sends the split sizes ahead, without blocking the host (a schedule calls it as soon as routing is known,
+        so they travel, and a slower peer catches up, while the host computes something else)."""
+        if self.routing is not None and self._exchange is None:
+            self._exchange = self.lane.record_comm("split_exchange", self.index, self.mb)
+            self.layer.start_split_exchange(self.routing)
 
     def exchange_splits(self) -> None:
-        """The split-size exchange (a host sync), once; ``dispatch`` runs it unless a schedule ran it earlier."""
-        if self.routing is not None and not self._splits_known:
-            with self.lane.blocking("split_exchange", self.index, self.mb):
-                self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
-            self._splits_known = True
+        """Finishes the split-size exchange (a host sync), once: ``dispatch`` runs it, all of it unless started."""
+        if self.routing is None or self._splits_known:
+            return
+        self.start_exchange()
+        record = self._exchange
+        record.wait_start_host = time.perf_counter()
+        self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+        record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+        self._splits_known = True
 
     def dispatch(self) -> None:
         """Launch. The split-size exchange sits here unless done before, after this microbatch's compute is issued."""

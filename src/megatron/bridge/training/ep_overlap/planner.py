@@ -12,7 +12,9 @@ Contract:
       its inputs have arrived (the time it waits is exposed comm), and one FIFO link. An all-to-all occupies the
       link for ``bytes / bandwidth`` (bytes: the larger of what the rank sends and receives) and arrives
       ``latency`` later; it starts when launched and the link is free. The split-size exchange before each dispatch
-      is a blocking round trip queued behind whatever the link still carries.
+      is a round trip queued behind whatever the link still carries: blocking, except in a paired step, where it
+      goes out right after F's routing and is waited for only after B's previous attention wgrad (as the engine
+      does). One rank is simulated, so it cannot show skew between ranks, which is what that change hides most.
     * Costs are per layer and microbatch (:class:`StepCosts`): the compute segments between all-to-alls, which are
       exactly what the plain path records (``plain dispatch`` of layer j: everything since the previous all-to-all,
       up to layer j's dispatch), the bytes of each all-to-all, and the split-size round trip (which the plain path
@@ -140,13 +142,21 @@ class _Sim:
         self.host += seconds
         self.compute_s += seconds
 
+    def exchange_start(self, nbytes: float) -> float | None:
+        """Sends the split sizes of a dispatch of ``nbytes``: they are back one round trip after the bytes still
+        queued on the link. Returns when (None for a dense layer, which exchanges nothing)."""
+        if nbytes <= 0:
+            return None
+        self.comm_s += self.link.meta_s
+        return max(self.host, self.link_free) + self.link.meta_s
+
+    def exchange_wait(self, arrival: float | None) -> None:
+        if arrival is not None:
+            self._wait_until(arrival)
+
     def exchange(self, nbytes: float) -> None:
-        """The split-size exchange before a dispatch of ``nbytes``: a blocking round trip, behind the bytes still
-        queued on the link."""
-        if nbytes > 0:
-            start = max(self.host, self.link_free)
-            self._wait_until(start + self.link.meta_s)
-            self.comm_s += self.link.meta_s
+        """The split-size exchange as a blocking round trip."""
+        self.exchange_wait(self.exchange_start(nbytes))
 
     def launch(self, key: tuple[str, int, int], nbytes: float, *, split_exchange: bool = False) -> None:
         """An all-to-all of ``nbytes`` (after its split-size exchange, unless that ran before)."""
@@ -242,16 +252,21 @@ def _paired(sim: _Sim, f: Side, b: Side, delay_wgrad: bool, wgrad_window: int) -
     for j in range(num):
         k = num - 1 - j
         wgrads = {u: _wgrads(costs.layers[k], delay_wgrad) for u, costs in b}
-        # window 1: B.combine backward (comm) || [B's previous attention wgrad], F.pre_dispatch (compute)
+        # window 1: B.combine backward (comm) || F.pre_dispatch, [B's previous attention wgrad] (compute)
         for u, costs in b:
             sim.launch(("combine_bwd", k, u), costs.layers[k].combine_bytes)
-        if wgrad_window == 1:
+        early = wgrad_window == 1 and f[0][1].layers[j].dispatch_bytes <= 0  # a dense F layer exchanges nothing
+        if early:
             sim.compute(previous_attention_wgrad)
         for u, costs in f:
             sim.compute(costs.layers[j].f_pre, ("combine", j - 1, u) if j else None)
+        # F's split sizes go out now (every half's before any bulk transfer), back while the wgrad computes
+        arrivals = [sim.exchange_start(costs.layers[j].dispatch_bytes) for _, costs in f]
+        if wgrad_window == 1 and not early:
+            sim.compute(previous_attention_wgrad)
         # window 2: F.dispatch (comm) || [B's previous attention wgrad], B.experts backward, dgrad (compute)
-        for _, costs in f:  # every half's split-size exchange before any half's bulk transfer
-            sim.exchange(costs.layers[j].dispatch_bytes)
+        for arrival in arrivals:
+            sim.exchange_wait(arrival)
         for u, costs in f:
             sim.launch(("dispatch", j, u), costs.layers[j].dispatch_bytes)
         if wgrad_window == 2:

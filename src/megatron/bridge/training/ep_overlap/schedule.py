@@ -29,6 +29,11 @@ Contract:
       ``attention_wgrad_window=2`` the attention wgrad goes to window 2 instead (beside F.dispatch), for shapes
       whose window 2 is comm-bound; numerics are the same (each parameter still gets its contributions in the
       same order).
+    * ``attention_wgrad_window=None`` (PP = 1) lets the engine place the attention wgrad: its first training step
+      runs the plain path (the same numbers), and the planner picks the window from that step's costs
+      (``placement.py``); every rank picks the same one.
+    * A forward-only step with overlap at PP = 1 runs its forwards two by two (F(0) with F(1), ...), building no
+      autograd graph; numerics are unchanged. Without overlap, or with PP > 1, it runs the plain path.
     * ``moe_ep_overlap_chunks=2`` (opt-in, PP = 1) splits the first and the last microbatch in two halves along
       the batch: where such a microbatch would run alone its halves run as a pair, and in a paired step they take
       its place node by node (``chunking.py``). It is the one option that is not bitwise equal to the plain path
@@ -81,13 +86,17 @@ def layer_step(
         (a callable that finishes F's combine and yields this layer's output, gradient of B's layer input,
         B's delayed attention wgrad of this layer, for the next step's window 1).
     """
-    # window 1: B.combine backward (comm)   ||  [B's previous attention wgrad], F.pre_dispatch (compute)
+    # window 1: B.combine backward (comm)   ||  F.pre_dispatch, [B's previous attention wgrad] (compute)
     b.combine_backward(b_grad_output)
-    if wgrad_window == 1:
+    early = wgrad_window == 1 and not f.is_moe  # no split sizes to hide: beside F's previous combine instead
+    if early:
         b_previous_wgrad()
     f.pre_dispatch(f_input())
+    f.start_exchange()  # F's split sizes travel (and a slower peer catches up) while the wgrad computes
+    if wgrad_window == 1 and not early:
+        b_previous_wgrad()
     # window 2: F.dispatch (comm)           ||  [B's previous attention wgrad], B.experts backward, dgrad (compute)
-    f.dispatch()  # split-size host sync happens here, after F's compute was issued
+    f.dispatch()  # the split-size host sync ends here, after F's compute (and the wgrad) was issued
     if wgrad_window == 2:
         b_previous_wgrad()
     b.experts_backward()
