@@ -32,7 +32,7 @@ CHUNK_CHOICES = (1, 2)
 
 @dataclass(frozen=True)
 class Unit:
-    """What the schedule runs as one microbatch: all of ``microbatch``, or its first or second half of rows."""
+    """A whole microbatch or one half of it: what one sequence of nodes runs (records are numbered by unit)."""
 
     microbatch: int
     half: int | None = None  # None: the whole microbatch; 0 or 1: which half of its sequences
