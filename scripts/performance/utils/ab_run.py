@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
-from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, chunk_problems
+from megatron.bridge.training.ep_overlap.chunking import chunked_microbatches
 from megatron.bridge.training.ep_overlap.pipeline import format_schedule, pipeline_schedule
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
@@ -28,7 +28,13 @@ from megatron.bridge.utils.multiprocess import (
     run_local_ranks,
 )
 from utils.arms import ArmSpec, run_arms
-from utils.checks import lift_model_overlap_flags, pipeline_dtype_auto, recipe_problems, run_problems
+from utils.checks import (
+    chunking_problems,
+    lift_model_overlap_flags,
+    pipeline_dtype_auto,
+    recipe_problems,
+    run_problems,
+)
 from utils.netns import EmulatedLink, LinkUnavailable
 from utils.overrides import apply_flag_overrides, apply_overrides
 from utils.recipe import RecipeConfig, small_moe_recipe
@@ -164,24 +170,6 @@ def specs_for(
     ]  # fmt: skip
 
 
-def chunking_problems(recipe: RecipeConfig, arms: list[dict], args) -> list[str]:
-    """``--moe_ep_overlap_chunks`` against the arm that would run it (the overlap arm of an A/B)."""
-    model = recipe.model
-    settings = ChunkSettings(
-        args.moe_ep_overlap_chunks,
-        overlap=arms[-1]["overlap"],
-        edge_pairing=args.edge_pairing,
-        pipeline_size=model.pipeline_model_parallel_size or 1,
-        config=model,
-        micro_batch_size=recipe.train.micro_batch_size,
-    )
-    flags = ("moe_ep_overlap_chunks", "edge_pairing", "micro_batch_size", "pipeline_model_parallel_size")
-    # Each line starts with the field's name; say it as the user sets it here: a flag, or a model.<field> override.
-    return [
-        (f"--{problem}" if problem.startswith(flags) else f"model.{problem}") for problem in chunk_problems(settings)
-    ]
-
-
 @dataclass
 class Progress:
     """Steps finished so far, per arm (one report per rank and step), and the arm running now."""
@@ -281,13 +269,18 @@ def _pipeline(model) -> tuple[int, int]:
 def pairing_bound(model, num_microbatches: int, edge_pairing: bool = False, chunks: int = 1) -> float:
     """The share of forward passes that run beside another microbatch on the least-paired rank: overlap cannot
     hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing or chunking, 1 with either)."""
-    if chunks == 2:  # (PP = 1) a microbatch that runs alone runs as two halves beside each other
-        return 1.0
     P, V = _pipeline(model)
+    # A chunked microbatch that runs alone runs as two halves beside each other.
+    split = set(chunked_microbatches(num_microbatches)) if chunks == 2 else set()
     shares = []
     for rank in range(P):
         steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True, edge_pairing=edge_pairing)
-        overlapped = sum(step.paired + 2 * (step.partner is not None and step.forward is not None) for step in steps)
+        overlapped = sum(
+            step.paired
+            + 2 * (step.partner is not None and step.forward is not None)
+            + (step.forward is not None and not step.overlapped and step.forward[0] in split)
+            for step in steps
+        )
         shares.append(overlapped / (num_microbatches * V))
     return min(shares)
 
@@ -391,7 +384,7 @@ def run(args) -> int:
             raise ConfigError(problems)
         recipe = _finalized(recipe)
         arms = plan_arms(recipe, args.ab)
-        problems = chunking_problems(recipe, arms, args)
+        problems = chunking_problems(recipe, arms[-1]["overlap"], args)
         if problems:
             raise ConfigError(problems)
         device = pick_device(args)

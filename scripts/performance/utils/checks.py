@@ -8,6 +8,7 @@ from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
+from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, chunk_problems
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
@@ -105,6 +106,24 @@ def _pipeline_problems(model: Any, train: Any) -> list[str]:
     except ValueError as exc:
         return [f"--num_layers={model.num_layers}: {exc}; change num_layers or the pipeline sizes"]
     return problems
+
+
+def chunking_problems(recipe: Any, overlap: bool, args: Any) -> list[str]:
+    """``--moe_ep_overlap_chunks`` against the arm that would run it (``overlap``: the overlap arm of an A/B)."""
+    model = recipe.model
+    settings = ChunkSettings(
+        args.moe_ep_overlap_chunks,
+        overlap=overlap,
+        edge_pairing=args.edge_pairing,
+        pipeline_size=model.pipeline_model_parallel_size or 1,
+        config=model,
+        micro_batch_size=recipe.train.micro_batch_size,
+    )
+    flags = ("moe_ep_overlap_chunks", "edge_pairing", "micro_batch_size", "pipeline_model_parallel_size")
+    # Each line starts with the field's name; say it as the user sets it here: a flag, or a model.<field> override.
+    return [
+        (f"--{problem}" if problem.startswith(flags) else f"model.{problem}") for problem in chunk_problems(settings)
+    ]
 
 
 def pipeline_dtype_auto(model: Any) -> None:

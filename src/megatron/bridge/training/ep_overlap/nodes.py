@@ -49,8 +49,9 @@ class LayerNodes:
     """The four nodes of ``layer`` for one microbatch, in forward and backward halves.
 
     ``layer`` provides the node functions (the reference ``TransformerLayer`` does, and so does the Megatron-Core
-    adapter): ``pre_dispatch(x) -> (h, send, keep, routing)`` where ``send`` is the tuple of tensors to
-    dispatch and ``keep`` stays on this rank for combine; ``exchange_splits(routing, op=...)``;
+    adapter): ``is_moe``; ``pre_dispatch(x) -> (h, send, keep, routing)`` where ``send`` is the tuple of tensors to
+    dispatch and ``keep`` stays on this rank for combine; ``start_split_exchange(routing)`` (send the split sizes
+    without blocking; may do nothing) and ``exchange_splits(routing, op=...)`` (finish, or do all of it);
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``; ``expert_backward_dw()`` and
     ``attention_backward_dw()``. ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
     With ``grad`` False (a forward-only step) the nodes build no autograd graph.
