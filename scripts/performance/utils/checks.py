@@ -8,6 +8,7 @@ from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
+from megatron.bridge.models.moe_gpt.config import router_problems
 from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, chunk_problems
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 
@@ -79,6 +80,7 @@ def recipe_problems(recipe: Any) -> list[str]:
         value = getattr(train, name)
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             problems.append(f"train.{name}={value!r}: must be a positive number")
+    problems += [f"model.{problem}" for problem in router_problems(model)]
     problems += _pipeline_problems(model, train)
     if model.moe_token_dispatcher_type == "flex":
         problems.append(

@@ -155,6 +155,22 @@ def test_config_errors_are_the_rules_errors_without_traceback(capsys):
     assert "Traceback" not in err
 
 
+def test_router_settings_the_models_cannot_run_are_one_line_each(capsys):
+    code = ep_overlap_ab.main(
+        TINY + ["-d", "model.moe_router_score_function=softmax", "model.moe_router_bias_update_rate=-1"]
+    )
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: model.moe_router_enable_expert_bias=True: expert bias needs sigmoid scores; set "
+        "moe_router_score_function='sigmoid', or moe_router_enable_expert_bias=False",
+        "error: model.moe_router_bias_update_rate=-1: the expert-bias update rate must be a positive number; set it "
+        "to a positive number, e.g. 1e-3",
+    ]
+    # The recipe's load balancing can be turned off, which gives the router the harness had before it.
+    off = recipe_from(TINY + ["model.moe_router_enable_expert_bias=false", "model.moe_router_score_function=softmax"])
+    assert not off.model.moe_router_enable_expert_bias
+
+
 def test_delay_without_overlap_is_rejected(capsys):
     assert ep_overlap_ab.main(TINY + ["--moe_a2a_overlap", "false", "--delay_wgrad_compute", "true", "-d"]) == 2
     assert "delay_wgrad_needs_overlap" in capsys.readouterr().err

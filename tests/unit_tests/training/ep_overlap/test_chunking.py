@@ -12,7 +12,7 @@ from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, Unit, ch
 from megatron.bridge.utils.multiprocess import RankFailure, run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .test_numerics import assert_bitwise
+from .test_numerics import EXPERT_BIAS, assert_bitwise
 from .workers import Case, batches, train_arms
 
 
@@ -59,6 +59,8 @@ CASES = {
     "ep2-fp32-N1-mixed": Case(microbatches=1, layer_freq=(0, 1)),
     "ep2-bf16-N3-main-grad": Case(bf16=True, main_grad=True, microbatches=3, micro_batch_size=3),
     "ep4-fp32-top1-N2": Case(world=4, ep=4, experts=8, topk=1, microbatches=2, layer_freq=(1, 1)),
+    # The halves' token counts add up to the microbatch's, so the routing biases move as without chunking.
+    "ep2-fp32-N3-expert-bias": Case(microbatches=3, extra=EXPERT_BIAS),
 }
 
 

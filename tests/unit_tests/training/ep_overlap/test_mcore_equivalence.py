@@ -29,6 +29,7 @@ class McoreCase:
     steps: int = 2
     device: str = "cpu"
     rope: bool = False
+    expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
 
 
 def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
@@ -57,6 +58,9 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         delay_wgrad_compute=False,
         overlap_moe_expert_parallel_comm=overlap_flag,  # Megatron-Core accepts it with bf16 only
+        moe_router_score_function="sigmoid" if case.expert_bias else "softmax",
+        moe_router_enable_expert_bias=case.expert_bias,
+        moe_router_bias_update_rate=0.05,
     )
     torch.manual_seed(1234)
     model = GPTModel(
@@ -117,6 +121,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "losses": losses,
             "grads": grads,
             "mlps": [type(layer.mlp).__name__ for layer in model.decoder.layers],
+            "biases": {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")},
         }
     return out
 
@@ -128,6 +133,8 @@ CASES = {
     "ep4-fp32-top2": McoreCase(world=4, microbatches=2),
     "ep2-fp32-top2-rope": McoreCase(rope=True),
     "ep2-fp32-delayed-wgrad-local-linears": McoreCase(delay_wgrad=True),
+    # The engine moves the routers' biases after each step as finalize_model_grads would; later steps use them.
+    "ep2-fp32-top1-expert-bias": McoreCase(topk=1, expert_bias=True, steps=3),
 }
 
 
@@ -143,6 +150,11 @@ def check_equal(case: McoreCase, outcomes) -> None:
                 assert expected["grads"][step].keys() == overlap["grads"][step].keys()
                 for param, grad in expected["grads"][step].items():
                     assert_bitwise(grad, overlap["grads"][step][param], f"{where} step {step} {param}")
+            for name, bias in expected["biases"].items():
+                assert_bitwise(bias, overlap["biases"][name], f"{where} final {name}")
+        if case.expert_bias:
+            assert len(plain["biases"]) == sum(case.layer_freq)
+            assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
 
 

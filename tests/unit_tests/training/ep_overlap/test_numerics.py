@@ -23,6 +23,11 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         pytest.fail(f"{what} differs (max abs diff {diff:g})")
 
 
+EXPERT_BIAS = {
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 0.05,
+}
 CASES = {
     "ep2-fp32-top1-N1": Case(topk=1, microbatches=1),
     "ep2-fp32-top2-N2": Case(microbatches=2),
@@ -43,6 +48,11 @@ CASES = {
     "ep2-bf16-wgrad-window2-main-grad": Case(bf16=True, main_grad=True, arms=ARMS + ("delayed_window2",)),
     # The engine places the attention wgrad itself: its first step runs plain, the rest in the chosen window.
     "ep2-fp32-wgrad-auto-mixed": Case(layer_freq=(1, 0, 1), arms=("plain", "delayed_auto")),
+    # Aux-loss-free load balancing: the routing biases move after every step, so later steps route differently.
+    "ep2-fp32-expert-bias-mixed": Case(layer_freq=(1, 0, 1), extra=EXPERT_BIAS),
+    "ep4-bf16-top1-expert-bias": Case(
+        world=4, ep=4, experts=8, bf16=True, topk=1, layer_freq=(1, 1), extra=EXPERT_BIAS
+    ),
 }
 
 
@@ -61,6 +71,12 @@ def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_plain(name):
                     assert_bitwise(grad, other["grads"][step][param], f"rank {rank} {arm} step {step} grad {param}")
             for param, value in plain["params"].items():
                 assert_bitwise(value, other["params"][param], f"rank {rank} {arm} final {param}")
+            for name, bias in plain["biases"].items():
+                assert_bitwise(bias, other["biases"][name], f"rank {rank} {arm} final {name}")
+        if case.extra.get("moe_router_enable_expert_bias"):  # the biases moved, and identically on every rank
+            assert plain["biases"] and all(b.abs().sum() > 0 for b in plain["biases"].values())
+            first = outcomes[0].result["plain"]["biases"]
+            assert all(torch.equal(b, first[name]) for name, b in plain["biases"].items())
         # The comparison means something only if gradients flowed everywhere they should.
         last = plain["grads"][-1]
         assert all(torch.isfinite(g).all() for g in last.values())

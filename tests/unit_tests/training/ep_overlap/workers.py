@@ -150,6 +150,7 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
             "losses": losses,
             "grads": grads,
             "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "biases": {name: b.clone() for name, b in model.named_buffers() if name.endswith("expert_bias_E")},
             "comm": [vars(r) | {"launch": None, "done": None} for r in records.comm],
             "compute": [vars(r) | {"start": None, "end": None} for r in records.compute],
             "stats": vars(result.stats) | {"overlap_fraction": result.stats.overlap_fraction},

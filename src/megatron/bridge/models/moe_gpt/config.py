@@ -1,5 +1,6 @@
 """Config of the reference MoE GPT: a Megatron-Core ``TransformerConfig`` plus what a GPT provider adds."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,9 @@ class MoEGPTConfig(TransformerConfig):
     Read by the reference model: ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``
     (dense MLP), ``moe_ffn_hidden_size``, ``num_moe_experts``, ``moe_router_topk``, ``moe_layer_freq`` (int k:
     every k-th layer is MoE; list: 1 = MoE, 0 = dense per layer), ``expert_model_parallel_size``,
-    ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, plus ``vocab_size`` and
+    ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, ``moe_router_score_function``
+    (softmax or sigmoid), ``moe_router_pre_softmax`` (softmax only), ``moe_router_enable_expert_bias`` and
+    ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), plus ``vocab_size`` and
     ``seq_length`` below.
     """
 
@@ -41,3 +44,43 @@ class MoEGPTConfig(TransformerConfig):
         if len(freq) != self.num_layers:
             raise ValueError(f"moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}")
         return bool(freq[layer_number])
+
+
+# Router settings the reference model can run: (field, is the value wrong, why, fix). Megatron-Core's own rule for
+# expert bias (sigmoid scores only) is repeated so an override made after construction is refused too.
+_ROUTER_RULES = (
+    (
+        "moe_router_score_function",
+        lambda c: c.moe_router_score_function not in ("softmax", "sigmoid"),
+        "the reference MoE GPT scores experts with softmax or sigmoid",
+        "set it to 'softmax' or 'sigmoid'",
+    ),
+    (
+        "moe_router_enable_expert_bias",
+        lambda c: c.moe_router_enable_expert_bias and c.moe_router_score_function != "sigmoid",
+        "expert bias needs sigmoid scores",
+        "set moe_router_score_function='sigmoid', or moe_router_enable_expert_bias=False",
+    ),
+    (
+        "moe_router_bias_update_rate",
+        lambda c: (
+            c.moe_router_enable_expert_bias
+            and not (
+                isinstance(c.moe_router_bias_update_rate, int | float)
+                and math.isfinite(c.moe_router_bias_update_rate)
+                and c.moe_router_bias_update_rate > 0
+            )
+        ),
+        "the expert-bias update rate must be a positive number",
+        "set it to a positive number, e.g. 1e-3",
+    ),
+)
+
+
+def router_problems(config: MoEGPTConfig) -> list[str]:
+    """One line per router setting of ``config`` the reference model cannot run (field, value, why, fix)."""
+    return [
+        f"{field}={getattr(config, field)!r}: {why}; {fix}"
+        for field, wrong, why, fix in _ROUTER_RULES
+        if wrong(config)
+    ]

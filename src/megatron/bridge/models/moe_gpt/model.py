@@ -33,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
+from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
     CommObserver,
@@ -45,7 +45,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     unpermute,
 )
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
-from megatron.bridge.utils.process_groups import EPGroups, single_process_groups
+from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
 
 class Linear(GroupedLinear):
@@ -109,6 +109,19 @@ class TransformerLayer(torch.nn.Module):
             self.pre_softmax = config.moe_router_pre_softmax
             if not 1 <= self.topk <= E:
                 raise ValueError(f"{name}: moe_router_topk={self.topk} must be between 1 and num_moe_experts={E}")
+            self.score_function = config.moe_router_score_function
+            problems = router_problems(config)
+            if problems:
+                raise ValueError(f"{name}: " + "; ".join(problems))
+            # Aux-loss-free load balancing: a per-expert bias added to the scores for choosing experts only, moved
+            # after each training step toward the experts that got fewer tokens (update_router_biases). Kept in
+            # fp32 whatever the model dtype, as Megatron-Core does, so small updates are not rounded away.
+            self.bias_update_rate = config.moe_router_bias_update_rate
+            if config.moe_router_enable_expert_bias:
+                self.register_buffer("expert_bias_E", torch.zeros(E, dtype=torch.float32))
+                self.register_buffer("tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+            else:
+                self.expert_bias_E = self.tokens_per_expert_E = None
             Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
             self.fc2_in = Fe
             self.router = torch.nn.Linear(D, E, bias=False)
@@ -147,15 +160,28 @@ class TransformerLayer(torch.nn.Module):
         n_TD = self.ln2(h_TD)
         if not self.is_moe:
             return h_TD, (n_TD,), None, None
-        logits_TE = self.router(n_TD)
-        if self.pre_softmax:  # softmax over all experts, then keep the top-k probabilities
-            probs_TK, experts_TK = torch.topk(torch.softmax(logits_TE.float(), dim=-1), self.topk, dim=-1)
-        else:  # top-k logits, then softmax over them
-            top_logits_TK, experts_TK = torch.topk(logits_TE, self.topk, dim=-1)
-            probs_TK = torch.softmax(top_logits_TK.float(), dim=-1)
+        probs_TK, experts_TK = self._route(self.router(n_TD))
         probs_TK = probs_TK.to(n_TD.dtype)
         routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
+        if self.tokens_per_expert_E is not None and torch.is_grad_enabled():  # training forwards only
+            self.tokens_per_expert_E += routing.counts_E
         return h_TD, (permute(n_TD, routing, self.topk),), probs_TK, routing
+
+    def _route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts per token and their weights, with Megatron-Core's score functions (in fp32)."""
+        K = self.topk
+        if self.score_function == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE.float())
+            if self.expert_bias_E is None:
+                probs_TK, experts_TK = torch.topk(scores_TE, K, dim=-1)
+            else:  # the bias chooses the experts; the weights stay the unbiased scores
+                experts_TK = torch.topk(scores_TE + self.expert_bias_E, K, dim=-1).indices
+                probs_TK = scores_TE.gather(1, experts_TK)
+            return (probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20) if K > 1 else probs_TK), experts_TK
+        if self.pre_softmax:  # softmax over all experts, then keep the top-k probabilities
+            return torch.topk(torch.softmax(logits_TE.float(), dim=-1), K, dim=-1)
+        top_logits_TK, experts_TK = torch.topk(logits_TE, K, dim=-1)  # top-k logits, then softmax over them
+        return torch.softmax(top_logits_TK.float(), dim=-1), experts_TK
 
     def start_split_exchange(self, routing: Routing | None) -> None:
         """Sends the split sizes ahead without blocking the host (no-op for dense layers)."""
@@ -279,6 +305,9 @@ class MoEGPTModel(torch.nn.Module):
             self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
         self._initialize(seed, groups)
         self.to(config.activation_dtype())
+        for layer in self.layers:
+            if getattr(layer, "expert_bias_E", None) is not None:
+                layer.expert_bias_E.data = layer.expert_bias_E.data.float()
 
     @torch.no_grad()
     def _initialize(self, seed: int, groups: EPGroups) -> None:
@@ -310,6 +339,23 @@ class MoEGPTModel(torch.nn.Module):
                 for le in range(local):
                     gen = _generator(seed, layer_number, groups.ep_rank * local + le, which)
                     fc.load_group_weight(le, torch.randn(shape, generator=gen) * std)
+
+    @torch.no_grad()
+    def update_router_biases(self, groups: EPGroups) -> None:
+        """After a training step's gradient sync: moves each expert's routing bias by ``moe_router_bias_update_rate``
+        toward balance, from the tokens it got over the step on every data-parallel rank (Megatron-Core's
+        aux-loss-free update; every rank computes the same biases). No-op without ``moe_router_enable_expert_bias``.
+        """
+        layers = [layer for layer in self.layers if getattr(layer, "expert_bias_E", None) is not None]
+        if not layers:
+            return
+        tokens_LE = torch.stack([layer.tokens_per_expert_E for layer in layers]).float()
+        if groups.dp_group is not None and torch.distributed.get_world_size(groups.dp_group) > 1:
+            all_reduce(tokens_LE, groups.dp_group, op="router expert-bias token count", timeout=groups.timeout)
+        offset_LE = tokens_LE.sum(dim=-1, keepdim=True) / tokens_LE.shape[-1] - tokens_LE
+        for layer, offset_E in zip(layers, offset_LE):
+            layer.expert_bias_E += torch.sign(offset_E) * layer.bias_update_rate
+            layer.tokens_per_expert_E.zero_()
 
     def global_named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """``named_parameters`` with each layer's global number (``layers.<global>.``): equal under any layout."""

@@ -35,7 +35,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX
 from megatron.bridge.utils.logging import warn_rank0
-from megatron.bridge.utils.process_groups import EPGroups
+from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +214,31 @@ class McoreGPTPlan:
                     "numerics are unchanged). Build the model with Transformer Engine specs to delay them.",
                     ", ".join(undelayed),
                 )
+
+    @torch.no_grad()
+    def update_router_biases(self, groups: EPGroups) -> None:
+        """What Megatron-Core's ``finalize_model_grads`` does for routers with ``moe_router_enable_expert_bias``:
+        each training router's bias moves toward balance from the step's token counts summed over the
+        tensor x data x context-parallel group, then the counts restart (the same arithmetic as its
+        ``get_updated_expert_bias``, under the engine's collective timeout)."""
+        routers = [
+            module
+            for module in self.model.modules()
+            if getattr(module, "expert_bias", None) is not None
+            and module.training
+            and not getattr(module, "frozen_expert_bias", False)
+        ]
+        if not routers:
+            return
+        tokens_LE = torch.stack([router.local_tokens_per_expert for router in routers])
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        all_reduce(tokens_LE, group, op="router expert-bias token count", timeout=groups.timeout)
+        offset_LE = tokens_LE.sum(dim=-1, keepdim=True) / tokens_LE.shape[-1] - tokens_LE
+        rate = self.config.moe_router_bias_update_rate
+        updated_LE = torch.stack([router.expert_bias for router in routers]) + torch.sign(offset_LE) * rate
+        for router, updated_E in zip(routers, updated_LE):
+            router.expert_bias.copy_(updated_E)
+            router.local_tokens_per_expert.zero_()
 
     def parameters(self):
         return self.model.parameters()

@@ -14,6 +14,8 @@ Contract:
       bitwise equal between the two and across pipeline layouts (tests check the bit patterns).
     * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
       gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once.
+    * A chunk that offers ``update_router_biases(groups)`` gets it called once per training step, after the
+      gradient sync (where Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases).
     * A config the EP-overlap rules reject never reaches the engine: the constructor raises the same
       :class:`CommOverlapConfigError` that ``CommOverlapConfig.setup`` raises.
     * The loss of a step is the sum of token cross-entropies over every microbatch of every rank, divided by the
@@ -402,6 +404,9 @@ class EPOverlapEngine:
             losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap and not placing)
             for chunk in self.chunks:
                 sync_grads(chunk, self.groups)
+                update_router_biases = getattr(chunk, "update_router_biases", None)
+                if update_router_biases is not None:
+                    update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if placing:
