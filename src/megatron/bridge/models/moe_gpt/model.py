@@ -21,6 +21,12 @@ Contract:
     * Pipeline chunks: ``layer_numbers`` picks the global layers a chunk holds; ``pre_process`` (the embeddings)
       and ``post_process`` (final norm, head and loss) say whether it is the model's first and/or last chunk, as
       Megatron-Core's ``GPTModel`` does. :func:`build_pipeline_chunks` builds a pipeline rank's chunks.
+    * The router scores experts as Megatron-Core's does: softmax (before or after top-k) or sigmoid. With
+      ``moe_router_enable_expert_bias`` (sigmoid only) a per-expert bias chooses the experts without weighting
+      them; training forwards count the tokens each expert gets, and :meth:`MoEGPTModel.update_router_biases`
+      (called by the engine once per training step) moves the bias toward balance, as Megatron-Core's
+      aux-loss-free load balancing does. Every path and schedule counts the same tokens, so the biases stay
+      bitwise equal too.
     * No biases (``add_bias_linear`` is not supported by the reference model).
 
 Shape suffixes: B microbatch size, S sequence, T = B*S tokens, D hidden, H heads, F FFN hidden, V vocab,
