@@ -26,7 +26,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.pipeline_layout import chunk_layers, chunk_layers_of
 from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
 
-from .test_numerics import assert_bitwise
+from .test_numerics import EXPERT_BIAS, assert_bitwise
 from .workers import Case, batches
 
 # ---- the schedule as data ---------------------------------------------------------------------------------
@@ -167,6 +167,12 @@ def train_layout(rank: int, world: int, case: PipeCase, pp: int, vpp: int, arms:
         optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-2)
         named = [item for c in chunks for item in c.global_named_parameters()]
         out[arm] = train_recording(engine, optimizer, named, [batches(case, data_rank, s) for s in range(case.steps)])
+        out[arm]["biases"] = {
+            number: layer.expert_bias_E.clone()
+            for chunk in chunks
+            for number, layer in zip(chunk.layer_numbers, chunk.layers)
+            if getattr(layer, "expert_bias_E", None) is not None
+        }
     return out
 
 
@@ -196,6 +202,8 @@ def assert_matches_reference(ref: dict, run: dict, steps: int, where: str) -> No
             assert_bitwise(ref["grads"][step][param], grad, f"{where} step {step} grad {param}")
     for param, value in run["params"].items():
         assert_bitwise(ref["params"][param], value, f"{where} param {param} after {steps} steps")
+    for layer, bias in run.get("biases", {}).items():  # summed over the stage's replicas, as PP = 1 sums them
+        assert_bitwise(ref["biases"][layer], bias, f"{where} expert bias of layer {layer} after {steps} steps")
 
 
 PIPE_CASES = {
@@ -207,6 +215,8 @@ PIPE_CASES = {
     "pp2-vpp2-uneven-dense-stage-N3": PipeCase(
         layer_freq=(0, 1, 1, 0, 1, 0), first_stage=2, last_stage=4, microbatches=3
     ),
+    # Router expert biases move after every step from token counts summed over each stage's replicas.
+    "pp2-vpp2-ep2-expert-bias-N4": PipeCase(microbatches=4, extra=EXPERT_BIAS),
     # Chunks of different lengths on one rank: paired steps run the longer chunk's extra layers unpaired.
     "pp2-vpp2-unequal-chunks-N4": PipeCase(
         layer_freq=(1, 1, 0, 1, 1, 0),
@@ -225,13 +235,16 @@ def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
         o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train_layout, 2, (case, 1, 1, ("plain",)))
     }
     outcomes = run_local_ranks(train_layout, 4, (case, 2, 2, PIPELINE_ARMS))
-    seen = set()
+    seen, biased = set(), set()
     for outcome in outcomes:
         ref = reference[outcome.result["data_rank"]]
         for arm in PIPELINE_ARMS:
             assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
             seen.update(outcome.result[arm]["params"])
+            biased.update(outcome.result[arm]["biases"])
     assert seen == set(reference[0]["params"])  # the pipeline holds the whole model
+    assert biased == set(reference[0]["biases"])  # and compared every router's bias
+    assert all(bias.abs().sum() > 0 for bias in reference[0]["biases"].values())  # which moved
 
 
 # ---- failures and evaluation ------------------------------------------------------------------------------
