@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "microbatch's loss and gradients are summed from two halves)",
     )
     overlap.add_argument(
+        "--launch_off_host",
+        type=bool_arg,
+        default=True,
+        help="true/false: on CPU, launch the overlapped step's all-to-alls from one helper thread, so a dispatch "
+        "waiting for its split sizes (for the slower rank) does not stop the host (reference model; numerics "
+        "unchanged; default true)",
+    )
+    overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)

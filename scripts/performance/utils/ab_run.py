@@ -144,6 +144,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
             + (f", attention_wgrad_window={_window(args)}" if arm["delay_wgrad"] else "")
             + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
             + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
+            + (f", launch_off_host={args.launch_off_host}" if arm["overlap"] else "")
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
@@ -158,13 +159,14 @@ def specs_for(
     wgrad_window: int = 1,
     edge_pairing: bool = False,
     chunks: int = 1,
+    launch_off_host: bool = True,
 ) -> list[ArmSpec]:
     """One spec per arm; the options of the overlap schedule go to the arms that run it."""
     return [
         ArmSpec(
             a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl,
             attention_wgrad_window=wgrad_window, edge_pairing=edge_pairing,
-            moe_ep_overlap_chunks=chunks if a["overlap"] else 1,
+            moe_ep_overlap_chunks=chunks if a["overlap"] else 1, launch_off_host=launch_off_host,
         )
         for a in arms
     ]  # fmt: skip
@@ -255,6 +257,7 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "attention_wgrad_window": _window(args),
         "edge_pairing": args.edge_pairing,
         "moe_ep_overlap_chunks": args.moe_ep_overlap_chunks,
+        "launch_off_host": args.launch_off_host,
     }
 
 
@@ -339,6 +342,7 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
         wgrad_window=window,
         edge_pairing=over.get("edge_pairing", False),
         chunks=over.get("moe_ep_overlap_chunks", 1),
+        launch_off_host=over.get("launch_off_host", False),
     )
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})
@@ -402,6 +406,7 @@ def run(args) -> int:
             args.attention_wgrad_window,
             args.edge_pairing,
             args.moe_ep_overlap_chunks,
+            args.launch_off_host,
         )
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
     except ConfigError as exc:

@@ -34,6 +34,7 @@ class ArmSpec:
     attention_wgrad_window: int | None = 1  # None: auto (the engine's planner-driven placement)
     edge_pairing: bool = False
     moe_ep_overlap_chunks: int = 1
+    launch_off_host: bool = True
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -126,6 +127,7 @@ class _Arm:
             attention_wgrad_window=spec.attention_wgrad_window,
             edge_pairing=spec.edge_pairing,
             moe_ep_overlap_chunks=spec.moe_ep_overlap_chunks,
+            launch_off_host=spec.launch_off_host,
         )
         self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
@@ -184,6 +186,7 @@ class _Arm:
             "placement": self.engine.placement.describe() if self.engine.placement else None,
             "edge_pairing": self.spec.edge_pairing,
             "moe_ep_overlap_chunks": self.spec.moe_ep_overlap_chunks,
+            "launch_off_host": self.engine.launches_off_host(self.device),
         }
 
 

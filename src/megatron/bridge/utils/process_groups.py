@@ -99,12 +99,13 @@ def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
     try:
         completed = work.wait(timeout)
     except Exception as exc:  # gloo/NCCL report peer loss and timeouts as various RuntimeErrors
-        raise _error(op, timeout, exc) from exc
+        raise wait_error(op, timeout, exc) from exc
     if completed is False:
-        raise _error(op, timeout, None)
+        raise wait_error(op, timeout, None)
 
 
-def _error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:
+def wait_error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:
+    """The error of a wait for ``op`` that failed (``cause``) or timed out (``cause`` None)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     detail = f": {cause}" if cause is not None else ""
     return CollectiveError(

@@ -48,6 +48,8 @@ CASES = {
     "ep2-bf16-wgrad-window2-main-grad": Case(bf16=True, main_grad=True, arms=ARMS + ("delayed_window2",)),
     # The engine places the attention wgrad itself: its first step runs plain, the rest in the chosen window.
     "ep2-fp32-wgrad-auto-mixed": Case(layer_freq=(1, 0, 1), arms=("plain", "delayed_auto")),
+    # Every all-to-all launched on the host thread (the lane's path for layers that do not allow the helper thread).
+    "ep2-fp32-launch-on-host-mixed": Case(layer_freq=(1, 0, 1), arms=("plain", "overlap_onhost", "delayed_onhost")),
     # Aux-loss-free load balancing: the routing biases move after every step, so later steps route differently.
     "ep2-fp32-expert-bias-mixed": Case(layer_freq=(1, 0, 1), extra=EXPERT_BIAS),
     "ep4-bf16-top1-expert-bias": Case(

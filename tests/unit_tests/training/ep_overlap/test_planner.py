@@ -101,6 +101,18 @@ def test_attention_wgrad_goes_where_the_window_is_comm_bound():
     assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
 
 
+def test_split_sizes_waited_for_off_the_host_stop_no_paired_step():
+    # A 0.5 s split-size round trip before a 0.5 s dispatch, beside 1 s of B's expert backward: on the host the
+    # round trip stops every paired layer step; off the host it fits under that compute.
+    layer = LayerCosts(1, 1, 1, 1, dispatch_bytes=0.5e9, combine_bytes=0.5e9)
+    costs, link = StepCosts(layers=(layer, layer), f_tail=0, b_head=0), Link(1e9, meta_s=0.5)
+    on_host, off_host = predict(costs, link, 8), predict(costs, link, 8, launch_off_host=True)
+    assert off_host.baseline.step_s == on_host.baseline.step_s  # the plain path waits on the host either way
+    assert on_host.overlap.exposed_s["paired"] == pytest.approx(0.5 * 2 * 7)
+    assert off_host.overlap.exposed_s["paired"] == 0
+    assert off_host.overlap.launches == on_host.overlap.launches
+
+
 ENDS = {"alone": {}, "edges": {"edge_pairing": True}, "chunks": {"moe_ep_overlap_chunks": 2}}
 
 

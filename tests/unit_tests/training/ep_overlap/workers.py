@@ -107,8 +107,8 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
     """Trains a fresh model per arm on identical data; returns per-arm losses, grads and final params.
 
     Arm names: ``plain``; ``overlap``; ``delayed`` (with delayed wgrad), suffixed ``_window2`` (attention wgrad in
-    window 2), ``_auto`` (the engine places it), ``_edges`` (edge pairing) or ``_chunks`` (chunked unpaired
-    phases); ``plain_units`` is the plain
+    window 2), ``_auto`` (the engine places it), ``_edges`` (edge pairing), ``_chunks`` (chunked unpaired
+    phases) or ``_onhost`` (every all-to-all launched on the host thread); ``plain_units`` is the plain
     path fed the halves chunking makes as microbatches of their own (its losses summed back per microbatch).
     """
     groups = init_ep_groups(case.ep, timedelta(seconds=case.timeout_s))
@@ -125,6 +125,7 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
             attention_wgrad_window={"delayed_window2": 2, "delayed_auto": None}.get(arm, 1),
             edge_pairing=arm.endswith("_edges"),
             moe_ep_overlap_chunks=2 if arm.endswith("chunks") else 1,
+            launch_off_host=not arm.endswith("_onhost"),
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, records = [], [], None

@@ -101,6 +101,8 @@ class TransformerLayer(torch.nn.Module):
         self.name = name
         self.groups = groups
         self.is_moe = config.is_moe_layer(layer_number)
+        # exchange_splits touches only its routing and the EP metadata group: a lane may run it off the host thread.
+        self.exchange_splits_off_host = True
         # Set by the engine while it runs the plain path, to time the blocking all-to-alls.
         self.comm_observer: CommObserver | None = None
         self.gated = config.gated_linear_unit

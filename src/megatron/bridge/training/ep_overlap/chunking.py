@@ -82,6 +82,7 @@ class _HalvesLayer:
 
     def dispatch(self) -> None:
         # Both split-size exchanges first: the second would otherwise queue behind the first half's bulk transfer.
+        # (A lane that launches off the host finishes them on its helper thread, in this same order.)
         for half in self.halves:
             half.exchange_splits()
         for half in self.halves:

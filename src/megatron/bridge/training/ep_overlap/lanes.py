@@ -1,10 +1,15 @@
 """Compute and comm lanes behind one small interface.
 
 ``lane.compute(node, layer, microbatch)`` wraps a compute node; ``lane.all_to_all(...)`` launches an all-to-all
-and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer.
+and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer; ``lane.launch(splits, tensors,
+...)`` launches all-to-alls whose split sizes ``splits()`` first has to find out.
 
 * CPU (gloo): compute runs on the host thread; an all-to-all is gloo async work, which progresses on gloo's
-  own threads, so it overlaps whatever the host computes until ``wait()``.
+  own threads, so it overlaps whatever the host computes until ``wait()``. With ``launch_off_host`` every
+  all-to-all of the step is launched from one helper thread, in the order the host asked for them, so a launch
+  that must first wait (a dispatch waits for its split sizes, i.e. for the slower rank) no longer stops the host:
+  it computes the other microbatch meanwhile. One thread keeps every rank's launch order the program order,
+  which is what matches collectives across ranks.
 * CUDA: compute runs on the current stream; all-to-alls run on one dedicated comm stream (optionally high
   priority). Each microbatch has one event chain: a compute node records the microbatch's event when it
   ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's end
@@ -15,14 +20,18 @@ the process groups' timeout.
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, CudaClock, HostClock, StepRecorder
-from megatron.bridge.utils.process_groups import EPGroups, exchanged_bytes, wait_work
+from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
+
+Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits) of an all-to-all
 
 
 class Pending:
@@ -47,12 +56,31 @@ class Pending:
         return self._out
 
 
+class _LaunchedLater(Pending):
+    """One of the all-to-alls of a launch job on the helper thread: ``wait()`` waits for the launch, then for it."""
+
+    def __init__(self, job, index: int, name: str, timeout):
+        super().__init__(None)
+        self._job, self._index, self._name, self._timeout = job, index, name, timeout
+        self._launched: Pending | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._launched is None:
+            try:
+                self._launched = self._job.result(timeout=self._timeout.total_seconds())[self._index]
+            except FutureTimeout:
+                raise wait_error(f"the launch of {self._name}", self._timeout, None) from None
+        return self._launched.wait()
+
+
 def done(tensor: torch.Tensor) -> Pending:
     """A Pending that needs no communication (dense layers, EP = 1)."""
     return Pending(tensor)
 
 
 class _Lane:
+    launches_off_host = False
+
     def __init__(self, groups: EPGroups, recorder: StepRecorder):
         self.groups = groups
         self.recorder = recorder
@@ -71,31 +99,94 @@ class _Lane:
     def _after_compute(self, microbatch: int) -> None:
         pass
 
+    def launch(self, splits: Splits, tensors: list[torch.Tensor], *, op: str, layer: int, microbatch: int):
+        """All-to-alls of ``tensors`` with the split sizes ``splits()`` returns (it may wait for them)."""
+        out_splits, in_splits = splits()
+        return [self.all_to_all(t, out_splits, in_splits, op=op, layer=layer, microbatch=microbatch) for t in tensors]
+
+    def close(self, *, failed: bool = False) -> None:
+        """Ends the step's lane (a no-op unless it has a helper thread); ``failed``: the step raised, wait for
+        nothing."""
+
     def record_comm(
-        self, op: str, layer: int, microbatch: int, stream=None, exchanged: tuple[int, int] = (0, 0)
+        self,
+        op: str,
+        layer: int,
+        microbatch: int,
+        stream=None,
+        exchanged: tuple[int, int] = (0, 0),
+        asked: tuple[str, float] | None = None,
     ) -> CommRecord:
         """Records that an all-to-all is being launched now (on ``stream``, for the CUDA clock).
 
-        ``exchanged`` is (bytes sent to other ranks, bytes received from them).
+        ``exchanged`` is (bytes sent to other ranks, bytes received from them); ``asked`` is the phase and host
+        time at which the host asked for it, when that was earlier (a launch off the host): by default, now.
         """
-        record = CommRecord(
-            op, layer, microbatch, self.recorder.phase, self.recorder.clock.mark(stream), time.perf_counter()
-        )
+        phase, issued_host = (self.recorder.phase, time.perf_counter()) if asked is None else asked
+        record = CommRecord(op, layer, microbatch, phase, self.recorder.clock.mark(stream), issued_host)
         record.bytes_sent, record.bytes_received = exchanged
         self.recorder.comm.append(record)
         return record
 
 
 class CpuLane(_Lane):
-    """gloo async all-to-all; the host computes while gloo's threads move the data."""
+    """gloo async all-to-all; the host computes while gloo's threads move the data.
+
+    With ``launch_off_host`` every all-to-all is launched by one helper thread in the order asked for, and a
+    launch's ``splits()`` runs there too, so it must touch nothing the host thread uses meanwhile (the reference
+    layer's split exchange reads its routing and the EP metadata group only). A launch that fails makes every
+    later one of the step fail at once, instead of pairing with a different all-to-all of the peer.
+    """
+
+    def __init__(self, groups: EPGroups, recorder: StepRecorder, launch_off_host: bool = False):
+        super().__init__(groups, recorder)
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ep-a2a-launch") if launch_off_host else None
+        self._failed: str | None = None
+        self.launches_off_host = self._launcher is not None
+
+    def launch(self, splits: Splits, tensors: list[torch.Tensor], *, op: str, layer: int, microbatch: int):
+        if self._launcher is None:
+            return super().launch(splits, tensors, op=op, layer=layer, microbatch=microbatch)
+        name = f"layer{layer} {op} (microbatch {microbatch})"
+        asked = (self.recorder.phase, time.perf_counter())
+        job = self._launcher.submit(self._launch_job, splits, tensors, op, layer, microbatch, asked)
+        return [_LaunchedLater(job, i, name, self.groups.timeout) for i in range(len(tensors))]
+
+    def _launch_job(self, splits: Splits, tensors, op: str, layer: int, microbatch: int, asked: tuple[str, float]):
+        if self._failed is not None:
+            raise CollectiveError(f"layer{layer} {op} (microbatch {microbatch}) not launched: {self._failed} failed")
+        try:
+            out_splits, in_splits = splits()
+            return [self._start(t, out_splits, in_splits, op, layer, microbatch, asked) for t in tensors]
+        except BaseException:
+            self._failed = f"layer{layer} {op} (microbatch {microbatch})"
+            raise
+
+    def close(self, *, failed: bool = False) -> None:
+        if self._launcher is not None:
+            self._launcher.shutdown(wait=not failed and self._failed is None, cancel_futures=True)
 
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
     ) -> Pending:
+        if self._launcher is not None:
+            return self.launch(lambda: (out_splits, in_splits), [x], op=op, layer=layer, microbatch=microbatch)[0]
+        return self._start(x, out_splits, in_splits, op, layer, microbatch)
+
+    def _start(
+        self,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        op: str,
+        layer: int,
+        microbatch: int,
+        asked: tuple[str, float] | None = None,
+    ) -> Pending:
         clock = self.recorder.clock
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
-        record = self.record_comm(op, layer, microbatch, exchanged=exchanged)
+        record = self.record_comm(op, layer, microbatch, exchanged=exchanged, asked=asked)
         work = dist.all_to_all_single(
             out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group, async_op=True
         )
@@ -150,8 +241,10 @@ class CudaLane(_Lane):
         return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
 
 
-def make_lane(groups: EPGroups, device: torch.device, *, high_priority: bool = False) -> _Lane:
-    """The lane for ``device``, with a fresh recorder (one per step)."""
+def make_lane(
+    groups: EPGroups, device: torch.device, *, high_priority: bool = False, launch_off_host: bool = False
+) -> _Lane:
+    """The lane for ``device``, with a fresh recorder (one per step). ``launch_off_host`` applies on CPU only."""
     if device.type == "cuda":
         return CudaLane(groups, StepRecorder(clock=CudaClock()), high_priority)
-    return CpuLane(groups, StepRecorder(clock=HostClock()))
+    return CpuLane(groups, StepRecorder(clock=HostClock()), launch_off_host and groups.ep_group is not None)

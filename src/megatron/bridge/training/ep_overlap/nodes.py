@@ -54,7 +54,10 @@ class LayerNodes:
     without blocking; may do nothing) and ``exchange_splits(routing, op=...)`` (finish, or do all of it);
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``; ``expert_backward_dw()`` and
     ``attention_backward_dw()``. ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
-    With ``grad`` False (a forward-only step) the nodes build no autograd graph.
+    With ``grad`` False (a forward-only step) the nodes build no autograd graph. A layer with
+    ``exchange_splits_off_host`` True lets a CPU lane finish its split exchange on the lane's helper thread
+    (:mod:`~megatron.bridge.training.ep_overlap.lanes`): its ``exchange_splits`` then must touch only the routing
+    and the EP metadata group.
     """
 
     def __init__(self, layer, index: int, microbatch: int, lane, delay_wgrad: bool, grad: bool = True):
@@ -92,25 +95,34 @@ class LayerNodes:
             self.layer.start_split_exchange(self.routing)
 
     def exchange_splits(self) -> None:
-        """Finishes the split-size exchange (a host sync), once: ``dispatch`` runs it, all of it unless started."""
-        if self.routing is None or self._splits_known:
+        """Finishes the split-size exchange (a host sync), once: ``dispatch`` runs it, all of it unless started.
+        On a lane that launches off the host it is left to the dispatch's launch, on the helper thread."""
+        if self.routing is None or self._splits_known or self.lane.launches_off_host:
             return
         self.start_exchange()
-        record = self._exchange
-        record.wait_start_host = time.perf_counter()
-        self.layer.exchange_splits(self.routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
-        record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
-        self._splits_known = True
+        self._finish_exchange()
+
+    def _finish_exchange(self) -> tuple[list[int], list[int]]:
+        """Waits for the split sizes (on the host or on the lane's helper thread); returns the dispatch's splits."""
+        routing = self.routing
+        if not self._splits_known:
+            record = self._exchange
+            record.wait_start_host = time.perf_counter()
+            self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+            record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+            self._splits_known = True
+        return routing.out_splits, routing.in_splits
 
     def dispatch(self) -> None:
         """Launch. The split-size exchange sits here unless done before, after this microbatch's compute is issued."""
-        routing = self.routing
-        if routing is None:
+        if self.routing is None:
             self._dispatched = [done(_leaf(t)) for t in self.send]
             return
-        self.exchange_splits()
+        self.start_exchange()  # on the host thread, so every rank starts its exchanges in program order
         sent = [t.detach() for t in self.send]
-        self._dispatched = self._all_to_all(sent, routing.out_splits, routing.in_splits, "dispatch")
+        self._dispatched = self.lane.launch(
+            self._finish_exchange, sent, op="dispatch", layer=self.index, microbatch=self.mb
+        )
 
     def experts(self) -> None:
         received = [pending.wait() for pending in self._dispatched]

@@ -48,10 +48,13 @@ def choose_wgrad_window(
     *,
     edge_pairing: bool,
     chunks: int,
+    launch_off_host: bool = False,
 ) -> WgradPlacement:
     """The planner's window for the costs of one plain step (``recorder``, ``step_s``), agreed on by every rank."""
     costs, link = costs_from_records([recorder.as_dict()], [step_s], None, num_layers)
-    mine = step_by_wgrad_window(costs, link, num_microbatches, edge_pairing=edge_pairing, chunks=chunks)
+    mine = step_by_wgrad_window(
+        costs, link, num_microbatches, edge_pairing=edge_pairing, chunks=chunks, launch_off_host=launch_off_host
+    )
     windows = sorted(mine)
     totals = torch.tensor([mine[w] for w in windows], dtype=torch.float64, device=device)
     world = 1

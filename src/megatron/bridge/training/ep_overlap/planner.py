@@ -14,7 +14,10 @@ Contract:
       ``latency`` later; it starts when launched and the link is free. The split-size exchange before each dispatch
       is a round trip queued behind whatever the link still carries: blocking, except in a paired step, where it
       goes out right after F's routing and is waited for only after B's previous attention wgrad (as the engine
-      does). One rank is simulated, so it cannot show skew between ranks, which is what that change hides most.
+      does). With ``launch_off_host`` (the engine's CPU lane, ``lanes.py``) no split-size exchange of the
+      overlapped schedule blocks the host: the dispatch starts once the sizes are back and the link is free, while
+      the host computes on. One rank is simulated, so it cannot show skew between ranks, which is what both
+      changes hide most.
     * Costs are per layer and microbatch (:class:`StepCosts`): the compute segments between all-to-alls, which are
       exactly what the plain path records (``plain dispatch`` of layer j: everything since the previous all-to-all,
       up to layer j's dispatch), the bytes of each all-to-all, and the split-size round trip (which the plain path
@@ -122,8 +125,8 @@ class Prediction:
 class _Sim:
     """The compute resource (host order) and the FIFO link of one rank."""
 
-    def __init__(self, link: Link):
-        self.link = link
+    def __init__(self, link: Link, launch_off_host: bool = False):
+        self.link, self.launch_off_host = link, launch_off_host
         self.host = self.link_free = 0.0
         self.arrived: dict[tuple[str, int, int], float] = {}
         self.phase = "plain"
@@ -158,15 +161,27 @@ class _Sim:
         """The split-size exchange as a blocking round trip."""
         self.exchange_wait(self.exchange_start(nbytes))
 
-    def launch(self, key: tuple[str, int, int], nbytes: float, *, split_exchange: bool = False) -> None:
-        """An all-to-all of ``nbytes`` (after its split-size exchange, unless that ran before)."""
+    def launch(
+        self,
+        key: tuple[str, int, int],
+        nbytes: float,
+        *,
+        split_exchange: bool = False,
+        not_before: float | None = None,
+    ) -> None:
+        """An all-to-all of ``nbytes`` (after its split-size exchange, unless that ran before; off the host, not
+        before ``not_before``)."""
         if split_exchange:
-            self.exchange(nbytes)
+            arrival = self.exchange_start(nbytes)
+            if self.launch_off_host:
+                not_before = arrival
+            else:
+                self.exchange_wait(arrival)
         if nbytes <= 0:  # a dense layer: nothing crosses the link
             self.arrived[key] = self.host
             return
         link = self.link
-        start = max(self.host, self.link_free)
+        start = max(self.host, self.link_free, not_before or 0.0)
         self.link_free = start + nbytes / link.bandwidth_Bps
         self.arrived[key] = self.link_free + link.latency_s
         self.comm_s += self.arrived[key] - start
@@ -265,10 +280,11 @@ def _paired(sim: _Sim, f: Side, b: Side, delay_wgrad: bool, wgrad_window: int) -
         if wgrad_window == 1 and not early:
             sim.compute(previous_attention_wgrad)
         # window 2: F.dispatch (comm) || [B's previous attention wgrad], B.experts backward, dgrad (compute)
-        for arrival in arrivals:
-            sim.exchange_wait(arrival)
-        for u, costs in f:
-            sim.launch(("dispatch", j, u), costs.layers[j].dispatch_bytes)
+        if not sim.launch_off_host:
+            for arrival in arrivals:
+                sim.exchange_wait(arrival)
+        for arrival, (u, costs) in zip(arrivals, f):
+            sim.launch(("dispatch", j, u), costs.layers[j].dispatch_bytes, not_before=arrival)
         if wgrad_window == 2:
             sim.compute(previous_attention_wgrad)
         for u, costs in b:
@@ -301,17 +317,19 @@ def simulate(
     wgrad_window: int = 1,
     edge_pairing: bool = False,
     chunks: int = 1,
+    launch_off_host: bool = False,
 ) -> Prediction:
     """One step of ``num_microbatches`` microbatches, plain (``overlap=False``) or with the paired schedule.
 
     ``wgrad_window`` places the delayed attention wgrad as the engine's ``attention_wgrad_window`` does;
     ``edge_pairing`` pairs the warm-up's and the cool-down's two microbatches as the engine's option does;
     ``chunks=2`` splits the microbatches that would run alone as ``moe_ep_overlap_chunks`` does (each half costs
-    half of the microbatch's compute and bytes; latencies stay per all-to-all).
+    half of the microbatch's compute and bytes; latencies stay per all-to-all); ``launch_off_host``: the
+    overlapped schedule's dispatches wait for their split sizes off the host, as on the engine's CPU lane.
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    sim = _Sim(link)
+    sim = _Sim(link, launch_off_host=overlap and launch_off_host)
     if not overlap:
         sim.exposed["plain"] = 0.0
         for mb in range(num_microbatches):
@@ -377,6 +395,7 @@ def predict(
     wgrad_window: int = 1,
     edge_pairing: bool = False,
     chunks: int = 1,
+    launch_off_host: bool = False,
 ) -> Comparison:
     """Plain vs overlapped step for one microbatch count (and, with delayed wgrad, one attention-wgrad window)."""
     overlapped = simulate(
@@ -388,6 +407,7 @@ def predict(
         wgrad_window=wgrad_window,
         edge_pairing=edge_pairing,
         chunks=chunks,
+        launch_off_host=launch_off_host,
     )
     return Comparison(
         simulate(costs, link, num_microbatches, overlap=False),
@@ -399,7 +419,13 @@ def predict(
 
 
 def step_by_wgrad_window(
-    costs: StepCosts, link: Link, num_microbatches: int, *, edge_pairing: bool = False, chunks: int = 1
+    costs: StepCosts,
+    link: Link,
+    num_microbatches: int,
+    *,
+    edge_pairing: bool = False,
+    chunks: int = 1,
+    launch_off_host: bool = False,
 ) -> dict[int, float]:
     """The overlapped step with delayed wgrad for each attention-wgrad window (what the engine's auto placement
     compares)."""
@@ -413,6 +439,7 @@ def step_by_wgrad_window(
             wgrad_window=window,
             edge_pairing=edge_pairing,
             chunks=chunks,
+            launch_off_host=launch_off_host,
         ).step_s
         for window in WGRAD_WINDOWS
     }

@@ -48,8 +48,9 @@ class CudaClock:
 class CommRecord:
     """One all-to-all. ``phase`` is "warmup", "paired" or "cooldown" (see the schedule).
 
-    ``launch``/``done`` are clock marks (device time on CUDA); the ``*_host`` fields are host perf_counter
-    readings of when the host issued the op and when a consumer waited for its result. ``bytes_sent`` and
+    ``launch``/``done`` are clock marks (device time on CUDA) of when it went out and arrived; the ``*_host`` fields
+    are host perf_counter readings of when the host issued the op (asked for it: a CPU lane that launches off the
+    host may launch it later) and when a consumer waited for its result. ``bytes_sent`` and
     ``bytes_received`` count what crossed the link (this rank's own slice stays local).
     """
 

@@ -301,6 +301,10 @@ class EPOverlapEngine:
         moe_ep_overlap_chunks: 2 splits each microbatch that would run alone (the first and the last; PP = 1) in
             two halves along the batch and runs them as a pair (``chunking.py``). Not bitwise: a chunked
             microbatch's loss and gradients are summed from two halves. 1 (the default) is off.
+        launch_off_host: On CPU, with overlap, launch every all-to-all of a step from one helper thread in program
+            order (``lanes.py``), so a dispatch waiting for its split sizes, i.e. for the slower rank, does not
+            stop the host. Applies where every layer allows it (``exchange_splits_off_host``: the reference
+            model's layers do, the Megatron-Core adapter's do not); numerics are unchanged. On by default.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
@@ -319,6 +323,7 @@ class EPOverlapEngine:
         attention_wgrad_window: int = 1,
         edge_pairing: bool = False,
         moe_ep_overlap_chunks: int = 1,
+        launch_off_host: bool = True,
     ):
         if attention_wgrad_window is not None and attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(
@@ -352,6 +357,12 @@ class EPOverlapEngine:
         self.placement: WgradPlacement | None = None
         self.edge_pairing = edge_pairing
         self.moe_ep_overlap_chunks = moe_ep_overlap_chunks
+        self.launch_off_host = launch_off_host
+
+    def launches_off_host(self, device: torch.device) -> bool:
+        """Whether an overlapped step on ``device`` launches its all-to-alls off the host thread."""
+        allowed = all(getattr(layer, "exchange_splits_off_host", False) for c in self.chunks for layer in c.layers)
+        return self.launch_off_host and self.overlap and allowed and device.type == "cpu" and self.groups.ep_size > 1
 
     @classmethod
     def from_config(cls, model, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
@@ -390,18 +401,26 @@ class EPOverlapEngine:
         if not microbatches:
             raise ValueError("a step needs at least one microbatch")
         device = next(self.chunks[0].parameters()).device
-        lane = make_lane(self.groups, device, high_priority=self.high_priority_comm)
+        lane = make_lane(
+            self.groups, device, high_priority=self.high_priority_comm, launch_off_host=self.launches_off_host(device)
+        )
         normalizer = self._loss_token_count(microbatches, device, forward_only)
         placing = self.attention_wgrad_window is None and not forward_only
         start = time.perf_counter()
-        if forward_only:
-            # With overlap at PP = 1 the forwards run two by two, building no autograd graph.
-            with torch.no_grad():
-                overlap = self.overlap and self.groups.pp_size == 1
-                losses = self._run(microbatches, normalizer, lane, device, overlap=overlap, forward_only=True)
-        else:
-            # While placing, the plain path: the same numbers, and its records are the planner's costs.
-            losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap and not placing)
+        failed = True
+        try:
+            if forward_only:
+                # With overlap at PP = 1 the forwards run two by two, building no autograd graph.
+                with torch.no_grad():
+                    overlap = self.overlap and self.groups.pp_size == 1
+                    losses = self._run(microbatches, normalizer, lane, device, overlap=overlap, forward_only=True)
+            else:
+                # While placing, the plain path: the same numbers, and its records are the planner's costs.
+                losses = self._run(microbatches, normalizer, lane, device, overlap=self.overlap and not placing)
+            failed = False
+        finally:
+            lane.close(failed=failed)
+        if not forward_only:
             for chunk in self.chunks:
                 sync_grads(chunk, self.groups)
                 update_router_biases = getattr(chunk, "update_router_biases", None)
@@ -419,6 +438,7 @@ class EPOverlapEngine:
                 device,
                 edge_pairing=self.edge_pairing,
                 chunks=self.moe_ep_overlap_chunks,
+                launch_off_host=lane.launches_off_host,
             )
             self.attention_wgrad_window = self.placement.window
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)

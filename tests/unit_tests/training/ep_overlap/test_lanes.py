@@ -1,0 +1,120 @@
+"""The CPU lane that launches off the host: a launch waiting for its split sizes does not stop the host, every
+rank's all-to-alls still pair in program order, and a failed launch fails the later ones at once."""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from megatron.bridge.models.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.lanes import make_lane
+from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, init_ep_groups, single_process_groups
+
+from .workers import Case
+
+DELAY_S = 0.4
+
+
+def _rows(rank: int, op: int, splits: list[int]) -> torch.Tensor:
+    """Rows this rank sends in all-to-all ``op``: each row says (sender, op, destination)."""
+    dest = torch.repeat_interleave(torch.arange(len(splits)), torch.tensor(splits))
+    return torch.stack([torch.full_like(dest, rank), torch.full_like(dest, op), dest], dim=1).float()
+
+
+def _arriving(rank: int, op: int, send_splits_of) -> torch.Tensor:
+    """What ``rank`` receives in ``op``: from each sender in rank order, the rows addressed to it."""
+    sent = [_rows(src, op, send_splits_of(src)) for src in range(2)]
+    return torch.cat([rows[rows[:, 2] == rank] for rows in sent])
+
+
+def _slow_then_fast(rank: int, world: int) -> dict:
+    groups = init_ep_groups(2, timedelta(seconds=20))
+    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    # rank r sends 1 + r + d rows to rank d in op 0, and 2 rows everywhere in op 1
+    send0 = [1 + rank + d for d in range(world)]
+    recv0 = [1 + s + rank for s in range(world)]
+
+    def late_splits():  # the split sizes of op 0 take a while to be known, as a slower peer's would
+        time.sleep(DELAY_S)
+        return recv0, send0
+
+    lane.recorder.phase = "paired"
+    start = time.perf_counter()
+    (first,) = lane.launch(late_splits, [_rows(rank, 0, send0)], op="dispatch", layer=0, microbatch=1)
+    second = lane.all_to_all(_rows(rank, 1, [2, 2]), [2, 2], [2, 2], op="combine_bwd", layer=0, microbatch=0)
+    host_free_after = time.perf_counter() - start
+    lane.recorder.phase = "cooldown"
+    got1, got0 = second.wait(), first.wait()
+    lane.close()
+    clock = lane.recorder.clock
+    records = {
+        r.op: (r.phase, r.launch_host - start, clock.seconds(r.launch) - (start - clock.t0))
+        for r in lane.recorder.comm
+    }
+    return {"free_after": host_free_after, "got0": got0, "got1": got1, "records": records}
+
+
+def test_a_launch_waiting_for_its_splits_leaves_the_host_free_and_keeps_the_order():
+    outcomes = run_local_ranks(_slow_then_fast, 2)
+    for rank, outcome in enumerate(outcomes):
+        result = outcome.result
+        assert result["free_after"] < DELAY_S / 2, "the host waited for the split sizes"
+        # op 0 arrived whole from each sender, then op 1: the later launch did not overtake the earlier one
+        assert torch.equal(result["got0"], _arriving(rank, 0, lambda src: [1 + src + d for d in range(2)]))
+        assert torch.equal(result["got1"], _arriving(rank, 1, lambda src: [2, 2]))
+        # each launch is recorded when the host asked for it (in that phase) and when it really went out
+        phase, asked, launched = result["records"]["dispatch"]
+        assert phase == "paired" and asked < DELAY_S / 2 and launched >= DELAY_S
+        phase, asked, launched = result["records"]["combine_bwd"]
+        assert phase == "paired" and asked < DELAY_S / 2 and launched >= DELAY_S
+
+
+def _failed_launch(rank: int, world: int) -> dict:
+    groups = init_ep_groups(2, timedelta(seconds=20))
+    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+
+    def no_splits():
+        raise RuntimeError("the split sizes never came")
+
+    (first,) = lane.launch(no_splits, [torch.zeros(2, 3)], op="dispatch", layer=1, microbatch=2)
+    second = lane.all_to_all(torch.zeros(2, 3), [1, 1], [1, 1], op="combine", layer=1, microbatch=2)
+    errors = []
+    for pending in (first, second):
+        with pytest.raises(Exception) as caught:
+            pending.wait()
+        errors.append(f"{type(caught.value).__name__}: {caught.value}")
+    start = time.perf_counter()
+    lane.close(failed=True)
+    return {"errors": errors, "close_s": time.perf_counter() - start, "launched": len(lane.recorder.comm)}
+
+
+def test_a_failed_launch_fails_every_later_launch_of_the_step_at_once():
+    for outcome in run_local_ranks(_failed_launch, 2):
+        first, second = outcome.result["errors"]
+        assert first == "RuntimeError: the split sizes never came"
+        assert second.startswith(CollectiveError.__name__)
+        assert "layer1 combine (microbatch 2) not launched: layer1 dispatch (microbatch 2) failed" in second
+        assert outcome.result["launched"] == 0, "an all-to-all went out after a failed launch"
+        assert outcome.result["close_s"] < 1.0
+
+
+def test_without_a_peer_group_the_lane_launches_on_the_host():
+    groups = single_process_groups()
+    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    assert not lane.launches_off_host
+
+
+def test_the_engine_launches_off_host_on_cpu_where_every_layer_allows_it():
+    case = Case(layer_freq=(1, 0))
+    groups = EPGroups(2, 0, None, None, None, None, timedelta(seconds=5))
+    model = MoEGPTModel(case.config(), groups)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EPOverlapEngine(model, groups, overlap=True).launches_off_host(cpu)
+    assert not EPOverlapEngine(model, groups, overlap=True, launch_off_host=False).launches_off_host(cpu)
+    assert not EPOverlapEngine(model, groups, overlap=False).launches_off_host(cpu)
+    assert not EPOverlapEngine(model, groups, overlap=True).launches_off_host(cuda)
+    model.layers[1].exchange_splits_off_host = False  # a layer whose split exchange must stay on the host thread
+    assert not EPOverlapEngine(model, groups, overlap=True).launches_off_host(cpu)
