@@ -103,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument(
         "--launch_off_host",
         type=bool_arg,
-        default=True,
+        default=None,
         help="true/false: on CPU, launch the overlapped step's all-to-alls from one helper thread, so a dispatch "
-        "waiting for its split sizes (for the slower rank) does not stop the host (reference model; numerics "
-        "unchanged; default true)",
+        "waiting for its split sizes (for the slower rank) does not stop the host (numerics unchanged; default: "
+        "wherever it applies, i.e. the reference model on CPU)",
     )
     overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"

@@ -144,7 +144,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
             + (f", attention_wgrad_window={_window(args)}" if arm["delay_wgrad"] else "")
             + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
             + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
-            + (f", launch_off_host={args.launch_off_host}" if arm["overlap"] else "")
+            + (f", launch_off_host={_auto(args.launch_off_host)}" if arm["overlap"] else "")
         )
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
@@ -159,7 +159,7 @@ def specs_for(
     wgrad_window: int = 1,
     edge_pairing: bool = False,
     chunks: int = 1,
-    launch_off_host: bool = True,
+    launch_off_host: bool | None = None,
 ) -> list[ArmSpec]:
     """One spec per arm; the options of the overlap schedule go to the arms that run it."""
     return [
@@ -257,8 +257,12 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "attention_wgrad_window": _window(args),
         "edge_pairing": args.edge_pairing,
         "moe_ep_overlap_chunks": args.moe_ep_overlap_chunks,
-        "launch_off_host": args.launch_off_host,
+        "launch_off_host": _auto(args.launch_off_host),
     }
+
+
+def _auto(value: bool | None) -> bool | str:
+    return "auto" if value is None else value
 
 
 def _window(args) -> int | str:

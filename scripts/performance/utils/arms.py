@@ -34,7 +34,7 @@ class ArmSpec:
     attention_wgrad_window: int | None = 1  # None: auto (the engine's planner-driven placement)
     edge_pairing: bool = False
     moe_ep_overlap_chunks: int = 1
-    launch_off_host: bool = True
+    launch_off_host: bool | None = None  # None: wherever it applies
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):

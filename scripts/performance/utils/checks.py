@@ -180,6 +180,11 @@ def run_problems(
         problems.append("--predict compares the planner with a measured A/B: add --ab")
     if args.device == "cuda" and not cuda:
         problems.append("--device=cuda: no CUDA device is available on this host")
+    if args.launch_off_host and (on_cuda or args.model_impl == "mcore"):
+        problems.append(
+            f"--launch_off_host=true: it applies to the reference model on CPU, not to "
+            f"{'CUDA' if on_cuda else 'the Megatron-Core model'}; drop it (used wherever it applies) or give false"
+        )
     if args.model_impl == "mcore" and not (cuda and args.device != "cpu"):
         problems.append(
             "--model_impl=mcore runs Megatron-Core layers, which need CUDA (on CPU they run only under the test "

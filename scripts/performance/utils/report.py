@@ -54,6 +54,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
         "attention_wgrad_window": per_rank[0].get("attention_wgrad_window"),  # as run (auto: as chosen)
+        "launch_off_host": per_rank[0].get("launch_off_host"),  # as run (auto: whether it applied)
         "exposed_comm_s_by_phase": _exposed_breakdown(per_rank, warmup),
         "timeline": {r["rank"]: r["timeline"] for r in per_rank},
         "records": {r["rank"]: r["records"] for r in per_rank},

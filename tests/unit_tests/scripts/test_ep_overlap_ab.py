@@ -196,6 +196,9 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
     assert "losses and final parameters bitwise equal: yes" in out
     assert "planner (fed the baseline's records): baseline" in out
     result = json.loads(json_path.read_text())
+    assert result["config"]["launch_off_host"] == "auto"
+    assert result["arms"]["overlap"]["launch_off_host"] is True  # auto: the reference model on CPU
+    assert result["arms"]["baseline"]["launch_off_host"] is False
     prediction = result["prediction"]
     assert prediction["baseline_step_s"] > 0 and prediction["overlap_step_s"] > 0
     assert {"warmup", "paired", "cooldown"} <= set(prediction["exposed_comm_s_by_phase"])
@@ -313,6 +316,16 @@ def test_arms_alternate_abba():
         ["baseline", "overlap"],
         ["overlap", "baseline"],
     ]
+
+
+def test_launching_off_the_host_where_it_cannot_apply_is_one_line():
+    args = parse_cli_args(TINY + ["--device", "cuda", "--launch_off_host", "true"])
+    (problem,) = run_problems(args, world=2, expert_parallel=2, torchrun=False, gpus=2)
+    assert problem.startswith("--launch_off_host=true: it applies to the reference model on CPU, not to CUDA;")
+    for value in ("false", None):
+        flags = ["--launch_off_host", value] if value else []
+        args = parse_cli_args(TINY + ["--device", "cuda", *flags])
+        assert run_problems(args, world=2, expert_parallel=2, torchrun=False, gpus=2) == []
 
 
 def test_nccl_needs_a_gpu_per_rank_and_gloo_lifts_that():

@@ -113,8 +113,26 @@ def test_the_engine_launches_off_host_on_cpu_where_every_layer_allows_it():
     model = MoEGPTModel(case.config(), groups)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert EPOverlapEngine(model, groups, overlap=True).launches_off_host(cpu)
+    assert EPOverlapEngine(model, groups, overlap=True, launch_off_host=True).launches_off_host(cpu)
     assert not EPOverlapEngine(model, groups, overlap=True, launch_off_host=False).launches_off_host(cpu)
     assert not EPOverlapEngine(model, groups, overlap=False).launches_off_host(cpu)
     assert not EPOverlapEngine(model, groups, overlap=True).launches_off_host(cuda)
     model.layers[1].exchange_splits_off_host = False  # a layer whose split exchange must stay on the host thread
     assert not EPOverlapEngine(model, groups, overlap=True).launches_off_host(cpu)
+
+
+@pytest.mark.parametrize(
+    "overlap, layer_allows, message",
+    [
+        (False, True, "launch_off_host=True: it launches the overlapped schedule's all-to-alls, and overlap is off"),
+        (True, False, "launch_off_host=True: a layer of this model does not allow its split exchange off the host"),
+    ],
+)
+def test_insisting_on_launching_off_the_host_where_it_cannot_apply_is_an_error(overlap, layer_allows, message):
+    groups = EPGroups(2, 0, None, None, None, None, timedelta(seconds=5))
+    model = MoEGPTModel(Case(layer_freq=(1,)).config(), groups)
+    model.layers[0].exchange_splits_off_host = layer_allows
+    with pytest.raises(ValueError) as caught:
+        EPOverlapEngine(model, groups, overlap=overlap, launch_off_host=True)
+    assert str(caught.value).startswith(message)
+    assert str(caught.value).endswith("leave it None (where it applies) or set it False")

@@ -125,7 +125,7 @@ def train_arms(rank: int, world: int, case: Case) -> dict:
             attention_wgrad_window={"delayed_window2": 2, "delayed_auto": None}.get(arm, 1),
             edge_pairing=arm.endswith("_edges"),
             moe_ep_overlap_chunks=2 if arm.endswith("chunks") else 1,
-            launch_off_host=not arm.endswith("_onhost"),
+            launch_off_host=False if arm.endswith("_onhost") else None,
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, records = [], [], None

@@ -303,8 +303,9 @@ class EPOverlapEngine:
             microbatch's loss and gradients are summed from two halves. 1 (the default) is off.
         launch_off_host: On CPU, with overlap, launch every all-to-all of a step from one helper thread in program
             order (``lanes.py``), so a dispatch waiting for its split sizes, i.e. for the slower rank, does not
-            stop the host. Applies where every layer allows it (``exchange_splits_off_host``: the reference
-            model's layers do, the Megatron-Core adapter's do not); numerics are unchanged. On by default.
+            stop the host. It needs every layer to allow it (``exchange_splits_off_host``: the reference model's
+            layers do, the Megatron-Core adapter's do not). None (the default) uses it wherever it applies, False
+            never, True insists (an error where it cannot apply). Numerics are unchanged.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
@@ -323,7 +324,7 @@ class EPOverlapEngine:
         attention_wgrad_window: int = 1,
         edge_pairing: bool = False,
         moe_ep_overlap_chunks: int = 1,
-        launch_off_host: bool = True,
+        launch_off_host: bool | None = None,
     ):
         if attention_wgrad_window is not None and attention_wgrad_window not in WGRAD_WINDOWS:
             raise ValueError(
@@ -358,11 +359,25 @@ class EPOverlapEngine:
         self.edge_pairing = edge_pairing
         self.moe_ep_overlap_chunks = moe_ep_overlap_chunks
         self.launch_off_host = launch_off_host
+        if launch_off_host:
+            device = next(self.chunks[0].parameters()).device
+            why = self._why_not_off_host(device)
+            if why:
+                raise ValueError(f"launch_off_host=True: {why}; leave it None (where it applies) or set it False")
+
+    def _why_not_off_host(self, device: torch.device) -> str | None:
+        if not self.overlap:
+            return "it launches the overlapped schedule's all-to-alls, and overlap is off"
+        if device.type != "cpu":
+            return f"it is the CPU lane's; this model is on {device.type}"
+        if not all(getattr(layer, "exchange_splits_off_host", False) for c in self.chunks for layer in c.layers):
+            return "a layer of this model does not allow its split exchange off the host (exchange_splits_off_host)"
+        return None
 
     def launches_off_host(self, device: torch.device) -> bool:
         """Whether an overlapped step on ``device`` launches its all-to-alls off the host thread."""
-        allowed = all(getattr(layer, "exchange_splits_off_host", False) for c in self.chunks for layer in c.layers)
-        return self.launch_off_host and self.overlap and allowed and device.type == "cpu" and self.groups.ep_size > 1
+        wanted = self.launch_off_host is not False and self.groups.ep_size > 1
+        return wanted and self._why_not_off_host(device) is None
 
     @classmethod
     def from_config(cls, model, groups: EPGroups, **kwargs) -> "EPOverlapEngine":
