@@ -157,10 +157,6 @@ class _Sim:
         if arrival is not None:
             self._wait_until(arrival)
 
-    def exchange(self, nbytes: float) -> None:
-        """The split-size exchange as a blocking round trip."""
-        self.exchange_wait(self.exchange_start(nbytes))
-
     def launch(
         self,
         key: tuple[str, int, int],
@@ -172,11 +168,9 @@ class _Sim:
         """An all-to-all of ``nbytes`` (after its split-size exchange, unless that ran before; off the host, not
         before ``not_before``)."""
         if split_exchange:
-            arrival = self.exchange_start(nbytes)
-            if self.launch_off_host:
-                not_before = arrival
-            else:
-                self.exchange_wait(arrival)
+            not_before = self.exchange_start(nbytes)
+            if not self.launch_off_host:
+                self.exchange_wait(not_before)
         if nbytes <= 0:  # a dense layer: nothing crosses the link
             self.arrived[key] = self.host
             return
