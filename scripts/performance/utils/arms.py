@@ -64,6 +64,18 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def host_thread_times() -> tuple[float, float] | None:
+    """(seconds on a core, seconds runnable but waiting for a core) of the calling thread so far, from Linux's
+    schedstat; None where it is not available. The second is the overlap tax of CPU communication made visible:
+    gloo's and the kernel's work preempting the host's compute instead of filling its idle waits."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_core_ns, waiting_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_core_ns) / 1e9, int(waiting_ns) / 1e9
+
+
 def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     """A Megatron-Core GPTModel (local specs) from the recipe's config, on this rank's GPU, and its EP groups."""
     from megatron.core import parallel_state
@@ -131,6 +143,7 @@ class _Arm:
         )
         self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
+        self.host_waited: list[float] = []  # per step: the host thread runnable but not on a core (Linux)
         self.peak_mb, self.timeline, self.records = 0.0, None, []
 
     def step(self, step: int) -> None:
@@ -139,6 +152,7 @@ class _Arm:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()  # start every step together
+        host_before = host_thread_times()
         start = time.perf_counter()
         result = self.engine.step(data)
         self.optimizer.step()
@@ -146,6 +160,9 @@ class _Arm:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.step_times.append(time.perf_counter() - start)
+        host_after = host_thread_times()
+        if host_before is not None and host_after is not None:
+            self.host_waited.append(host_after[1] - host_before[1])
         self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
         # Only the last pipeline stage has losses.
         loss = torch.stack(result.losses).sum().reshape(1) if result.losses else torch.zeros(1, device=device)
@@ -177,6 +194,7 @@ class _Arm:
             "loss_bits": self.loss_bits,
             "comm_s": self.comm,
             "exposed_comm_s": self.exposed,
+            "host_waited_for_core_s": self.host_waited or None,
             "timeline": self.timeline,
             "records": self.records,
             "peak_memory_mb": self.peak_mb,

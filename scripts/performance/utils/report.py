@@ -43,6 +43,10 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
     median = statistics.median(steady)
     comm_median = statistics.median(_steady(comm, warmup))
     exposed_median = statistics.median(_steady(exposed, warmup))
+    waited = None
+    if all(r.get("host_waited_for_core_s") for r in per_rank):
+        per_step = [statistics.fmean(r["host_waited_for_core_s"][s] for r in per_rank) for s in range(steps)]
+        waited = statistics.median(_steady(per_step, warmup))
     return {
         "step_times_s": step_times,
         "median_step_time_s": median,
@@ -53,6 +57,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "exposed_comm_s": exposed_median,
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
+        "host_waited_for_core_s": waited,  # None where the OS does not report it
         "attention_wgrad_window": per_rank[0].get("attention_wgrad_window"),  # as run (auto: as chosen)
         "launch_off_host": per_rank[0].get("launch_off_host"),  # as run (auto: whether it applied)
         "exposed_comm_s_by_phase": _exposed_breakdown(per_rank, warmup),
@@ -90,7 +95,12 @@ ROWS = (
     ("exposed comm / step (s)", "exposed_comm_s", "{:.3f}"),
     ("overlap fraction", "overlap_fraction", "{:.2f}"),
     ("peak memory (MB)", "peak_memory_mb", "{:,.0f}"),
+    ("host waited for a core (s)", "host_waited_for_core_s", "{:.3f}"),
 )
+
+
+def _cell(value, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -98,7 +108,7 @@ def format_table(summary: dict[str, Any]) -> str:
     names = list(arms)
     lines = [summary["title"], f"{'':28}" + "".join(f"{name:>14}" for name in names)]
     for label, key, fmt in ROWS:
-        lines.append(f"{label:28}" + "".join(f"{fmt.format(arms[n][key]):>14}" for n in names))
+        lines.append(f"{label:28}" + "".join(f"{_cell(arms[n].get(key), fmt):>14}" for n in names))
     if "numerics" in summary:
         numerics = summary["numerics"]
         expected = numerics.get("expected_bitwise", True)

@@ -211,6 +211,13 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
         assert len(data["step_times_s"]) == 3 and len(data["losses"]) == 3
         for key in ("median_step_time_s", "comm_s", "exposed_comm_s"):
             assert isinstance(data[key], float) and data[key] >= 0
+        waited = data["host_waited_for_core_s"]  # Linux reports it; elsewhere it is None and the table says n/a
+        assert (
+            (isinstance(waited, float) and 0 <= waited < data["median_step_time_s"])
+            if sys.platform == "linux"
+            else waited is None
+        )
+    assert "host waited for a core (s)" in out
     assert result["arms"]["baseline"]["losses"] == result["arms"]["overlap"]["losses"]
     assert result["arms"]["baseline"]["timeline"]["0"]["compute"], "the baseline arm records its compute too"
     for key in ("speedup", "h"):

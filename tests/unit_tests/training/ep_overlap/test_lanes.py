@@ -1,6 +1,8 @@
 """The CPU lane that launches off the host: a launch waiting for its split sizes does not stop the host, every
-rank's all-to-alls still pair in program order, and a failed launch fails the later ones at once."""
+rank's all-to-alls still pair in program order, only what queues behind a waiting launch wakes the helper, and
+a failed launch fails the later ones at once."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -70,6 +72,44 @@ def test_a_launch_waiting_for_its_splits_leaves_the_host_free_and_keeps_the_orde
         assert phase == "paired" and asked < DELAY_S / 2 and launched >= DELAY_S
         phase, asked, launched = result["records"]["combine_bwd"]
         assert phase == "paired" and asked < DELAY_S / 2 and launched >= DELAY_S
+
+
+def _who_launches(rank: int, world: int) -> dict:
+    from megatron.bridge.training.ep_overlap import lanes
+
+    groups = init_ep_groups(2, timedelta(seconds=20))
+    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    launched_by = []
+    real = lanes.dist.all_to_all_single
+
+    def noting_the_thread(*args, **kwargs):
+        launched_by.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    lanes.dist.all_to_all_single = noting_the_thread
+
+    def late_splits():
+        time.sleep(DELAY_S)
+        return [2, 2], [2, 2]
+
+    def rows(op: int) -> torch.Tensor:
+        return _rows(rank, op, [2, 2])
+
+    got = [lane.all_to_all(rows(0), [2, 2], [2, 2], op="combine_bwd", layer=0, microbatch=0).wait()]
+    (waiting,) = lane.launch(late_splits, [rows(1)], op="dispatch", layer=0, microbatch=1)
+    behind = lane.all_to_all(rows(2), [2, 2], [2, 2], op="dispatch_bwd", layer=0, microbatch=0)
+    got += [waiting.wait(), behind.wait()]
+    got.append(lane.all_to_all(rows(3), [2, 2], [2, 2], op="combine", layer=1, microbatch=1).wait())
+    lane.close()
+    return {"on_host": launched_by, "got": got}
+
+
+def test_with_nothing_queued_on_the_helper_an_all_to_all_goes_out_from_the_host():
+    for rank, outcome in enumerate(run_local_ranks(_who_launches, 2)):
+        # first: nothing ahead; then one waiting for its split sizes and one behind it; then nothing ahead again
+        assert outcome.result["on_host"] == [True, False, False, True]
+        for op, got in enumerate(outcome.result["got"]):
+            assert torch.equal(got, _arriving(rank, op, lambda src: [2, 2]))
 
 
 def _failed_launch(rank: int, world: int) -> dict:

@@ -9,7 +9,9 @@ and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer
   all-to-all of the step is launched from one helper thread, in the order the host asked for them, so a launch
   that must first wait (a dispatch waits for its split sizes, i.e. for the slower rank) no longer stops the host:
   it computes the other microbatch meanwhile. One thread keeps every rank's launch order the program order,
-  which is what matches collectives across ranks.
+  which is what matches collectives across ranks. An all-to-all with known split sizes asked for while the
+  helper has nothing queued or running goes out from the host at once: the order is the same, and the helper
+  is not woken (a wake-up preempts compute on a CPU with no spare core).
 * CUDA: compute runs on the current stream; all-to-alls run on one dedicated comm stream (optionally high
   priority). Each microbatch has one event chain: a compute node records the microbatch's event when it
   ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's end
@@ -142,6 +144,7 @@ class CpuLane(_Lane):
         super().__init__(groups, recorder)
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ep-a2a-launch") if launch_off_host else None
         self._failed: str | None = None
+        self._last_job = None  # the launch job submitted last; the helper runs jobs in order
         self.launches_off_host = self._launcher is not None
 
     def launch(self, splits: Splits, tensors: list[torch.Tensor], *, op: str, layer: int, microbatch: int):
@@ -150,6 +153,7 @@ class CpuLane(_Lane):
         name = f"layer{layer} {op} (microbatch {microbatch})"
         asked = (self.recorder.phase, time.perf_counter())
         job = self._launcher.submit(self._launch_job, splits, tensors, op, layer, microbatch, asked)
+        self._last_job = job
         return [_LaunchedLater(job, i, name, self.groups.timeout) for i in range(len(tensors))]
 
     def _launch_job(self, splits: Splits, tensors, op: str, layer: int, microbatch: int, asked: tuple[str, float]):
@@ -169,9 +173,15 @@ class CpuLane(_Lane):
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
     ) -> Pending:
-        if self._launcher is not None:
+        if self._launcher is not None and not self._helper_idle():
             return self.launch(lambda: (out_splits, in_splits), [x], op=op, layer=layer, microbatch=microbatch)[0]
         return self._start(x, out_splits, in_splits, op, layer, microbatch)
+
+    def _helper_idle(self) -> bool:
+        """No launch is queued or running on the helper, and none failed: an all-to-all whose split sizes are known
+        can then go out from the host at once, in program order still, without waking the helper (on 2 cores a
+        wake-up preempts compute)."""
+        return self._failed is None and (self._last_job is None or self._last_job.done())
 
     def _start(
         self,
