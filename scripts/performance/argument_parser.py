@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--launch_off_host",
         type=bool_arg,
         default=None,
-        help="true/false: on CPU, launch the overlapped step's all-to-alls from one helper thread, so a dispatch "
-        "waiting for its split sizes (for the slower rank) does not stop the host (numerics unchanged; default: "
-        "wherever it applies, i.e. the reference model on CPU)",
+        help="true/false: on CPU, launch the overlapped step's all-to-alls through one helper thread (in program "
+        "order) whenever one must wait, so a dispatch waiting for its split sizes (for the slower rank) does not "
+        "stop the host (numerics unchanged; default: wherever it applies, i.e. the reference model on CPU)",
     )
     overlap.add_argument(
         "--moe_flex_dispatcher_backend", type=backend_arg, default=None, help="deepep, hybridep, ncclep or None"

@@ -134,8 +134,9 @@ class _Lane:
 class CpuLane(_Lane):
     """gloo async all-to-all; the host computes while gloo's threads move the data.
 
-    With ``launch_off_host`` every all-to-all is launched by one helper thread in the order asked for, and a
-    launch's ``splits()`` runs there too, so it must touch nothing the host thread uses meanwhile (the reference
+    With ``launch_off_host`` all-to-alls are launched by one helper thread in the order asked for (except one
+    with known split sizes when the helper is idle: that goes out from the host), and a launch's ``splits()``
+    runs there too, so it must touch nothing the host thread uses meanwhile (the reference
     layer's split exchange reads its routing and the EP metadata group only). A launch that fails makes every
     later one of the step fail at once, instead of pairing with a different all-to-all of the peer.
     """

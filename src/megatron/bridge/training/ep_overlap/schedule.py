@@ -301,11 +301,12 @@ class EPOverlapEngine:
         moe_ep_overlap_chunks: 2 splits each microbatch that would run alone (the first and the last; PP = 1) in
             two halves along the batch and runs them as a pair (``chunking.py``). Not bitwise: a chunked
             microbatch's loss and gradients are summed from two halves. 1 (the default) is off.
-        launch_off_host: On CPU, with overlap, launch every all-to-all of a step from one helper thread in program
-            order (``lanes.py``), so a dispatch waiting for its split sizes, i.e. for the slower rank, does not
-            stop the host. It needs every layer to allow it (``exchange_splits_off_host``: the reference model's
-            layers do, the Megatron-Core adapter's do not). None (the default) uses it wherever it applies, False
-            never, True insists (an error where it cannot apply). Numerics are unchanged.
+        launch_off_host: On CPU, with overlap, launch a step's all-to-alls in program order from one helper
+            thread whenever one must wait or queue behind one that waits (``lanes.py``), so a dispatch waiting for
+            its split sizes, i.e. for the slower rank, does not stop the host. It needs every layer to allow it
+            (``exchange_splits_off_host``: the reference model's layers do, the Megatron-Core adapter's do not).
+            None (the default) uses it wherever it applies, False never, True insists (an error where it cannot
+            apply). Numerics are unchanged.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule (same error as ``setup``).
