@@ -64,16 +64,16 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def host_thread_times() -> tuple[float, float] | None:
-    """(seconds on a core, seconds runnable but waiting for a core) of the calling thread so far, from Linux's
-    schedstat; None where it is not available. The second is the overlap tax of CPU communication made visible:
-    gloo's and the kernel's work preempting the host's compute instead of filling its idle waits."""
+def host_waited_for_core_s() -> float | None:
+    """Seconds the calling thread has so far been ready to run but waited for a core (Linux's schedstat); None
+    where it is not available. On a CPU with no spare core this is the overlap tax of CPU communication made
+    visible: gloo's and the kernel's work preempting the host's compute instead of filling its idle waits."""
     try:
         with open("/proc/thread-self/schedstat") as f:
-            on_core_ns, waiting_ns, _ = f.read().split()
+            _, waiting_ns, _ = f.read().split()
     except (OSError, ValueError):
         return None
-    return int(on_core_ns) / 1e9, int(waiting_ns) / 1e9
+    return int(waiting_ns) / 1e9
 
 
 def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
@@ -152,7 +152,7 @@ class _Arm:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         dist.barrier()  # start every step together
-        host_before = host_thread_times()
+        waited_before = host_waited_for_core_s()
         start = time.perf_counter()
         result = self.engine.step(data)
         self.optimizer.step()
@@ -160,9 +160,9 @@ class _Arm:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.step_times.append(time.perf_counter() - start)
-        host_after = host_thread_times()
-        if host_before is not None and host_after is not None:
-            self.host_waited.append(host_after[1] - host_before[1])
+        waited_after = host_waited_for_core_s()
+        if waited_before is not None and waited_after is not None:
+            self.host_waited.append(waited_after - waited_before)
         self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
         # Only the last pipeline stage has losses.
         loss = torch.stack(result.losses).sum().reshape(1) if result.losses else torch.zeros(1, device=device)

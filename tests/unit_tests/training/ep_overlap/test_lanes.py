@@ -86,8 +86,6 @@ def _who_launches(rank: int, world: int) -> dict:
         launched_by.append(threading.current_thread() is threading.main_thread())
         return real(*args, **kwargs)
 
-    lanes.dist.all_to_all_single = noting_the_thread
-
     def late_splits():
         time.sleep(DELAY_S)
         return [2, 2], [2, 2]
@@ -95,12 +93,16 @@ def _who_launches(rank: int, world: int) -> dict:
     def rows(op: int) -> torch.Tensor:
         return _rows(rank, op, [2, 2])
 
-    got = [lane.all_to_all(rows(0), [2, 2], [2, 2], op="combine_bwd", layer=0, microbatch=0).wait()]
-    (waiting,) = lane.launch(late_splits, [rows(1)], op="dispatch", layer=0, microbatch=1)
-    behind = lane.all_to_all(rows(2), [2, 2], [2, 2], op="dispatch_bwd", layer=0, microbatch=0)
-    got += [waiting.wait(), behind.wait()]
-    got.append(lane.all_to_all(rows(3), [2, 2], [2, 2], op="combine", layer=1, microbatch=1).wait())
-    lane.close()
+    lanes.dist.all_to_all_single = noting_the_thread
+    try:
+        got = [lane.all_to_all(rows(0), [2, 2], [2, 2], op="combine_bwd", layer=0, microbatch=0).wait()]
+        (waiting,) = lane.launch(late_splits, [rows(1)], op="dispatch", layer=0, microbatch=1)
+        behind = lane.all_to_all(rows(2), [2, 2], [2, 2], op="dispatch_bwd", layer=0, microbatch=0)
+        got += [waiting.wait(), behind.wait()]
+        got.append(lane.all_to_all(rows(3), [2, 2], [2, 2], op="combine", layer=1, microbatch=1).wait())
+        lane.close()
+    finally:
+        lanes.dist.all_to_all_single = real
     return {"on_host": launched_by, "got": got}
 
 

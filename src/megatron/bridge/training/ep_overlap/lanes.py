@@ -136,9 +136,9 @@ class CpuLane(_Lane):
 
     With ``launch_off_host`` all-to-alls are launched by one helper thread in the order asked for (except one
     with known split sizes when the helper is idle: that goes out from the host), and a launch's ``splits()``
-    runs there too, so it must touch nothing the host thread uses meanwhile (the reference
-    layer's split exchange reads its routing and the EP metadata group only). A launch that fails makes every
-    later one of the step fail at once, instead of pairing with a different all-to-all of the peer.
+    runs there too, so it must touch nothing the host thread uses meanwhile (the reference layer's split
+    exchange reads its routing and the EP metadata group only). A launch that fails makes every later one of the
+    step fail at once, instead of pairing with a different all-to-all of the peer.
     """
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, launch_off_host: bool = False):
