@@ -141,7 +141,7 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         lines.append(
             f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
             f"delay_wgrad_compute={arm['delay_wgrad']}"
-            + (f", attention_wgrad_window={_window(args)}" if arm["delay_wgrad"] else "")
+            + (f", attention_wgrad_window={_auto(args.attention_wgrad_window)}" if arm["delay_wgrad"] else "")
             + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
             + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
             + (f", launch_off_host={_auto(args.launch_off_host)}" if arm["overlap"] else "")
@@ -254,19 +254,16 @@ def run_config(recipe: RecipeConfig, args, device: str, world: int) -> dict:
         "world_size": world,
         "device": device,
         "link_gbps": args.link_gbps,
-        "attention_wgrad_window": _window(args),
+        "attention_wgrad_window": _auto(args.attention_wgrad_window),
         "edge_pairing": args.edge_pairing,
         "moe_ep_overlap_chunks": args.moe_ep_overlap_chunks,
         "launch_off_host": _auto(args.launch_off_host),
     }
 
 
-def _auto(value: bool | None) -> bool | str:
+def _auto(value: bool | int | None) -> bool | int | str:
+    """A setting as the report shows it: None (let the engine decide) is "auto"."""
     return "auto" if value is None else value
-
-
-def _window(args) -> int | str:
-    return "auto" if args.attention_wgrad_window is None else args.attention_wgrad_window
 
 
 def _pipeline(model) -> tuple[int, int]:
