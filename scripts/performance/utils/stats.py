@@ -54,7 +54,41 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
             "baseline": median_ci(step_series(baseline, "exposed_comm_s", _mean)[warmup:]),
             "overlap": median_ci(step_series(overlap, "exposed_comm_s", _mean)[warmup:]),
         },
+        "h_lost": h_lost(baseline, overlap, warmup),
     }
+
+
+def h_lost(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[str, Any] | None:
+    """Where the hideable time that overlap did not hide went, as shares of T_comm, per compute-bound step.
+
+    A compute-bound step (T_comm <= T_compute) would ideally take T_compute, so 1 - h = (T_overlap - T_compute) /
+    T_comm, which splits into: the overlap arm's exposed comm; how much longer its host waited for a core than the
+    baseline's (where both arms measured it: communication taking CPU from compute, which the baseline's idle waits
+    absorb); and the rest (compute that ran slower or faster than the baseline's beyond that, skew between ranks).
+    The parts add up to 1 - h step by step, not their medians. ``None`` when no steady step is compute-bound.
+    """
+    base, over = step_series(baseline, "step_times_s")[warmup:], step_series(overlap, "step_times_s")[warmup:]
+    comm = step_series(baseline, "comm_s", _mean)[warmup:]
+    exposed = step_series(overlap, "exposed_comm_s", _mean)[warmup:]
+    waits = all(r.get("host_waited_for_core_s") for r in baseline + overlap)
+    extra_wait = [0.0] * len(comm)
+    if waits:
+        waited = [step_series(arm, "host_waited_for_core_s", _mean)[warmup:] for arm in (baseline, overlap)]
+        extra_wait = [o - b for b, o in zip(*waited)]
+    parts: dict[str, list[float]] = {"exposed_comm": [], "waited_for_core": [], "rest": []}
+    for b, o, c, e, w in zip(base, over, comm, exposed, extra_wait):
+        if not 0 < c <= b - c:
+            continue
+        parts["exposed_comm"].append(e / c)
+        parts["waited_for_core"].append(w / c)
+        parts["rest"].append((o - (b - c) - e - w) / c)
+    if not parts["rest"]:
+        return None
+    lost = {name: median_ci(values) for name, values in parts.items()}
+    if not waits:
+        lost["waited_for_core"] = None
+    lost["steps"] = len(parts["rest"])
+    return lost
 
 
 def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
@@ -72,10 +106,20 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
             f"speedup (matched per-step ratio, median of {matched['steady_steps']} steps): {ci(speedup, '{:.3f}x')}"
         )
     exposed = matched["exposed_comm_s"]
-    return [
+    lines = [
         first,
         f"hidden fraction h of the hideable time: {ci(matched['h'], '{:.2f}')} "
         f"(pairing bound {bound:.3f}: the share of forwards that run beside another microbatch)",
         f"exposed comm / step (s): baseline {ci(exposed['baseline'], '{:.3f}')}, "
         f"overlap {ci(exposed['overlap'], '{:.3f}')}",
     ]
+    lost = matched.get("h_lost")
+    if lost:
+        wait = lost["waited_for_core"]
+        lines.append(
+            f"1 - h, split into shares of T_comm (median of {lost['steps']} compute-bound steps): exposed comm "
+            f"{ci(lost['exposed_comm'], '{:.2f}')}"
+            + (f", the host's extra wait for a core {ci(wait, '{:.2f}')}" if wait else "")
+            + f", the rest {ci(lost['rest'], '{:.2f}')}"
+        )
+    return lines

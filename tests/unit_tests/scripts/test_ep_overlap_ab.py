@@ -218,6 +218,9 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
             else waited is None
         )
     assert "host waited for a core (s)" in out
+    lost = result["h_lost"]  # loopback all-to-all is far shorter than compute: every step is compute-bound
+    assert lost["steps"] == result["steady_steps"] and "1 - h, split into shares of T_comm" in out
+    assert (lost["waited_for_core"] is not None) == (sys.platform == "linux")
     assert result["arms"]["baseline"]["losses"] == result["arms"]["overlap"]["losses"]
     assert result["arms"]["baseline"]["timeline"]["0"]["compute"], "the baseline arm records its compute too"
     for key in ("speedup", "h"):
@@ -282,8 +285,8 @@ def test_ab_under_torchrun_on_cpu(tmp_path):
     assert json.loads(json_path.read_text())["numerics"]["bitwise_equal"] is True
 
 
-def _arm(step_times, comm, exposed):
-    return {"step_times_s": step_times, "comm_s": comm, "exposed_comm_s": exposed}
+def _arm(step_times, comm, exposed, waited=None):
+    return {"step_times_s": step_times, "comm_s": comm, "exposed_comm_s": exposed, "host_waited_for_core_s": waited}
 
 
 def test_matched_statistics_pair_steps_and_bound_the_median():
@@ -300,6 +303,36 @@ def test_matched_statistics_pair_steps_and_bound_the_median():
     hidden = [(4.1 - 3.2) / 1, (4.2 - 3.2) / 1, (4.1 - 3.3) / 1, (4.3 - 3.2) / 1]
     assert matched["h"]["median"] == pytest.approx(sorted(hidden)[1] / 2 + sorted(hidden)[2] / 2)
     assert matched["exposed_comm_s"]["overlap"] == {"median": 0.2, "ci95": [0.2, 0.2]}
+
+
+def test_what_h_missed_splits_into_exposed_comm_the_extra_wait_for_a_core_and_the_rest():
+    # Compute-bound steps (T_comm 1 s of a 4 s baseline step): overlap could take 3 s and takes 3.2 s. Of the
+    # 0.2 s, rank means: 0.1 s is exposed comm and 0.05 s more waiting for a core than in the baseline.
+    baseline = [_arm([9, 4, 4, 4], [1] * 4, [1] * 4, [0, 0.1, 0.1, 0.1])] * 2
+    overlap = [
+        _arm([9, 3.2, 3.2, 3.1], [1] * 4, [0, 0.12, 0.12, 0.12], [0, 0.16, 0.16, 0.16]),
+        _arm([9, 3.1, 3.1, 3.2], [1] * 4, [0, 0.08, 0.08, 0.08], [0, 0.14, 0.14, 0.14]),
+    ]
+    matched = matched_ab(baseline, overlap, warmup=1)
+    assert matched["h"]["median"] == pytest.approx(0.8)
+    lost = matched["h_lost"]
+    assert lost["steps"] == 3
+    for part, share in (("exposed_comm", 0.1), ("waited_for_core", 0.05), ("rest", 0.05)):
+        assert lost[part]["median"] == pytest.approx(share)
+    assert describe_matched(matched, 1.0)[-1] == (
+        "1 - h, split into shares of T_comm (median of 3 compute-bound steps): exposed comm 0.10 [95% CI 0.10, "
+        "0.10], the host's extra wait for a core 0.05 [95% CI 0.05, 0.05], the rest 0.05 [95% CI 0.05, 0.05]"
+    )
+    # Where the OS does not report the wait, the rest holds it.
+    baseline, overlap = ([{**rank, "host_waited_for_core_s": None} for rank in arm] for arm in (baseline, overlap))
+    unmeasured = matched_ab(baseline, overlap, warmup=1)
+    assert unmeasured["h_lost"]["waited_for_core"] is None
+    assert unmeasured["h_lost"]["rest"]["median"] == pytest.approx(0.1)
+    assert "wait for a core" not in describe_matched(unmeasured, 1.0)[-1]
+    # A comm-bound run has no such split: its ideal step is T_comm, not T_compute.
+    comm_bound = matched_ab([_arm([9, 3, 3], [2] * 3, [2] * 3)], [_arm([9, 2.2, 2.2], [2] * 3, [0.1] * 3)], warmup=1)
+    assert comm_bound["h_lost"] is None
+    assert not describe_matched(comm_bound, 1.0)[-1].startswith("1 - h")
 
 
 def test_an_interval_across_one_is_no_measurable_difference():
