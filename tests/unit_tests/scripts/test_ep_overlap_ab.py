@@ -218,9 +218,11 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
             else waited is None
         )
     assert "host waited for a core (s)" in out
-    lost = result["h_lost"]  # loopback all-to-all is far shorter than compute: every step is compute-bound
-    assert lost["steps"] == result["steady_steps"] and "1 - h, split into shares of T_comm" in out
-    assert (lost["waited_for_core"] is not None) == (sys.platform == "linux")
+    lost = result["h_lost"]  # the split of 1 - h covers the compute-bound steps; on a loaded machine there may be none
+    assert ("1 - h, split into shares of T_comm" in out) == (lost is not None)
+    if lost is not None:
+        assert 1 <= lost["steps"] <= result["steady_steps"]
+        assert (lost["waited_for_core"] is not None) == (sys.platform == "linux")
     assert result["arms"]["baseline"]["losses"] == result["arms"]["overlap"]["losses"]
     assert result["arms"]["baseline"]["timeline"]["0"]["compute"], "the baseline arm records its compute too"
     for key in ("speedup", "h"):
