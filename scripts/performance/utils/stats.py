@@ -39,6 +39,11 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
     """
     base, over = step_series(baseline, "step_times_s")[warmup:], step_series(overlap, "step_times_s")[warmup:]
     comm = step_series(baseline, "comm_s", _mean)[warmup:]
+    exposed = step_series(overlap, "exposed_comm_s", _mean)[warmup:]
+    extra_wait = None
+    if all(r.get("host_waited_for_core_s") for r in baseline + overlap):
+        waited = [step_series(arm, "host_waited_for_core_s", _mean)[warmup:] for arm in (baseline, overlap)]
+        extra_wait = [o - b for b, o in zip(*waited)]
     ratios = [b / o for b, o in zip(base, over)]
     hidden = [(b - o) / min(b - c, c) for b, o, c in zip(base, over, comm)]
     speedup = median_ci(ratios)
@@ -52,31 +57,27 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
         "h": median_ci(hidden),
         "exposed_comm_s": {
             "baseline": median_ci(step_series(baseline, "exposed_comm_s", _mean)[warmup:]),
-            "overlap": median_ci(step_series(overlap, "exposed_comm_s", _mean)[warmup:]),
+            "overlap": median_ci(exposed),
         },
-        "h_lost": h_lost(baseline, overlap, warmup),
+        "h_lost": h_lost(base, over, comm, exposed, extra_wait),
     }
 
 
-def h_lost(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[str, Any] | None:
+def h_lost(
+    base: list[float], over: list[float], comm: list[float], exposed: list[float], extra_wait: list[float] | None
+) -> dict[str, Any] | None:
     """Where the hideable time that overlap did not hide went, as shares of T_comm, per compute-bound step.
 
     A compute-bound step (T_comm <= T_compute) would ideally take T_compute, so 1 - h = (T_overlap - T_compute) /
     T_comm, which splits into: the overlap arm's exposed comm; how much longer its host waited for a core than the
     baseline's (where both arms measured it: communication taking CPU from compute, which the baseline's idle waits
     absorb); and the rest (compute that ran slower or faster than the baseline's beyond that, skew between ranks).
-    The parts add up to 1 - h step by step, not their medians. ``None`` when no steady step is compute-bound.
+    The parts add up to 1 - h step by step, not their medians. Arguments are per steady step: the arms' step times,
+    the baseline's comm, the overlap arm's exposed comm, and its extra wait (``None`` where the OS does not report
+    the wait). Returns ``None`` when no step is compute-bound.
     """
-    base, over = step_series(baseline, "step_times_s")[warmup:], step_series(overlap, "step_times_s")[warmup:]
-    comm = step_series(baseline, "comm_s", _mean)[warmup:]
-    exposed = step_series(overlap, "exposed_comm_s", _mean)[warmup:]
-    waits = all(r.get("host_waited_for_core_s") for r in baseline + overlap)
-    extra_wait = [0.0] * len(comm)
-    if waits:
-        waited = [step_series(arm, "host_waited_for_core_s", _mean)[warmup:] for arm in (baseline, overlap)]
-        extra_wait = [o - b for b, o in zip(*waited)]
     parts: dict[str, list[float]] = {"exposed_comm": [], "waited_for_core": [], "rest": []}
-    for b, o, c, e, w in zip(base, over, comm, exposed, extra_wait):
+    for b, o, c, e, w in zip(base, over, comm, exposed, extra_wait or [0.0] * len(comm)):
         if not 0 < c <= b - c:
             continue
         parts["exposed_comm"].append(e / c)
@@ -85,7 +86,7 @@ def h_lost(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[str, 
     if not parts["rest"]:
         return None
     lost = {name: median_ci(values) for name, values in parts.items()}
-    if not waits:
+    if extra_wait is None:
         lost["waited_for_core"] = None
     lost["steps"] = len(parts["rest"])
     return lost
