@@ -153,18 +153,20 @@ class CpuLane(_Lane):
             return super().launch(splits, tensors, op=op, layer=layer, microbatch=microbatch)
         name = f"layer{layer} {op} (microbatch {microbatch})"
         asked = (self.recorder.phase, time.perf_counter())
-        job = self._launcher.submit(self._launch_job, splits, tensors, op, layer, microbatch, asked)
+        job = self._launcher.submit(self._launch_job, name, splits, tensors, op, layer, microbatch, asked)
         self._last_job = job
         return [_LaunchedLater(job, i, name, self.groups.timeout) for i in range(len(tensors))]
 
-    def _launch_job(self, splits: Splits, tensors, op: str, layer: int, microbatch: int, asked: tuple[str, float]):
+    def _launch_job(
+        self, name: str, splits: Splits, tensors, op: str, layer: int, microbatch: int, asked: tuple[str, float]
+    ):
         if self._failed is not None:
-            raise CollectiveError(f"layer{layer} {op} (microbatch {microbatch}) not launched: {self._failed} failed")
+            raise CollectiveError(f"{name} not launched: {self._failed} failed")
         try:
             out_splits, in_splits = splits()
             return [self._start(t, out_splits, in_splits, op, layer, microbatch, asked) for t in tensors]
         except BaseException:
-            self._failed = f"layer{layer} {op} (microbatch {microbatch})"
+            self._failed = name
             raise
 
     def close(self, *, failed: bool = False) -> None:
