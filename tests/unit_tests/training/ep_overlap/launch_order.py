@@ -1,0 +1,303 @@
+"""Test-only: records, on one rank, the host's order of every lane and P2P event of a step (the schedule's
+fingerprint), for every option combination the rules allow.
+
+Events, one line each, in the order the host issued them:
+    ``compute <node> L<layer> m<unit> <phase>``   a compute node starts
+    ``launch <op> L<layer> m<unit> <phase>``      the host asks for an all-to-all (on the host or off it)
+    ``record <op> L<layer> m<unit> <phase>``      a comm record made on the host outside a launch (a split-size
+                                                  exchange starting, a blocking plain-path all-to-all, a P2P send
+                                                  waited for at the end of the step)
+    ``wait <what>``                               the host waits for an all-to-all or a P2P receive
+    ``p2p post|take|send <kind>m<mb>c<chunk>r<peer>`` and ``p2p finish``: pipeline transfers
+    ``run F<vp>m<mb> B<vp>m<mb>`` / ``hook <name> <vp>``: Megatron-Core's driver calling the plan and its P2P hooks
+
+The hooks are installed on the lane, P2P and plan classes inside a forked rank only. Events from threads other
+than the host's (a helper thread launching off the host) are not the host's order and are left out.
+"""
+
+import functools
+import itertools
+import threading
+from datetime import timedelta
+
+import torch
+
+EVENTS: list[str] = []
+_state = threading.local()
+
+
+def _on_host() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _nested(fn):
+    """Marks the call as one event: calls it makes into other hooked methods are not events of their own."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        depth = getattr(_state, "depth", 0)
+        _state.depth = depth + 1
+        try:
+            return fn(depth == 0 and _on_host(), *args, **kwargs)
+        finally:
+            _state.depth = depth
+
+    return wrapper
+
+
+def _tag(pending, label: str):
+    for one in pending if isinstance(pending, list) else [pending]:
+        one._golden = label
+    return pending
+
+
+def install() -> None:
+    """Hooks the lane, P2P and Megatron-Core plan classes of this process (a forked rank)."""
+    from megatron.bridge.training.ep_overlap import lanes, mcore_hook, p2p
+
+    compute = lanes._Lane.compute
+
+    def hooked_compute(self, node, layer, microbatch):
+        if _on_host():
+            EVENTS.append(f"compute {node} L{layer} m{microbatch} {self.recorder.phase}")
+        return compute(self, node, layer, microbatch)
+
+    lanes._Lane.compute = hooked_compute
+
+    def launcher(original):
+        @_nested
+        def hooked(top, self, *args, op, layer, microbatch, **kwargs):
+            if top:
+                EVENTS.append(f"launch {op} L{layer} m{microbatch} {self.recorder.phase}")
+            return _tag(
+                original(self, *args, op=op, layer=layer, microbatch=microbatch, **kwargs),
+                f"{op} L{layer} m{microbatch}",
+            )
+
+        return hooked
+
+    for cls, name in ((lanes._Lane, "launch"), (lanes.CpuLane, "launch"), (lanes.CpuLane, "all_to_all")):
+        setattr(cls, name, launcher(cls.__dict__[name]))
+    record_comm = lanes._Lane.record_comm
+
+    @_nested
+    def hooked_record(top, self, op, layer, microbatch, *args, **kwargs):
+        if top:
+            EVENTS.append(f"record {op} L{layer} m{microbatch} {self.recorder.phase}")
+        return record_comm(self, op, layer, microbatch, *args, **kwargs)
+
+    lanes._Lane.record_comm = hooked_record
+
+    def waiter(original):
+        @_nested
+        def hooked(top, self):
+            label = getattr(self, "_golden", None)
+            if top and label is not None and not getattr(self, "_golden_waited", False):
+                EVENTS.append(f"wait {label}")
+                self._golden_waited = True
+            return original(self)
+
+        return hooked
+
+    for cls in (lanes.Pending, lanes._LaunchedLater):
+        cls.wait = waiter(cls.__dict__["wait"])
+
+    def transfer(t) -> str:
+        return f"{t.kind}m{t.microbatch}c{t.chunk}r{t.peer}"
+
+    post, take, send, finish = (p2p.PipelineP2P.__dict__[n] for n in ("post", "take", "send", "finish"))
+
+    def hooked_post(self, transfers, *args, **kwargs):
+        EVENTS.extend(f"p2p post {transfer(t)}" for t in transfers if t not in self._recvs)
+        return post(self, transfers, *args, **kwargs)
+
+    def hooked_take(self, t):
+        EVENTS.append(f"p2p take {transfer(t)}")
+        return _tag(take(self, t), f"p2p {transfer(t)}")
+
+    def hooked_send(self, t, tensor):
+        EVENTS.append(f"p2p send {transfer(t)}")
+        return send(self, t, tensor)
+
+    def hooked_finish(self):
+        EVENTS.append("p2p finish")
+        return finish(self)
+
+    p2p.PipelineP2P.post, p2p.PipelineP2P.take = hooked_post, hooked_take
+    p2p.PipelineP2P.send, p2p.PipelineP2P.finish = hooked_send, hooked_finish
+
+    run = mcore_hook.EPOverlapSchedulePlan.run
+
+    def logged(name, hook):
+        if hook is None:
+            return None
+
+        def call(*args):
+            EVENTS.append(f"hook {name} {args[-1]}")
+            return hook(*args)
+
+        return call
+
+    def hooked_run(f_plan, b_plan, b_grad=None, pre_forward=None, pre_backward=None, post_forward=None,
+                   post_backward=None):  # fmt: skip
+        which = [f"{side}{plan.vp_stage}m{plan.nodes.mb}" for side, plan in (("F", f_plan), ("B", b_plan)) if plan]
+        EVENTS.append("run " + " ".join(which))
+        return run(
+            f_plan, b_plan, b_grad, logged("pre_forward", pre_forward), logged("pre_backward", pre_backward),
+            logged("post_forward", post_forward), logged("post_backward", post_backward),
+        )  # fmt: skip
+
+    mcore_hook.EPOverlapSchedulePlan.run = staticmethod(hooked_run)
+
+
+def take_events() -> list[str]:
+    events = list(EVENTS)
+    EVENTS.clear()
+    return events
+
+
+# ---- the option combinations the rules allow -------------------------------------------------------------------
+
+ENDS = {"alone": {}, "edges": {"edge_pairing": True}, "chunks": {"moe_ep_overlap_chunks": 2}}
+
+
+def engine_options(pp: int, *, off_host: bool = True, chunks: bool = True) -> list[dict]:
+    """Every engine option set the rules allow at pipeline size ``pp`` (``off_host``: the model allows launching
+    off the host; ``chunks``: try chunking, PP 1 only)."""
+    launch = [None, False, True] if off_host else [None, False]
+    combos = [dict(overlap=False, launch_off_host=lo, forward_only=fo) for lo in launch[:2] for fo in (False, True)]
+    windows = [1, 2, None] if pp == 1 else [1, 2]
+    ends = [e for e in ENDS if e != "chunks" or (chunks and pp == 1)]
+    for delay, window, end, lo, fo in itertools.product((False, True), windows, ends, launch, (False, True)):
+        combos.append(
+            dict(overlap=True, delay_wgrad=delay, attention_wgrad_window=window, launch_off_host=lo, forward_only=fo)
+            | ENDS[end]
+        )
+    return combos
+
+
+def key(options: dict) -> str:
+    return ",".join(f"{k}={options[k]}" for k in sorted(options))
+
+
+def run_engine(engine, data, options: dict) -> list[str]:
+    """One step (forward-only or training); with the auto attention-wgrad window, only the first (plain) one."""
+    take_events()
+    engine.step(data, forward_only=options["forward_only"])
+    return take_events()
+
+
+def engine_kwargs(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "forward_only"}
+
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -> dict:
+    """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, every allowed option set."""
+    from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    install()
+    freq = [1, 0, 1] if pp == 1 else [1, 0, 1, 1]
+    config = MoEGPTConfig(
+        num_layers=len(freq), hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, num_moe_experts=4,
+        moe_ffn_hidden_size=8, moe_router_topk=2, moe_layer_freq=freq, expert_model_parallel_size=2,
+        seq_length=4, vocab_size=32, add_bias_linear=False, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=2 if pp > 1 else None, pipeline_dtype=torch.float32 if pp > 1 else None,
+    )  # fmt: skip
+    groups = init_ep_groups(2, TIMEOUT, pipeline_size=pp)
+    out = {}
+    for n in microbatch_counts:
+        gen = torch.Generator().manual_seed(n * 10 + groups.ep_rank)
+        data = [
+            (torch.randint(0, 32, (2, 4), generator=gen), torch.randint(0, 32, (2, 4), generator=gen))
+            for _ in range(n)
+        ]
+        for options in engine_options(pp):
+            model = (
+                build_pipeline_chunks(config, groups, 1, groups.pp_rank) if pp > 1 else MoEGPTModel(config, groups, 1)
+            )
+            engine = EPOverlapEngine(model, groups, **engine_kwargs(options))
+            out[f"N={n},{key(options)}"] = run_engine(engine, data, options)
+    return out
+
+
+def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -> dict:
+    """A Megatron-Core GPTModel (local specs) through the engine: whole at PP 1, chunks at PP 2 x VPP 2."""
+    from .mcore_cpu import init_megatron, install_cpu_stubs
+
+    install_cpu_stubs()
+    init_megatron(2, pp, 2 if pp > 1 else None)
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
+
+    from .test_mcore_equivalence import McoreCase, build_gpt
+    from .test_mcore_pipeline import build_plans
+
+    install()
+    groups = mcore_ep_groups(TIMEOUT)
+    case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))
+    out = {}
+    for n in microbatch_counts:
+        gen = torch.Generator().manual_seed(n * 10 + groups.ep_rank)
+        data = [tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(n)]
+        for options in engine_options(pp, off_host=False):
+            model = build_plans(case, pp, 2) if pp > 1 else McoreGPTPlan(build_gpt(case))
+            engine = EPOverlapEngine(model, groups, **engine_kwargs(options))
+            out[f"N={n},{key(options)}"] = run_engine(engine, data, options)
+    return out
+
+
+def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict:
+    """Megatron-Core's own driver running the plan through the pre-wrap hook (PP 1, or its interleaved schedule)."""
+    from .mcore_cpu import init_megatron, install_cpu_stubs
+
+    install_cpu_stubs()
+    init_megatron(2, pp, 2 if pp > 1 else None)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+
+    from .test_mcore_equivalence import McoreCase, build_gpt
+    from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
+    from .test_mcore_pipeline import build_plans
+
+    install()
+    case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))
+    out = {}
+    for delay, window, overlap_p2p in itertools.product((False, True), (1, 2), (False, True) if pp > 1 else (False,)):
+        models = [plan.model for plan in build_plans(case, pp, 2)] if pp > 1 else [build_gpt(case)]
+        config = models[0].config
+        config.overlap_moe_expert_parallel_comm, config.delay_wgrad_compute = True, delay
+        config.batch_p2p_comm, config.overlap_p2p_comm = False, overlap_p2p
+        use_ep_overlap_schedule(models, timeout=TIMEOUT, attention_wgrad_window=window)
+        gen = torch.Generator().manual_seed(7)
+        data = [tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(microbatches)]
+        take_events()
+        get_forward_backward_func()(
+            forward_step_func=bridge_style_forward_step,
+            data_iterator=[iter(data), iter(list(data))] if pp > 1 else iter(data),
+            model=models,
+            num_microbatches=microbatches,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
+        out[f"N={microbatches},delay_wgrad={delay},attention_wgrad_window={window},overlap_p2p_comm={overlap_p2p}"] = (
+            take_events()
+        )
+    return out
+
+
+# (group name, worker, ranks, args): every group runs in one set of forked ranks.
+GROUPS = {
+    "reference/pp1": (reference_orders, 2, (1, (1, 3))),
+    "reference/pp2-vpp2": (reference_orders, 4, (2, (4, 5))),
+    "mcore-engine/pp1": (mcore_engine_orders, 2, (1, (3,))),
+    "mcore-engine/pp2-vpp2": (mcore_engine_orders, 4, (2, (4,))),
+    "mcore-hook/pp1": (mcore_hook_orders, 2, (1, 3)),
+    "mcore-hook/pp2-vpp2": (mcore_hook_orders, 4, (2, 4)),
+}
