@@ -50,7 +50,7 @@ def test_every_option_combination_issues_its_work_in_the_recorded_order(group):
         sequences = golden["sequences"]
         golden["groups"][group] = {}
         for combination, ranks in sorted(runs.items()):
-            for rank, events in ranks.items():
+            for events in ranks.values():
                 sequences[_digest(events)] = events
             golden["groups"][group][combination] = {rank: _digest(events) for rank, events in sorted(ranks.items())}
         used = {d for g in golden["groups"].values() for ranks in g.values() for d in ranks.values()}
