@@ -34,14 +34,7 @@ def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -
         + ["--link_gbps", str(link_gbps), *extra]
     )
     recipe = build_recipe(args)
-    specs = specs_for(
-        plan_arms(recipe, True),
-        recipe,
-        "cpu",
-        wgrad_window=args.attention_wgrad_window,
-        edge_pairing=args.edge_pairing,
-        chunks=args.moe_ep_overlap_chunks,
-    )
+    specs = specs_for(plan_arms(recipe, args), recipe, "cpu")
     for spec in specs:
         spec.progress = False
     results = run_local(specs, args, "cpu")

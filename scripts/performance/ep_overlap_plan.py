@@ -7,7 +7,8 @@
     # the cluster-scale table of docs/performance/ep-overlap-planner.md
     python scripts/performance/ep_overlap_plan.py --table
 
-It simulates the engine's schedule (``megatron.bridge.training.ep_overlap.planner``); nothing runs on a GPU.
+It prices the engine's own schedule program (``megatron.bridge.training.ep_overlap.planner``); nothing runs on a
+GPU, and it needs no torch.
 """
 
 import argparse
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from utils.quiet import quiet_third_party_imports
 
     with quiet_third_party_imports():
-        from megatron.bridge.training.ep_overlap import cost_model, planner
+        from megatron.bridge.training.ep_overlap import planner
+        from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+        from megatron.bridge.training.ep_overlap.planner import cost_model
 
     if args.table:
         from utils.plan_table import cluster_table
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
     print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
     for window in (1, 2):
-        comparison = planner.predict(costs, link, n, delay_wgrad=True, wgrad_window=window)
+        comparison = planner.predict(costs, link, n, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=window))
         print(_line(f"{n} microbatches, delayed wgrad, attention wgrad in window {window}", comparison))
     counts = args.microbatches or [c for c in DEFAULT_COUNTS if c <= max(n, 1) * 4]
     best = planner.best_plan(costs, link, counts)[0]

@@ -108,11 +108,11 @@ def _run_there(python: Path, site: Path, body: str) -> str:
 def test_our_modules_import_from_the_installed_tree(scratch):
     python, site = scratch
     out = _run_there(python, site, """
-        import megatron.bridge.training.ep_overlap.schedule as engine
+        import megatron.bridge.training.ep_overlap.engine.driver as engine
         import megatron.bridge.training.ep_overlap.planner as planner
         import megatron.bridge.training.moe_overlap_rules as rules
         import megatron.bridge.models.moe_gpt.model as model
-        import megatron.bridge.training.ep_overlap.mcore_hook as hook  # the pre-wrap hook a recipe registers
+        import megatron.bridge.training.ep_overlap.mcore.hook as hook  # the pre-wrap hook a recipe registers
         for module in (engine, planner, rules, model, hook):
             assert str(site) in module.__file__, module.__file__
         print("ok")
@@ -161,5 +161,7 @@ def test_a_recipe_gets_the_single_error_on_upstreams_own_comm_overlap(scratch):
 def test_the_patch_applies_to_a_fresh_unpack(wheels, tmp_path):
     patch = upstream.build_patch(tmp_path / "ep-overlap.patch").read_text()  # checks `git apply --check` itself
     assert "diff --git a/src/megatron/bridge/training/comm_overlap.py" in patch
-    assert "new file mode 100644\n--- /dev/null\n+++ b/src/megatron/bridge/training/ep_overlap/schedule.py" in patch
+    assert (
+        "new file mode 100644\n--- /dev/null\n+++ b/src/megatron/bridge/training/ep_overlap/engine/driver.py" in patch
+    )
     assert "a/src/megatron/bridge/__init__.py" not in patch

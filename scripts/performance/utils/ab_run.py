@@ -12,24 +12,24 @@ import os
 import signal
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
-from megatron.bridge.training.ep_overlap.chunking import chunked_microbatches
-from megatron.bridge.training.ep_overlap.pipeline import format_schedule, pipeline_schedule
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
-from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, format_program, program
+from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.multiprocess import (
     RankFailure,
     launched_by_torchrun,
     run_local_ranks,
 )
+from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from utils.arms import ArmSpec, run_arms
 from utils.checks import (
-    chunking_problems,
     lift_model_overlap_flags,
     pipeline_dtype_auto,
     recipe_problems,
@@ -112,11 +112,38 @@ def resolve_arm(recipe: RecipeConfig, name: str, overlap: bool | None, delay: bo
     }
 
 
-def plan_arms(recipe: RecipeConfig, ab: bool) -> list[dict]:
-    if not ab:
-        return [resolve_arm(recipe, "run", None, None)]
-    # The overlap arm keeps the config's delayed-wgrad choice; the baseline turns both knobs off.
-    return [resolve_arm(recipe, "baseline", False, False), resolve_arm(recipe, "overlap", True, None)]
+def plan_arms(recipe: RecipeConfig, args) -> list[dict]:
+    """The arms of a run, each with its model config and the schedule's options (``options``): the flags' options
+    go to the arm that runs the overlap schedule (a single run: to its one arm), the A/B baseline runs plain."""
+    if not args.ab:
+        arms = [resolve_arm(recipe, "run", None, None)]
+    else:  # the overlap arm keeps the config's delayed-wgrad choice; the baseline turns both knobs off
+        arms = [resolve_arm(recipe, "baseline", False, False), resolve_arm(recipe, "overlap", True, None)]
+    for arm in arms:
+        arm["options"] = (
+            EPOverlapOptions(overlap=False)
+            if arm["name"] == "baseline"
+            else EPOverlapOptions(
+                overlap=arm["overlap"],
+                delay_wgrad=arm["delay_wgrad"],
+                attention_wgrad_window=args.attention_wgrad_window,
+                edge_pairing=args.edge_pairing,
+                moe_ep_overlap_chunks=args.moe_ep_overlap_chunks,
+                launch_off_host=args.launch_off_host,
+            )
+        )
+    return arms
+
+
+def options_problems(arms: list[dict], recipe: RecipeConfig) -> list[str]:
+    """Each arm's schedule options against the rules table: the lines the engine would raise, before any rank."""
+    return [
+        f"{arm['name']} arm: {violation}"
+        for arm in arms
+        for violation in check_ep_overlap_options(
+            arm["model"], arm["options"], micro_batch_size=recipe.train.micro_batch_size
+        )
+    ]
 
 
 def pick_device(args) -> str:
@@ -138,38 +165,19 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
     for key, value in vars(t).items():
         lines.append(f"  train.{key} = {value!r}")
     for arm in arms:
-        lines.append(
-            f"  arm {arm['name']}: overlap_moe_expert_parallel_comm={arm['overlap']}, "
-            f"delay_wgrad_compute={arm['delay_wgrad']}"
-            + (f", attention_wgrad_window={_auto(args.attention_wgrad_window)}" if arm["delay_wgrad"] else "")
-            + (f", edge_pairing={args.edge_pairing}" if arm["overlap"] else "")
-            + (f", moe_ep_overlap_chunks={args.moe_ep_overlap_chunks}" if arm["overlap"] else "")
-            + (f", launch_off_host={_auto(args.launch_off_host)}" if arm["overlap"] else "")
-        )
+        # the flags as the model config resolved them, then (for the overlap schedule) the schedule's options
+        options = dataclasses.asdict(arm["options"]) if arm["overlap"] else {}
+        shown = {"overlap_moe_expert_parallel_comm": arm["overlap"], "delay_wgrad_compute": arm["delay_wgrad"]}
+        shown |= {key: value for key, value in options.items() if key not in ("overlap", "delay_wgrad")}
+        lines.append(f"  arm {arm['name']}: " + ", ".join(f"{key}={_auto(value)}" for key, value in shown.items()))
     link = f"{args.link_gbps:g} Gbit/s emulated" if args.link_gbps else "loopback"
     lines.append(f"  launch: {world} ranks, device {device}, link {link}, model_impl {args.model_impl}")
     return "\n".join(lines)
 
 
-def specs_for(
-    arms: list[dict],
-    recipe: RecipeConfig,
-    device: str,
-    model_impl: str = "reference",
-    wgrad_window: int = 1,
-    edge_pairing: bool = False,
-    chunks: int = 1,
-    launch_off_host: bool | None = None,
-) -> list[ArmSpec]:
-    """One spec per arm; the options of the overlap schedule go to the arms that run it."""
-    return [
-        ArmSpec(
-            a["name"], a["model"], a["overlap"], a["delay_wgrad"], recipe.train, device, model_impl=model_impl,
-            attention_wgrad_window=wgrad_window, edge_pairing=edge_pairing,
-            moe_ep_overlap_chunks=chunks if a["overlap"] else 1, launch_off_host=launch_off_host,
-        )
-        for a in arms
-    ]  # fmt: skip
+def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference") -> list[ArmSpec]:
+    """One spec per arm (see :func:`plan_arms`)."""
+    return [ArmSpec(a["name"], a["model"], a["options"], recipe.train, device, model_impl=model_impl) for a in arms]
 
 
 @dataclass
@@ -270,32 +278,38 @@ def _pipeline(model) -> tuple[int, int]:
     return model.pipeline_model_parallel_size or 1, model.virtual_pipeline_model_parallel_size or 1
 
 
-def pairing_bound(model, num_microbatches: int, edge_pairing: bool = False, chunks: int = 1) -> float:
+def _programs(model, num_microbatches: int, options: EPOverlapOptions) -> list[list]:
+    """Every pipeline rank's schedule program for the reference model of ``model`` (its chunks as the engine
+    builds them)."""
+    P, _ = _pipeline(model)
+    layers = chunk_layers_of(model)
+    shapes = [
+        ChunkShape(c == 0, c == len(layers) - 1, tuple(model.is_moe_layer(j) for j in layers[c]))
+        for c in range(len(layers))
+    ]
+    return [list(program(options, shapes[rank::P], num_microbatches, pipeline_size=P, rank=rank)) for rank in range(P)]
+
+
+def pairing_bound(model, num_microbatches: int, options: EPOverlapOptions) -> float:
     """The share of forward passes that run beside another microbatch on the least-paired rank: overlap cannot
     hide the rest's all-to-alls ((N-1)/N with PP = 1 without edge pairing or chunking, 1 with either)."""
-    P, V = _pipeline(model)
-    # A chunked microbatch that runs alone runs as two halves beside each other.
-    split = set(chunked_microbatches(num_microbatches)) if chunks == 2 else set()
-    shares = []
-    for rank in range(P):
-        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True, edge_pairing=edge_pairing)
-        overlapped = sum(
-            step.paired
-            + 2 * (step.partner is not None and step.forward is not None)
-            + (step.forward is not None and not step.overlapped and step.forward[0] in split)
-            for step in steps
-        )
-        shares.append(overlapped / (num_microbatches * V))
+    _, V = _pipeline(model)
+    shares = [
+        sum(len({u.microbatch for u in s.units if u.role == "F"}) for s in steps if s.kind != "forward")
+        / (num_microbatches * V)
+        for steps in _programs(model, num_microbatches, replace(options, overlap=True))
+    ]
     return min(shares)
 
 
-def print_schedules(model, num_microbatches: int, edge_pairing: bool = False) -> None:
+def print_schedules(model, num_microbatches: int, options: EPOverlapOptions) -> None:
     P, V = _pipeline(model)
-    print(f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; F/B m<microbatch> c<chunk>, "
-          "<received >sent transfer@r<pipeline rank>")  # fmt: skip
-    for rank in range(P):
-        steps = pipeline_schedule(P, V, num_microbatches, rank, overlap=True, edge_pairing=edge_pairing)
-        print(format_schedule(steps, rank, P))
+    print(
+        f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; units F/B u<unit>=m<microbatch>"
+        "[.half] c<chunk>, <received >sent transfer@r<pipeline rank>; then each window's ops in host order"
+    )
+    for rank, steps in enumerate(_programs(model, num_microbatches, replace(options, overlap=True))):
+        print(format_program(steps, rank, P))
 
 
 def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device: str, world: int) -> dict:
@@ -320,7 +334,7 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
-        summary["bound"] = pairing_bound(m, t.num_microbatches, args.edge_pairing, args.moe_ep_overlap_chunks)
+        summary["bound"] = pairing_bound(m, t.num_microbatches, EPOverlapOptions(**results["overlap"][0]["options"]))
         if args.predict:
             summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary
@@ -333,18 +347,7 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     costs, link = costs_from_records(
         base["records"][warmup:], base["step_times_s"][warmup:], args.link_gbps, recipe.model.num_layers
     )
-    delay = bool(over.get("delay_wgrad", False))
-    window = over.get("attention_wgrad_window", 1)
-    comparison = predict(
-        costs,
-        link,
-        recipe.train.num_microbatches,
-        delay_wgrad=delay,
-        wgrad_window=window,
-        edge_pairing=over.get("edge_pairing", False),
-        chunks=over.get("moe_ep_overlap_chunks", 1),
-        launch_off_host=over.get("launch_off_host", False),
-    )
+    comparison = predict(costs, link, recipe.train.num_microbatches, EPOverlapOptions(**over["options"]))
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})
     return {
@@ -388,27 +391,18 @@ def run(args) -> int:
         if problems:
             raise ConfigError(problems)
         recipe = _finalized(recipe)
-        arms = plan_arms(recipe, args.ab)
-        problems = chunking_problems(recipe, arms[-1]["overlap"], args)
+        arms = plan_arms(recipe, args)
+        problems = options_problems(arms, recipe)
         if problems:
             raise ConfigError(problems)
         device = pick_device(args)
         if args.print_schedule:
-            print_schedules(recipe.model, recipe.train.num_microbatches, args.edge_pairing)
+            print_schedules(recipe.model, recipe.train.num_microbatches, arms[-1]["options"])
         if args.dryrun:
             print(describe(recipe, arms, args, device, world))
             return 0
         partial_to = run_config(recipe, args, device, world)
-        specs = specs_for(
-            arms,
-            recipe,
-            device,
-            args.model_impl,
-            args.attention_wgrad_window,
-            args.edge_pairing,
-            args.moe_ep_overlap_chunks,
-            args.launch_off_host,
-        )
+        specs = specs_for(arms, recipe, device, args.model_impl)
         results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
     except ConfigError as exc:
         for problem in exc.problems:

@@ -4,37 +4,33 @@ Every arm uses the same seed and the same data (tokens depend only on seed, rank
 the baseline and overlap arms differ only in the overlap knobs.
 """
 
+import dataclasses
 import hashlib
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.utils.multiprocess import report_progress
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 
 @dataclass
 class ArmSpec:
-    """What one arm runs: a finalized model config, the overlap knobs and the training settings."""
+    """What one arm runs: a finalized model config, the schedule's options and the training settings."""
 
     name: str
     model: MoEGPTConfig
-    overlap: bool
-    delay_wgrad: bool
+    options: EPOverlapOptions
     train: object  # TrainConfig
     device: str
     progress: bool = True
     model_impl: str = "reference"
-    attention_wgrad_window: int | None = 1  # None: auto (the engine's planner-driven placement)
-    edge_pairing: bool = False
-    moe_ep_overlap_chunks: int = 1
-    launch_off_host: bool | None = None  # None: wherever it applies
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -100,7 +96,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     ).cuda()
     if config.bf16:
         model = model.bfloat16()
-    return McoreGPTPlan(model, delay_wgrad=spec.delay_wgrad), mcore_ep_groups(timeout)
+    return McoreGPTPlan(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
 
 
 def arm_order(step: int, names: list[str]) -> list[str]:
@@ -131,16 +127,7 @@ class _Arm:
         self.spec, self.rank, self.device = spec, rank, device
         # The stages of one pipeline see the same data; the replicas of a stage different data.
         self.data_rank = rank % (dist.get_world_size() // pipeline)
-        self.engine = EPOverlapEngine(
-            self.model,
-            groups,
-            overlap=spec.overlap,
-            delay_wgrad=spec.delay_wgrad,
-            attention_wgrad_window=spec.attention_wgrad_window,
-            edge_pairing=spec.edge_pairing,
-            moe_ep_overlap_chunks=spec.moe_ep_overlap_chunks,
-            launch_off_host=spec.launch_off_host,
-        )
+        self.engine = EPOverlapEngine(self.model, groups, spec.options)
         self.optimizer = torch.optim.Adam([p for chunk in self.chunks for p in chunk.parameters()], lr=spec.train.lr)
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
         self.host_waited: list[float] = []  # per step: the host thread runnable but not on a core (Linux)
@@ -187,6 +174,7 @@ class _Arm:
             )
 
     def result(self) -> dict:
+        launches_off_host = self.engine.launches_off_host(self.device)
         return {
             "rank": self.rank,
             "step_times_s": self.step_times,
@@ -199,12 +187,11 @@ class _Arm:
             "records": self.records,
             "peak_memory_mb": self.peak_mb,
             "param_digest": _digest(self.chunks),
-            "delay_wgrad": self.spec.delay_wgrad,
-            "attention_wgrad_window": self.engine.attention_wgrad_window,
+            "delay_wgrad": self.spec.options.delay_wgrad,
+            "attention_wgrad_window": self.engine.attention_wgrad_window,  # as run (auto: as chosen)
             "placement": self.engine.placement.describe() if self.engine.placement else None,
-            "edge_pairing": self.spec.edge_pairing,
-            "moe_ep_overlap_chunks": self.spec.moe_ep_overlap_chunks,
-            "launch_off_host": self.engine.launches_off_host(self.device),
+            "launch_off_host": launches_off_host,  # as run (auto: whether it applied)
+            "options": dataclasses.asdict(replace(self.engine.options, launch_off_host=launches_off_host)),
         }
 
 

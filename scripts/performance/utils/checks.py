@@ -9,7 +9,6 @@ from typing import Any
 from argument_parser import MODEL_INT_FLAGS
 
 from megatron.bridge.models.moe_gpt.config import router_problems
-from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, chunk_problems
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
@@ -110,24 +109,6 @@ def _pipeline_problems(model: Any, train: Any) -> list[str]:
     return problems
 
 
-def chunking_problems(recipe: Any, overlap: bool, args: Any) -> list[str]:
-    """``--moe_ep_overlap_chunks`` against the arm that would run it (``overlap``: the overlap arm of an A/B)."""
-    model = recipe.model
-    settings = ChunkSettings(
-        args.moe_ep_overlap_chunks,
-        overlap=overlap,
-        edge_pairing=args.edge_pairing,
-        pipeline_size=model.pipeline_model_parallel_size or 1,
-        config=model,
-        micro_batch_size=recipe.train.micro_batch_size,
-    )
-    flags = ("moe_ep_overlap_chunks", "edge_pairing", "micro_batch_size", "pipeline_model_parallel_size")
-    # Each line starts with the field's name; say it as the user sets it here: a flag, or a model.<field> override.
-    return [
-        (f"--{problem}" if problem.startswith(flags) else f"model.{problem}") for problem in chunk_problems(settings)
-    ]
-
-
 def pipeline_dtype_auto(model: Any) -> None:
     """``pipeline_dtype`` None means auto: the activation dtype, which Megatron-Core needs set when PP > 1."""
     if (model.pipeline_model_parallel_size or 1) > 1 and model.pipeline_dtype is None:
@@ -149,10 +130,6 @@ def run_problems(
         problems.append(
             f"{world} ranks cannot hold {held}: use --nproc_per_node (or torchrun's world size) that is a multiple "
             f"of {expert_parallel * pipeline}"
-        )
-    if pipeline > 1 and args.attention_wgrad_window is None:
-        problems.append(
-            "--attention_wgrad_window=auto: the planner that chooses simulates PP = 1; give 1 or 2 with pipelines"
         )
     if pipeline > 1 and args.predict:
         problems.append("--predict: the planner simulates PP = 1; drop --predict or the pipeline flags")

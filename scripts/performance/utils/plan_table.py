@@ -1,6 +1,8 @@
 """The planner's cluster-scale table: published MoE shapes on H100 clusters of 8 to 1,024 GPUs."""
 
-from megatron.bridge.training.ep_overlap.cost_model import (
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.planner import predict
+from megatron.bridge.training.ep_overlap.planner.cost_model import (
     DEEPSEEK_V3,
     MIXTRAL_8X7B,
     PROFILES,
@@ -8,7 +10,6 @@ from megatron.bridge.training.ep_overlap.cost_model import (
     Layout,
     costs_from_model,
 )
-from megatron.bridge.training.ep_overlap.planner import predict
 
 # (shape, global batch in sequences, [(GPUs, EP)]); TP = PP = 1, micro-batch 1, sequence length 4096.
 SWEEPS = [
@@ -30,7 +31,7 @@ def cluster_table(profile: str = "H100") -> str:
             layout = Layout(gpus, ep, global_batch)
             costs, link = costs_from_model(shape, layout, PROFILES[profile])
             n = layout.num_microbatches
-            plain, delayed = predict(costs, link, n), predict(costs, link, n, delay_wgrad=True)
+            plain, delayed = predict(costs, link, n), predict(costs, link, n, EPOverlapOptions(delay_wgrad=True))
             comm = plain.baseline.exposed_total_s
             rows.append(
                 f"| {shape.name} | {gpus} | {ep} | {n} | {comm / (plain.baseline.step_s - comm):.2f} "

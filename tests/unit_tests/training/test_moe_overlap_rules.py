@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.moe_overlap_rules import MOE_OVERLAP_RULES, CommOverlapConfigError, check_moe_overlap
 
 VALID_MODEL = dict(
@@ -29,7 +30,9 @@ VALID_MODEL = dict(
 )
 
 ATTN_GRAPH = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"])
-ON = dict(overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0")
+ON = dict(overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None)
+PP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+CHUNKS = {"options": {"moe_ep_overlap_chunks": 2}}
 
 # rule name -> (failing case, passing case); each case is (model overrides, context overrides)
 CASES = {
@@ -86,6 +89,30 @@ CASES = {
         ({**ATTN_GRAPH, "gradient_accumulation_fusion": True, "add_qkv_bias": True}, {"delay": True, "te": "2.12.0"}),
         ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.12.0"}),
     ),
+    # This project's schedule options (EPOverlapOptions)
+    "attention_wgrad_window": (
+        ({}, {"options": {"attention_wgrad_window": 3}}),
+        ({}, {"options": {"attention_wgrad_window": 2}}),
+    ),
+    "attention_wgrad_auto_pp1": (
+        (PP2, {"options": {"attention_wgrad_window": None}}),
+        ({}, {"options": {"attention_wgrad_window": None}}),
+    ),
+    "launch_off_host_needs_overlap": (
+        ({}, {"overlap": False, "options": {"launch_off_host": True}}),
+        ({}, {"options": {"launch_off_host": True}}),
+    ),
+    "chunks_choice": (({}, {"options": {"moe_ep_overlap_chunks": 3}}), ({}, CHUNKS)),
+    "chunks_need_overlap": (({}, {**CHUNKS, "overlap": False}), ({}, CHUNKS)),
+    "chunks_pp1": ((PP2, CHUNKS), ({}, CHUNKS)),
+    "chunks_or_edge_pairing": (
+        ({}, {"options": {"moe_ep_overlap_chunks": 2, "edge_pairing": True}}),
+        ({}, {"options": {"edge_pairing": True}}),
+    ),
+    "chunks_aux_loss": (({"moe_aux_loss_coeff": 0.01}, CHUNKS), ({"moe_aux_loss_coeff": 0.0}, CHUNKS)),
+    "chunks_z_loss": (({"moe_z_loss_coeff": 0.001}, CHUNKS), ({"moe_z_loss_coeff": None}, CHUNKS)),
+    "chunks_capacity": (({"moe_expert_capacity_factor": 1.0}, CHUNKS), ({}, CHUNKS)),
+    "chunks_micro_batch": (({}, {**CHUNKS, "micro_batch": 1}), ({}, {**CHUNKS, "micro_batch": 2})),
 }
 
 
@@ -98,6 +125,8 @@ def violated(fake_versions, model_overrides, context_overrides):
         overlap_moe_expert_parallel_comm=context["overlap"],
         delay_wgrad_compute=context["delay"],
         overlap_grad_reduce=context["grad_reduce"],
+        options=EPOverlapOptions(**context["options"]),
+        micro_batch_size=context["micro_batch"],
     )
     return {violation.name: violation for violation in found}
 

@@ -44,6 +44,13 @@ TORCH_AT_LEAST = "check.torch_at_least"  # callable: minimum version string -> b
 TE_AT_LEAST = "check.te_at_least"
 GROUPED_GEMM = "expert_grouped_gemm_backend"
 SCHEDULE = "model.ep_overlap_schedule"
+# This project's schedule options (an ``EPOverlapOptions``), and what a launcher knows of its data.
+CHUNKS = "ep_overlap.moe_ep_overlap_chunks"
+EDGE_PAIRING = "ep_overlap.edge_pairing"
+WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
+OFF_HOST = "ep_overlap.launch_off_host"
+MICRO_BATCH = "train.micro_batch_size"
+_SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
 
 TE_GROUPED_GEMM = "transformer_engine"
 TORCH_GROUPED_GEMM = "torch"
@@ -69,6 +76,9 @@ _MODEL_FIELDS: dict[str, Any] = {
     "add_bias_linear": False,
     "add_qkv_bias": False,
     "overlap_dispatch_backward_with_experts_wgrad": False,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_expert_capacity_factor": None,
 }
 
 
@@ -153,10 +163,14 @@ def gather_facts(
     overlap_grad_reduce: bool = False,
     torch_at_least: Callable[[str], bool] | None = None,
     te_at_least: Callable[[str], bool] | None = None,
+    options: Any = None,
+    micro_batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Collects every value the rules read into one flat mapping keyed by where it comes from.
 
-    ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions.
+    ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions. ``options``
+    (an ``EPOverlapOptions``, read by attribute) adds the schedule's options; ``micro_batch_size`` what a launcher
+    knows of the data.
     """
     facts: dict[str, Any] = {
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
@@ -171,6 +185,9 @@ def gather_facts(
     facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
     facts[TORCH_AT_LEAST] = torch_at_least or (lambda minimum: _at_least(facts[TORCH], minimum))
     facts[TE_AT_LEAST] = te_at_least or (lambda minimum: _at_least(facts[TE], minimum))
+    for key, default in _SCHEDULE_DEFAULTS.items():
+        facts[key] = getattr(options, key.split(".", 1)[1], default)
+    facts[MICRO_BATCH] = micro_batch_size
     return facts
 
 
@@ -207,6 +224,10 @@ def _graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
         and not f["model.moe_shared_expert_overlap"]
     )
     return f[DELAY_WGRAD] and ("attn" in scopes or router_with_plain_shared)
+
+
+def _chunked(f: Mapping[str, Any]) -> bool:
+    return f[CHUNKS] == 2
 
 
 _NO_TE_NOTE = (
@@ -382,6 +403,96 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         "CUDA graph with delay_wgrad_compute does not support attention bias.",
         "set add_bias_linear=False and add_qkv_bias=False, or drop 'attn'/'moe_router' from cuda_graph_scope.",
     ),
+    # --- this project's schedule options (EPOverlapOptions) ---
+    Rule(
+        "attention_wgrad_window",
+        (WGRAD_WINDOW,),
+        lambda f: True,
+        lambda f: f[WGRAD_WINDOW] in (1, 2, None),
+        "the delayed attention wgrad goes to window 1 (beside B.combine backward) or 2 (beside F.dispatch).",
+        "set attention_wgrad_window to 1, 2, or None (auto: the planner chooses).",
+    ),
+    Rule(
+        "attention_wgrad_auto_pp1",
+        (WGRAD_WINDOW, "model.pipeline_model_parallel_size"),
+        lambda f: f[WGRAD_WINDOW] is None,
+        lambda f: (f["model.pipeline_model_parallel_size"] or 1) == 1,
+        "attention_wgrad_window=None (auto) needs PP = 1: the planner that chooses simulates PP = 1.",
+        "set attention_wgrad_window to 1 or 2 with pipeline parallelism.",
+    ),
+    Rule(
+        "launch_off_host_needs_overlap",
+        (OFF_HOST, OVERLAP),
+        lambda f: f[OFF_HOST] is True,
+        lambda f: f[OVERLAP],
+        "launch_off_host launches the overlapped schedule's all-to-alls, and overlap is off.",
+        "leave launch_off_host None (where it applies) or False, or turn overlap on.",
+    ),
+    Rule(
+        "chunks_choice",
+        (CHUNKS,),
+        lambda f: True,
+        lambda f: f[CHUNKS] in (1, 2),
+        "moe_ep_overlap_chunks must be 1 (off) or 2 (split each microbatch that would run alone in two).",
+        "set moe_ep_overlap_chunks to 1 or 2.",
+    ),
+    Rule(
+        "chunks_need_overlap",
+        (CHUNKS, OVERLAP),
+        _chunked,
+        lambda f: f[OVERLAP],
+        "chunking splits the phases the EP-overlap schedule leaves unpaired, so it needs that schedule.",
+        "turn on overlap_moe_expert_parallel_comm, or set moe_ep_overlap_chunks=1.",
+    ),
+    Rule(
+        "chunks_pp1",
+        (CHUNKS, "model.pipeline_model_parallel_size"),
+        _chunked,
+        lambda f: (f["model.pipeline_model_parallel_size"] or 1) == 1,
+        "chunked unpaired phases are built for PP = 1 only.",
+        "set moe_ep_overlap_chunks=1 with pipeline parallelism.",
+    ),
+    Rule(
+        "chunks_or_edge_pairing",
+        (CHUNKS, EDGE_PAIRING),
+        _chunked,
+        lambda f: not f[EDGE_PAIRING],
+        "edge pairing and chunking both pair the step's ends; they cannot both be on.",
+        "choose one: edge_pairing=False or moe_ep_overlap_chunks=1.",
+    ),
+    Rule(
+        "chunks_aux_loss",
+        (CHUNKS, "model.moe_aux_loss_coeff"),
+        _chunked,
+        lambda f: not (f["model.moe_aux_loss_coeff"] or 0.0) > 0,
+        "a load-balancing loss over half a microbatch is a different loss than over the whole one.",
+        "set moe_aux_loss_coeff=0, or moe_ep_overlap_chunks=1.",
+    ),
+    Rule(
+        "chunks_z_loss",
+        (CHUNKS, "model.moe_z_loss_coeff"),
+        _chunked,
+        lambda f: not (f["model.moe_z_loss_coeff"] or 0.0) > 0,
+        "the router z-loss is a mean over the microbatch's tokens; over half of them it is a different loss.",
+        "unset moe_z_loss_coeff, or set moe_ep_overlap_chunks=1.",
+    ),
+    Rule(
+        "chunks_capacity",
+        (CHUNKS, "model.moe_expert_capacity_factor"),
+        _chunked,
+        lambda f: f["model.moe_expert_capacity_factor"] is None,
+        "which tokens a capacity drops depends on the whole microbatch.",
+        "unset moe_expert_capacity_factor (no token dropping), or set moe_ep_overlap_chunks=1.",
+    ),
+    Rule(
+        "chunks_micro_batch",
+        (CHUNKS, MICRO_BATCH),
+        lambda f: _chunked(f) and f[MICRO_BATCH] is not None,
+        lambda f: f[MICRO_BATCH] >= 2,
+        "chunks split a microbatch along its sequences, so it needs at least 2.",
+        "set micro_batch_size >= 2 (e.g. 2 with half the seq_length keeps the tokens per microbatch), or "
+        "moe_ep_overlap_chunks=1.",
+    ),
 )
 
 
@@ -394,6 +505,8 @@ def check_moe_overlap(
     torch_at_least: Callable[[str], bool] | None = None,
     te_at_least: Callable[[str], bool] | None = None,
     rules: Iterable[Rule] = MOE_OVERLAP_RULES,
+    options: Any = None,
+    micro_batch_size: int | None = None,
 ) -> list[Violation]:
     """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
 
@@ -405,6 +518,8 @@ def check_moe_overlap(
         torch_at_least: Minimum-version check for PyTorch (default: the installed version).
         te_at_least: Minimum-version check for Transformer Engine (default: the installed version).
         rules: The rule table; defaults to ``MOE_OVERLAP_RULES``.
+        options: This project's schedule options (``EPOverlapOptions``); None: their defaults.
+        micro_batch_size: Sequences per microbatch, when a launcher knows it.
     """
     facts = gather_facts(
         model_config,
@@ -413,12 +528,28 @@ def check_moe_overlap(
         overlap_grad_reduce=overlap_grad_reduce,
         torch_at_least=torch_at_least,
         te_at_least=te_at_least,
+        options=options,
+        micro_batch_size=micro_batch_size,
     )
     return [
         Violation(rule.name, {key: facts[key] for key in rule.fields}, rule.message, rule.fix)
         for rule in rules
         if rule.applies(facts) and not rule.holds(facts)
     ]
+
+
+def check_ep_overlap_options(
+    model_config: Any, options: Any, *, micro_batch_size: int | None = None
+) -> list[Violation]:
+    """Every rule for running this project's schedule with ``options`` (an ``EPOverlapOptions``) on ``model_config``:
+    what the engine, the harness and the Megatron-Core hook check, with the same lines."""
+    return check_moe_overlap(
+        model_config,
+        overlap_moe_expert_parallel_comm=options.overlap,
+        delay_wgrad_compute=options.delay_wgrad,
+        options=options,
+        micro_batch_size=micro_batch_size,
+    )
 
 
 # --- the values of a CommOverlapConfig itself (types and ranges), and disagreements with a target config ---

@@ -53,7 +53,8 @@ def _tag(pending, label: str):
 
 def install() -> None:
     """Hooks the lane, P2P and Megatron-Core plan classes of this process (a forked rank)."""
-    from megatron.bridge.training.ep_overlap import lanes, mcore_hook, p2p
+    from megatron.bridge.training.ep_overlap.engine import lanes, p2p
+    from megatron.bridge.training.ep_overlap.mcore import hook as mcore_hook
 
     compute = lanes._Lane.compute
 
@@ -259,7 +260,7 @@ def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict
     init_megatron(2, pp, 2 if pp > 1 else None)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     from .test_mcore_equivalence import McoreCase, build_gpt
     from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step

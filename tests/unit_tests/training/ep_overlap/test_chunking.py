@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.chunking import ChunkSettings, Unit, chunk_problems, units
+from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.units import Unit, units
+from megatron.bridge.training.moe_overlap_rules import check_ep_overlap_options
 from megatron.bridge.utils.multiprocess import RankFailure, run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
@@ -25,33 +26,37 @@ def test_units_split_exactly_the_microbatches_that_run_alone_somewhere():
     assert Unit(0).rows(5) == slice(0, 5)
 
 
-def _settings(**overrides) -> ChunkSettings:
-    config = SimpleNamespace(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None, moe_expert_capacity_factor=None)
-    values = dict(chunks=2, overlap=True, edge_pairing=False, pipeline_size=1, config=config, micro_batch_size=2)
-    values.update(overrides)
-    return ChunkSettings(**values)
+def _problems(config=None, micro_batch_size=2, pipeline=1, **options) -> list[str]:
+    """The rules table's lines for chunking (``options`` override ``EPOverlapOptions(moe_ep_overlap_chunks=2)``)."""
+    model = dict(expert_model_parallel_size=2, num_moe_experts=4, moe_token_dispatcher_type="alltoall")
+    model |= dict(
+        pipeline_model_parallel_size=pipeline, virtual_pipeline_model_parallel_size=2 if pipeline > 1 else None
+    )
+    model |= config or {}
+    violations = check_ep_overlap_options(
+        SimpleNamespace(**model), EPOverlapOptions(**({"moe_ep_overlap_chunks": 2} | options)),
+        micro_batch_size=micro_batch_size,
+    )  # fmt: skip
+    return [str(v) for v in violations if v.name.startswith("chunks")]
 
 
 def test_chunk_rules_name_the_field_and_the_fix():
-    assert chunk_problems(_settings()) == []
-    assert chunk_problems(_settings(chunks=1, overlap=False, pipeline_size=4, micro_batch_size=1)) == []
-    bad_config = SimpleNamespace(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_expert_capacity_factor=1.0)
+    assert _problems() == []
+    assert _problems(moe_ep_overlap_chunks=1, overlap=False, pipeline=4, micro_batch_size=1) == []
+    bad_config = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_expert_capacity_factor=1.0)
     cases = {
-        "moe_ep_overlap_chunks=3": _settings(chunks=3),
-        "moe_ep_overlap_chunks=2": _settings(overlap=False),
-        "pipeline_model_parallel_size=2": _settings(pipeline_size=2),
-        "edge_pairing=True": _settings(edge_pairing=True),
-        "micro_batch_size=1": _settings(micro_batch_size=1),
+        "ep_overlap.moe_ep_overlap_chunks=3": _problems(moe_ep_overlap_chunks=3),
+        "comm_overlap.overlap_moe_expert_parallel_comm=False": _problems(overlap=False),
+        "model.pipeline_model_parallel_size=2": _problems(pipeline=2),
+        "ep_overlap.edge_pairing=True": _problems(edge_pairing=True),
+        "train.micro_batch_size=1": _problems(micro_batch_size=1),
     }
-    for field, settings in cases.items():
-        (line,) = chunk_problems(settings)
-        assert line.startswith(field + ":") and "fix:" in line, line
-    lines = chunk_problems(_settings(config=bad_config))
-    assert [line.split("=")[0] for line in lines] == [
-        "moe_aux_loss_coeff",
-        "moe_z_loss_coeff",
-        "moe_expert_capacity_factor",
-    ]
+    for field, lines in cases.items():
+        (line,) = lines
+        assert f"{field}:" in line and "Fix:" in line, line
+    lines = _problems(config=bad_config)
+    fields = ["model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.moe_expert_capacity_factor=1.0"]
+    assert len(lines) == len(fields) and all(field in line for field, line in zip(fields, lines)), lines
 
 
 CASES = {
@@ -127,4 +132,5 @@ def _chunks_without_overlap(rank: int, world: int) -> str:
 
 def test_engine_refuses_chunks_it_cannot_run():
     outcomes = run_local_ranks(_chunks_without_overlap, 2, ())
-    assert all(o.result.startswith("moe_ep_overlap_chunks=2: chunks the phases") for o in outcomes)
+    # The rules table's line, as the harness and the hook print it.
+    assert all("[chunks_need_overlap] ep_overlap.moe_ep_overlap_chunks=2" in o.result for o in outcomes), outcomes

@@ -8,7 +8,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.pipeline import pipeline_schedule
+from megatron.bridge.training.ep_overlap.program.pipeline import pipeline_schedule
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 

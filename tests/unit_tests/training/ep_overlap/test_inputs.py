@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX
+from megatron.bridge.training.ep_overlap import IGNORE_INDEX, EPOverlapEngine
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 

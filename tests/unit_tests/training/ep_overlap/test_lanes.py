@@ -11,7 +11,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.lanes import make_lane
+from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, init_ep_groups, single_process_groups
 
@@ -75,7 +75,7 @@ def test_a_launch_waiting_for_its_splits_leaves_the_host_free_and_keeps_the_orde
 
 
 def _who_launches(rank: int, world: int) -> dict:
-    from megatron.bridge.training.ep_overlap import lanes
+    from megatron.bridge.training.ep_overlap.engine import lanes
 
     groups = init_ep_groups(2, timedelta(seconds=20))
     lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
@@ -164,17 +164,27 @@ def test_the_engine_launches_off_host_on_cpu_where_every_layer_allows_it():
 
 
 @pytest.mark.parametrize(
-    "overlap, layer_allows, message",
+    "overlap, layer_allows, message, fix",
     [
-        (False, True, "launch_off_host=True: it launches the overlapped schedule's all-to-alls, and overlap is off"),
-        (True, False, "launch_off_host=True: a layer of this model does not allow its split exchange off the host"),
+        (
+            False, True,
+            "[launch_off_host_needs_overlap] ep_overlap.launch_off_host=True, "
+            "comm_overlap.overlap_moe_expert_parallel_comm=False: launch_off_host launches the overlapped schedule's "
+            "all-to-alls, and overlap is off.",
+            "Fix: leave launch_off_host None (where it applies) or False, or turn overlap on.",
+        ),
+        (
+            True, False,
+            "launch_off_host=True: a layer of this model does not allow its split exchange off the host",
+            "leave it None (where it applies) or set it False",
+        ),
     ],
-)
-def test_insisting_on_launching_off_the_host_where_it_cannot_apply_is_an_error(overlap, layer_allows, message):
+)  # fmt: skip
+def test_insisting_on_launching_off_the_host_where_it_cannot_apply_is_an_error(overlap, layer_allows, message, fix):
     groups = EPGroups(2, 0, None, None, None, None, timedelta(seconds=5))
     model = MoEGPTModel(Case(layer_freq=(1,)).config(), groups)
     model.layers[0].exchange_splits_off_host = layer_allows
     with pytest.raises(ValueError) as caught:
         EPOverlapEngine(model, groups, overlap=overlap, launch_off_host=True)
-    assert str(caught.value).startswith(message)
-    assert str(caught.value).endswith("leave it None (where it applies) or set it False")
+    assert message in str(caught.value)
+    assert str(caught.value).endswith(fix)

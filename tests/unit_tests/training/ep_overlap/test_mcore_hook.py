@@ -49,7 +49,7 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
     init_megatron(world)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     out = {}
     for arm in ("plain", "overlap"):
@@ -112,7 +112,7 @@ def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
 def refuse(rank: int, world: int, change: dict) -> str:
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     model = build_gpt(replace(McoreCase(), **change.get("case", {})))
     for key, value in change.get("config", {}).items():
@@ -145,7 +145,7 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge.training.ep_overlap.mcore_hook import use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     from .test_mcore_pipeline import build_plans
 

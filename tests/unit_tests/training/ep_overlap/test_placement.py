@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
@@ -17,7 +17,9 @@ from .workers import Case, batches
 def test_the_planner_prefers_the_window_beside_the_comm_bound_dispatch():
     # Window 2 (F.dispatch) has 2 s of comm beside 0.4 s of B.experts dgrad; window 1 is balanced.
     layer = LayerCosts(f_pre=1, f_exp=1, b_exp=0.4, b_pre=2, dispatch_bytes=2e9, combine_bytes=1e9)
-    steps = step_by_wgrad_window(StepCosts(layers=(layer, layer), f_tail=0, b_head=0), Link(1e9), 8)
+    steps = step_by_wgrad_window(
+        StepCosts(layers=(layer, layer), f_tail=0, b_head=0), Link(1e9), 8, EPOverlapOptions()
+    )
     assert steps[2] < steps[1]
 
 
@@ -59,13 +61,22 @@ def test_without_delayed_wgrad_there_is_nothing_to_place():
         assert all(phases == {"warmup", "paired", "cooldown"} for phases in outcome.result["phases"])
 
 
+def _chunk(pipeline: int = 1) -> SimpleNamespace:
+    """A model chunk as far as the rules read it: its config (the engine checks the rules before the model)."""
+    config = SimpleNamespace(
+        expert_model_parallel_size=2, num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+        pipeline_model_parallel_size=pipeline, virtual_pipeline_model_parallel_size=2 if pipeline > 1 else None,
+    )  # fmt: skip
+    return SimpleNamespace(config=config)
+
+
 def test_auto_placement_with_pipelines_is_refused():
     # The planner that chooses simulates PP = 1; the engine says so before it looks at the model.
     with pytest.raises(ValueError, match=r"attention_wgrad_window=None \(auto\) needs PP = 1"):
-        EPOverlapEngine([], SimpleNamespace(pp_size=2), overlap=True, delay_wgrad=True, attention_wgrad_window=None)
+        EPOverlapEngine([_chunk(pipeline=2)], None, overlap=True, delay_wgrad=True, attention_wgrad_window=None)
 
 
 @pytest.mark.parametrize("window", [0, 3, "auto"])
 def test_a_window_that_is_not_one_or_two_or_none_is_refused(window):
-    with pytest.raises(ValueError, match="attention_wgrad_window must be one of"):
-        EPOverlapEngine(None, None, overlap=True, attention_wgrad_window=window)
+    with pytest.raises(ValueError, match=r"\[attention_wgrad_window\] ep_overlap.attention_wgrad_window="):
+        EPOverlapEngine(_chunk(), None, overlap=True, attention_wgrad_window=window)

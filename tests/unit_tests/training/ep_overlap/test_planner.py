@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import (
     LayerCosts,
     Link,
@@ -43,7 +43,7 @@ def test_comm_equal_to_compute_per_window_hides_exactly_the_pairing_bound(layers
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_edge_pairing_hides_what_the_unpaired_ends_exposed(layers, n):
     costs, link = balanced(layers)
-    alone, edges = predict(costs, link, n), predict(costs, link, n, edge_pairing=True)
+    alone, edges = predict(costs, link, n), predict(costs, link, n, EPOverlapOptions(edge_pairing=True))
     assert edges.overlap.step_s < alone.overlap.step_s
     assert edges.h > (n - 1) / n  # past the bound that one microbatch alone at each end sets
     for phase in ("warmup", "cooldown"):
@@ -55,7 +55,7 @@ def test_edge_pairing_hides_what_the_unpaired_ends_exposed(layers, n):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_chunking_hides_most_of_what_the_unpaired_ends_exposed(layers, n):
     costs, link = balanced(layers)
-    alone, chunked = predict(costs, link, n), predict(costs, link, n, chunks=2)
+    alone, chunked = predict(costs, link, n), predict(costs, link, n, EPOverlapOptions(moe_ep_overlap_chunks=2))
     assert chunked.baseline.step_s == alone.baseline.step_s  # the plain path does not chunk
     # Each half hides the other's all-to-alls; only the second half's last one at each end (half of one
     # microbatch's, 0.5 s) is left, where a microbatch alone exposed all of its 2 per layer.
@@ -74,9 +74,9 @@ def test_one_microbatch_hides_nothing():
 def test_a_slow_link_bounds_the_step_by_comm():
     layer = LayerCosts(1, 1, 1, 1, dispatch_bytes=4e9, combine_bytes=4e9)  # 4 s per all-to-all
     costs = StepCosts(layers=(layer,), f_tail=0, b_head=0)
-    overlapped = simulate(costs, Link(1e9), 16, overlap=True)
+    overlapped = simulate(costs, Link(1e9), 16, EPOverlapOptions())
     assert overlapped.step_s >= 16 * 16  # the link carries 16 s per microbatch whatever the schedule
-    assert overlapped.step_s < simulate(costs, Link(1e9), 16, overlap=False).step_s
+    assert overlapped.step_s < simulate(costs, Link(1e9), 16, EPOverlapOptions(overlap=False)).step_s
 
 
 def test_delayed_wgrad_fills_the_dispatch_backward_window():
@@ -86,7 +86,7 @@ def test_delayed_wgrad_fills_the_dispatch_backward_window():
         f_pre=1, f_exp=0.2, b_exp=2, b_pre=1, dispatch_bytes=2e9, combine_bytes=1e9, attention_wgrad_share=0.0
     )
     costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
-    plain, delayed = predict(costs, Link(1e9), 8), predict(costs, Link(1e9), 8, delay_wgrad=True)
+    plain, delayed = predict(costs, Link(1e9), 8), predict(costs, Link(1e9), 8, EPOverlapOptions(delay_wgrad=True))
     assert delayed.overlap.step_s < plain.overlap.step_s
     assert best_plan(costs, Link(1e9), [4, 8])[0].delay_wgrad is True
 
@@ -95,7 +95,9 @@ def test_attention_wgrad_goes_where_the_window_is_comm_bound():
     # Window 2 (F.dispatch) has 2 s of comm beside 0.2 s of B.experts dgrad; window 1 is balanced.
     layer = LayerCosts(f_pre=1, f_exp=1, b_exp=0.4, b_pre=2, dispatch_bytes=2e9, combine_bytes=1e9)
     costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
-    window1, window2 = (predict(costs, Link(1e9), 8, True, window) for window in (1, 2))
+    window1, window2 = (
+        predict(costs, Link(1e9), 8, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=w)) for w in (1, 2)
+    )
     assert window2.overlap.step_s < window1.overlap.step_s
     best = best_plan(costs, Link(1e9), [8])[0]
     assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
@@ -106,7 +108,7 @@ def test_split_sizes_waited_for_off_the_host_stop_no_paired_step():
     # round trip stops every paired layer step; off the host it fits under that compute.
     layer = LayerCosts(1, 1, 1, 1, dispatch_bytes=0.5e9, combine_bytes=0.5e9)
     costs, link = StepCosts(layers=(layer, layer), f_tail=0, b_head=0), Link(1e9, meta_s=0.5)
-    on_host, off_host = predict(costs, link, 8), predict(costs, link, 8, launch_off_host=True)
+    on_host, off_host = predict(costs, link, 8), predict(costs, link, 8, EPOverlapOptions(launch_off_host=True))
     assert off_host.baseline.step_s == on_host.baseline.step_s  # the plain path waits on the host either way
     assert on_host.overlap.exposed_s["paired"] == pytest.approx(0.5 * 2 * 7)
     assert off_host.overlap.exposed_s["paired"] == 0
@@ -132,10 +134,9 @@ def test_the_simulated_schedule_launches_what_the_engine_launches_in_the_same_or
     moe = LayerCosts(1, 1, 1, 1, dispatch_bytes=1, combine_bytes=1)
     dense = LayerCosts(1, 1, 1, 1)
     costs = StepCosts(layers=tuple(moe if f else dense for f in layer_freq), f_tail=1, b_head=1)
-    options = {"edge_pairing": ends == "edges", "chunks": 2 if ends == "chunks" else 1}
     for window in (1, 2):
-        simulated = simulate(costs, Link(1e9), 3, overlap=True, delay_wgrad=True, wgrad_window=window, **options)
-        assert simulated.launches == engine_order
+        options = EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=window, **ENDS[ends])
+        assert simulate(costs, Link(1e9), 3, options).launches == engine_order
 
 
 def _record(node_or_op: str, layer: int, mb: int, start: float, end: float, *, comm: bool = False) -> dict:

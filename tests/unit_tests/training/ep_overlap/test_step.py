@@ -6,7 +6,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
-from megatron.bridge.training.ep_overlap.step import MicrobatchPlan, forward_step, train_step
+from megatron.bridge.training.ep_overlap_step import MicrobatchPlan, forward_step, train_step
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 

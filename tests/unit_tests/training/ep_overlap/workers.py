@@ -7,7 +7,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.chunking import Unit, units
+from megatron.bridge.training.ep_overlap.program.units import Unit, units
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 # overlap off; overlap on; overlap on with delayed wgrad; the same with edge pairing (and, where a case adds it,

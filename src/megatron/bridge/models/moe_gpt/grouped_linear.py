@@ -5,8 +5,8 @@ Contract:
       ordered by group; ``group_sizes`` (host ints) may contain zeros.
     * With ``delay_wgrad = False`` backward computes dgrad and wgrad as ordinary autograd does.
     * With ``delay_wgrad = True`` backward computes dgrad only and pushes what wgrad needs on a FIFO owned by the
-      module (the engine's :class:`~megatron.bridge.training.ep_overlap.wgrad.WeightGradStore`; this module
-      implements the engine's delayed-wgrad contract). ``backward_dw()`` pops one entry, computes the wgrad,
+      module (a :class:`~megatron.bridge.training.ep_overlap.contract.WeightGradStore`: this module implements the
+      engine contract's ``DelayableLinear``). ``backward_dw()`` pops one entry, computes the wgrad,
       accumulates it into ``weight.main_grad`` when the weight has one, else into ``weight.grad``, then runs the
       grad-ready hooks. Results are bitwise equal to
       the undelayed path: the same kernels run on the same operands, and accumulation adds in the same order.
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron.bridge.training.ep_overlap.wgrad import WeightGradStore
+from megatron.bridge.training.ep_overlap.contract import WeightGradStore
 
 logger = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ class TransformerLayer(torch.nn.Module):
             self.fc1 = Linear(D, 2 * Fd if self.gated else Fd, name=f"{name}.mlp.fc1")
             self.fc2 = Linear(Fd, D, name=f"{name}.mlp.fc2")
 
-    # ---- node functions (the interface the EP-overlap schedule drives; see training/ep_overlap/nodes.py) ----
+    # ---- node functions (the interface the EP-overlap schedule drives; see training/ep_overlap/contract.py) ----
 
     def pre_dispatch(
         self, x_TD: torch.Tensor

@@ -1,25 +1,27 @@
-"""Where the engine puts the delayed attention wgrad when asked to choose (``attention_wgrad_window=None``).
+"""The engine users build: :class:`EPOverlapEngine`, which also lets the planner place the delayed attention wgrad.
 
 Contract:
-    * The choice is the planner's: the first training step runs the plain path, which is bitwise the same step
-      (overlap changes no number) and whose records are exactly the planner's per-window costs
-      (``planner.costs_from_records``; the link is fitted to that step's all-to-alls). The planner simulates the
-      overlapped step with the attention wgrad in window 1 and in window 2 (``planner.step_by_wgrad_window``),
-      and every later step runs the faster one.
+    * ``EPOverlapEngine`` is the engine (``engine/driver.py``) plus one thing: ``attention_wgrad_window=None``
+      (auto, PP = 1). Its first training step then runs the plain path, which is bitwise the same step (overlap
+      changes no number) and whose records are exactly the planner's per-window costs (the link is fitted to that
+      step's all-to-alls). The planner simulates the overlapped step with the attention wgrad in window 1 and in
+      window 2, and every later step runs the faster one: the window reaches the engine as a value.
     * Every rank decides alike: the predicted step times are summed over all ranks (one small all-reduce) before
       the comparison, so the placement never differs between ranks. A tie keeps window 1.
-    * The outcome is :class:`WgradPlacement`, kept on the engine (``engine.placement``) and logged on rank 0, so a
-      launcher can print it and write it to its results.
-    * Needs PP = 1 (the planner simulates PP = 1) and delayed wgrad (without it there is nothing to place).
+    * The outcome is :class:`WgradPlacement`, kept as ``engine.placement`` and logged on rank 0, so a launcher can
+      print it and write it to its results. Without delayed wgrad there is nothing to place: window 1 at once.
 """
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
+from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
+from megatron.bridge.training.ep_overlap.engine import Engine, StepRecorder, StepResult
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, step_by_wgrad_window
-from megatron.bridge.training.ep_overlap.records import StepRecorder
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 logger = logging.getLogger(__name__)
@@ -45,16 +47,12 @@ def choose_wgrad_window(
     num_layers: int,
     groups: EPGroups,
     device: torch.device,
-    *,
-    edge_pairing: bool,
-    chunks: int,
-    launch_off_host: bool = False,
+    options: EPOverlapOptions,
 ) -> WgradPlacement:
-    """The planner's window for the costs of one plain step (``recorder``, ``step_s``), agreed on by every rank."""
+    """The planner's window for the costs of one plain step (``recorder``, ``step_s``), agreed on by every rank;
+    ``options`` as the overlapped steps will run (``launch_off_host``: whether their lane does)."""
     costs, link = costs_from_records([recorder.as_dict()], [step_s], None, num_layers)
-    mine = step_by_wgrad_window(
-        costs, link, num_microbatches, edge_pairing=edge_pairing, chunks=chunks, launch_off_host=launch_off_host
-    )
+    mine = step_by_wgrad_window(costs, link, num_microbatches, options)
     windows = sorted(mine)
     totals = torch.tensor([mine[w] for w in windows], dtype=torch.float64, device=device)
     world = 1
@@ -67,3 +65,28 @@ def choose_wgrad_window(
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         logger.info("EP overlap: %s", placement.describe())
     return placement
+
+
+class EPOverlapEngine(Engine):
+    """Runs training steps with the EP-overlap schedule (see :class:`Engine`); ``attention_wgrad_window=None``
+    lets the planner place the delayed attention wgrad (see the module docstring)."""
+
+    def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
+        super().__init__(model, groups, options, **fields)
+        self.placement: WgradPlacement | None = None
+        if self.options.attention_wgrad_window is None and not (self.options.overlap and self.options.delay_wgrad):
+            self.options = replace(self.options, attention_wgrad_window=WGRAD_WINDOWS[0])
+
+    def step(self, microbatches, *, forward_only: bool = False) -> StepResult:
+        if forward_only or self.options.attention_wgrad_window is not None:
+            return super().step(microbatches, forward_only=forward_only)
+        start = time.perf_counter()
+        result = self._step(microbatches, replace(self.options, overlap=False), forward_only=False)
+        device = next(self.chunks[0].parameters()).device
+        overlapped = replace(self.options, launch_off_host=self.launches_off_host(device))
+        self.placement = choose_wgrad_window(
+            result.recorder, time.perf_counter() - start, len(microbatches), len(self.chunks[0].layers),
+            self.groups, device, overlapped,
+        )  # fmt: skip
+        self.options = replace(self.options, attention_wgrad_window=self.placement.window)
+        return result

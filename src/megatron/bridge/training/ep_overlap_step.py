@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, StepResult
+from megatron.bridge.training.ep_overlap.engine import StepResult
+from megatron.bridge.training.ep_overlap.placement import EPOverlapEngine
 from megatron.bridge.utils.process_groups import EPGroups
 
 

@@ -15,7 +15,7 @@ Contract:
 
 from dataclasses import dataclass, field
 
-from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts
+from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts
 
 BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
 

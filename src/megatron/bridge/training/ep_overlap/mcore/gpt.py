@@ -18,7 +18,7 @@ Contract:
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward. The adapter then logs one warning saying nothing is delayed (numerics are unchanged).
     * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or
-      one pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.schedule.EPOverlapEngine`. It
+      one pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`. It
       needs untied embedding/output weights (``share_embeddings_and_output_weights=False``) and
       ``add_bias_linear=False``.
 """
@@ -33,7 +33,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron.bridge.training.ep_overlap.schedule import IGNORE_INDEX
+from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 

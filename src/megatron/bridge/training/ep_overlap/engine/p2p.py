@@ -1,9 +1,9 @@
 """Pipeline P2P for the engine: activations forward and gradients backward between pipeline ranks.
 
 Contract:
-    * Every transfer is one tagged message on the gloo ``pp_group`` (tags from
-      :meth:`~megatron.bridge.training.ep_overlap.pipeline.Transfer.tag`, unique within a step), so the order in
-      which the two ends post their halves does not matter. CUDA tensors go through host memory.
+    * Every transfer is one tagged message on the gloo ``pp_group`` (tags from ``Transfer.tag`` of
+      ``program/pipeline.py``, unique within a step), so the order in which the two ends post their halves does
+      not matter. CUDA tensors go through host memory.
     * ``send`` is asynchronous and never blocks; all sends of a step are waited for at its end (``finish``).
       ``post`` posts receives (the driver posts one step ahead); ``take`` returns a :class:`Pending` that waits
       for the data where it is consumed. Every wait runs under the groups' timeout and raises
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.ep_overlap.lanes import Pending
-from megatron.bridge.training.ep_overlap.pipeline import FORWARD, Transfer
+from megatron.bridge.training.ep_overlap.engine.lanes import Pending
+from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD, Transfer
 from megatron.bridge.utils.process_groups import EPGroups, wait_work
 
 

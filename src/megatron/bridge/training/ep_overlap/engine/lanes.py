@@ -30,7 +30,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.ep_overlap.records import CommRecord, ComputeRecord, CudaClock, HostClock, StepRecorder
+from megatron.bridge.training.ep_overlap.engine.records import (
+    CommRecord,
+    ComputeRecord,
+    CudaClock,
+    HostClock,
+    StepRecorder,
+)
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
 
 Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits) of an all-to-all

@@ -2,9 +2,9 @@
 
 Contract:
     * :func:`pipeline_schedule` lists, for one pipeline rank, every step of a training step: the forward of a
-      (microbatch, model chunk), its backward, or both paired, with the P2P transfers each needs. The engine
-      executes exactly this list; the harness prints it (``--print_schedule``); the planner simulates it. PP = 1
-      is the case ``pipeline_size = virtual_size = 1``: F(0); F(i+1) paired with B(i); B(N-1).
+      (microbatch, model chunk), its backward, or both paired, with the P2P transfers each needs. The program
+      (``steps.py``) expands each into its layer steps. PP = 1 is the case ``pipeline_size = virtual_size = 1``:
+      F(0); F(i+1) paired with B(i); B(N-1).
     * Layout (Megatron-Core's): pipeline rank r holds virtual stages v = 0..V-1; model chunk ``v * P + r`` of the
       whole model sits there. Microbatches go in groups of P (a remainder smaller than P joins the last group,
       so any N >= 1 works); within a group the forward visits virtual stage 0 for each microbatch, then stage 1,
@@ -196,20 +196,6 @@ def simulate(pipeline_size: int, virtual_size: int, num_microbatches: int, *, ov
                 if position[r] < len(schedules[r])
             ]
             raise RuntimeError("the pipeline schedule deadlocks: " + "; ".join(blocked))
-
-
-def format_schedule(steps: list[PipelineStep], rank: int, pipeline_size: int) -> str:
-    """One line per step: phase, F/B as m<microbatch>c<chunk>, and the P2P transfers."""
-    lines = [f"pipeline rank {rank}:"]
-    for i, s in enumerate(steps):
-        f = f"F m{s.forward[0]} c{s.forward[1] * pipeline_size + rank}" if s.forward else ""
-        b = f"B m{s.backward[0]} c{s.backward[1] * pipeline_size + rank}" if s.backward else ""
-        p = f"{'F' if s.forward else 'B'} m{s.partner[0]} c{s.partner[1] * pipeline_size + rank}" if s.partner else ""
-        work = " + ".join(x for x in (f, b, p) if x)
-        recv = " ".join(f"<{t.kind}m{t.microbatch}c{t.chunk}@r{t.peer}" for t in s.recv)
-        send = " ".join(f">{t.kind}m{t.microbatch}c{t.chunk}@r{t.peer}" for t in s.send)
-        lines.append(f"  {i:3d} {s.phase:8s} {work:20s} {recv} {send}".rstrip())
-    return "\n".join(lines)
 
 
 def forward_paired_schedule(num_microbatches: int) -> list[PipelineStep]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron.bridge.training.ep_overlap.intervals import length, uncovered, union
+
 
 class HostClock:
     """Marks are host times."""
@@ -94,39 +96,6 @@ class StepStats:
         return 0.0 if self.comm_s <= 0 else 1.0 - self.exposed_comm_s / self.comm_s
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _covered(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length of the intersection of two sorted disjoint interval lists."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Length of the union of ``intervals`` outside the union of ``cover``: comm that no compute hid."""
-    intervals_u = _union(intervals)
-    return _length(intervals_u) - _covered(intervals_u, _union(cover))
-
-
 @dataclass
 class StepRecorder:
     """Collects the records of one step. ``phase`` is set by the schedule as it goes."""
@@ -145,11 +114,11 @@ class StepRecorder:
 
     def stats(self) -> StepStats:
         comm, compute = self.intervals()
-        return StepStats(_length(_union(comm)), uncovered(comm, compute), _length(_union(compute)))
+        return StepStats(length(union(comm)), uncovered(comm, compute), length(union(compute)))
 
     def as_dict(self) -> dict:
         """The step's records in plain numbers (seconds from the step start): what the planner reads
-        (``planner.costs_from_records``) and the harness's JSON holds; call after the step finished."""
+        (the planner's ``costs_from_records``) and the harness's JSON holds; call after the step finished."""
         seconds = self.clock.seconds
         return {
             "comm": [

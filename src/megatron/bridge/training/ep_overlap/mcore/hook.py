@@ -10,11 +10,11 @@ Contract:
       attribute; the class is untouched), which returns an :class:`EPOverlapSchedulePlan`. No upstream file
       changes.
     * Megatron-Core runs each step of its driver as ``EPOverlapSchedulePlan.run(f_plan, b_plan, b_grad=...)``:
-      a forward alone, a backward alone, or the forward of one microbatch paired with the backward of another
-      through :func:`~megatron.bridge.training.ep_overlap.schedule.paired_microbatch_step` (``layer_step`` per
-      layer). ``run`` returns what the chunk's ``GPTModel.forward`` returns: per-token losses on the last chunk,
-      which Megatron-Core reduces with the recipe's loss function, else the hidden states. ``b_grad`` is the
-      gradient of that output.
+      a forward alone, a backward alone, or the forward of one microbatch paired with the backward of another.
+      ``run`` executes the schedule program's step of that kind (``program.windows_of``: the paired layer step per
+      layer) with the engine's executor, as the engine does. It returns what the chunk's ``GPTModel.forward``
+      returns: per-token losses on the last chunk, which Megatron-Core reduces with the recipe's loss function,
+      else the hidden states. ``b_grad`` is the gradient of that output.
     * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls them where its own plan does:
       ``pre_forward`` and ``pre_backward`` (wait for the received activation / gradient) before the chunk starts,
       ``post_forward`` (send the activation) and then ``post_backward`` (send the input gradient) after the
@@ -22,8 +22,9 @@ Contract:
       with ``set_input_tensor``; its gradient lands in that tensor's ``.grad``, where Megatron-Core reads it.
     * Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests: PP = 1, and PP 2
       x VPP 2 through its interleaved schedule).
-    * Everything is checked when the hook runs, before the first step: the EP-overlap rules (one
-      :class:`CommOverlapConfigError`) and the adapter's limits (:class:`McoreGPTPlan`).
+    * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
+      options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
+      adapter's limits (:class:`McoreGPTPlan`).
     * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
       every rank of an EP group issues them in the same order. A new step (a plan built while none is in
       flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
@@ -35,18 +36,22 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.lanes import done, make_lane
-from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.nodes import ChunkIO, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.records import StepRecorder
-from megatron.bridge.training.ep_overlap.schedule import paired_microbatch_step
-from megatron.bridge.training.ep_overlap.wgrad import WGRAD_WINDOWS
-from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_moe_overlap
+from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
+from megatron.bridge.training.ep_overlap.engine.driver import run_ops
+from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
+from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
+from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.logging import warn_rank0
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's default collective timeout
+# What Megatron-Core's driver asks of one call, and the phase its records carry.
+_PHASES = {"paired": "paired", "forward": "warmup", "backward": "cooldown"}
 
 
 class _HostEvent:
@@ -150,7 +155,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         if b is not None:
             if pre_backward is not None:
                 pre_backward(b_schedule_plan.vp_stage)  # the received gradient is complete after this
-            if b.last:
+            if b_schedule_plan.builder.plan.post_process:
                 b.output_grad = b_grad
             else:
                 b.io.grad = done(b_grad)
@@ -160,15 +165,19 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
                 post_b(grad)
 
             b.io.send_grad = send_grad
-        if f is not None and b is not None:
-            session.lane.recorder.phase = "paired"
-            paired_microbatch_step(f, b, f_schedule_plan.builder.attention_wgrad_window)
-        elif f is not None:
-            session.lane.recorder.phase = "warmup"
-            f.forward()
-        else:
-            session.lane.recorder.phase = "cooldown"
-            b.backward()
+        kind = "paired" if f is not None and b is not None else "forward" if f is not None else "backward"
+        session.lane.recorder.phase = _PHASES[kind]
+        builder = (f_schedule_plan or b_schedule_plan).builder
+        windows = windows_of(
+            kind,
+            [0] if f is not None else [],
+            [1] if b is not None else [],
+            f_schedule_plan.builder.shape if f is not None else None,
+            b_schedule_plan.builder.shape if b is not None else None,
+            delay_wgrad=builder.options.delay_wgrad,
+            window=builder.options.attention_wgrad_window,
+        )
+        run_ops([op for window in windows for op in window.ops], {0: f, 1: b})
         if f is not None and "F" not in posted:
             post_f(None)
         if b is not None and "B" not in posted:
@@ -177,7 +186,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
             session.in_flight.discard((id(b_schedule_plan.builder), b.mb))
         if f is None:
             return None
-        return f.loss if f.last else output["x"]
+        return f.loss if f_schedule_plan.builder.plan.post_process else output["x"]
 
 
 class EPOverlapPlanBuilder:
@@ -190,16 +199,21 @@ class EPOverlapPlanBuilder:
     """
 
     def __init__(self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1):
-        if attention_wgrad_window not in WGRAD_WINDOWS:
-            raise ValueError(f"attention_wgrad_window must be one of {WGRAD_WINDOWS}, got {attention_wgrad_window!r}")
         config = model.config
-        self.delay_wgrad = bool(config.delay_wgrad_compute)
-        self.plan = McoreGPTPlan(model, delay_wgrad=self.delay_wgrad)
-        violations = check_moe_overlap(
-            config, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=self.delay_wgrad
+        self.options = EPOverlapOptions(
+            delay_wgrad=bool(config.delay_wgrad_compute),
+            attention_wgrad_window=attention_wgrad_window,
+            high_priority_comm=session.high_priority,
         )
+        self.plan = McoreGPTPlan(model, delay_wgrad=self.options.delay_wgrad)
+        violations = check_ep_overlap_options(config, self.options)
         if violations:
             raise CommOverlapConfigError(violations)
+        if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
+            raise ValueError(
+                f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "
+                f"overlapped, so the hook cannot let the planner choose; give one of {WGRAD_WINDOWS}"
+            )
         if not config.overlap_moe_expert_parallel_comm:
             warn_rank0(
                 logger,
@@ -207,7 +221,7 @@ class EPOverlapPlanBuilder:
                 "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
             )
         self.session = session
-        self.attention_wgrad_window = attention_wgrad_window
+        self.shape = ChunkShape.of(self.plan)
         self._step, self._next_microbatch = 0, 0
 
     @property
@@ -246,7 +260,7 @@ class EPOverlapPlanBuilder:
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
         view = _MicrobatchModel(self.plan, position_ids, attention_mask)
-        nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, self.delay_wgrad, ChunkIO())
+        nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor
         return EPOverlapSchedulePlan(self, nodes, event, input_tensor)

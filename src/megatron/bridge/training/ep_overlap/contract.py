@@ -1,0 +1,122 @@
+"""What a model offers the EP-overlap engine, and the queue it keeps delayed weight gradients in (no torch here).
+
+A model never imports the engine: it implements these protocols, and the engine drives anything that does. The
+reference MoE GPT (``models/moe_gpt``) and the Megatron-Core adapter (``ep_overlap/mcore``) both do.
+
+    :class:`LayerFunctions`  one transformer layer cut into the schedule's node functions
+    :class:`ChunkModel`      a whole model or one pipeline chunk: its layers, its two ends, its loss
+    :class:`DelayableLinear` a module whose weight gradient the engine may defer (the role of TE's
+                             ``delay_wgrad_compute`` and DualPipe's WeightGradStore), with
+                             :class:`WeightGradStore` the FIFO such a module can keep its deferred work in
+
+Losses are token-summed cross-entropies divided by a normalizer the engine passes; labels equal to
+:data:`IGNORE_INDEX` count in neither.
+"""
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
+WGRAD_WINDOWS = (1, 2)  # where a paired layer step may put the previous layer's delayed attention wgrad
+
+
+class LayerFunctions(Protocol):
+    """One layer's node functions; ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
+
+    ``pre_dispatch(x) -> (h, send, keep, routing)``: attention, pre-MLP norm, router, permute; ``send`` is the tuple
+    of tensors to dispatch, ``keep`` stays on this rank for combine. ``start_split_exchange(routing)`` sends the split
+    sizes without blocking (may do nothing); ``exchange_splits(routing, op=...)`` finishes it (or does all of it).
+    ``experts(received, routing)``; ``combine(back, keep, h, routing)``: unpermute and residual add.
+    ``exchange_splits_off_host`` True lets a CPU lane finish the split exchange on its helper thread (it must then
+    touch only the routing and the EP metadata group).
+    """
+
+    name: str
+    is_moe: bool
+
+    def pre_dispatch(self, x: Any) -> tuple[Any, tuple, Any, Any]: ...
+
+    def start_split_exchange(self, routing: Any) -> None: ...
+
+    def exchange_splits(self, routing: Any, *, op: str) -> None: ...
+
+    def experts(self, received: tuple, routing: Any) -> Any: ...
+
+    def combine(self, back: Any, keep: Any, h: Any, routing: Any) -> Any: ...
+
+    def delayable_linears(self) -> list["DelayableLinear"]: ...
+
+    def expert_backward_dw(self) -> None: ...
+
+    def attention_backward_dw(self) -> None: ...
+
+
+class ChunkModel(Protocol):
+    """A whole model or one pipeline chunk: ``layers`` with their global ``layer_numbers``; ``pre_process`` /
+    ``post_process`` whether it holds the embedding / the head; ``embed(tokens)`` and
+    ``head_loss(x, labels, normalizer)`` where it does; ``hidden_shape(tokens)`` of the activation between chunks;
+    a whole model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``update_router_biases(groups)``,
+    called once per training step after the gradient sync."""
+
+    config: Any
+    vocab_size: int
+    layers: list
+    layer_numbers: list[int]
+    pre_process: bool
+    post_process: bool
+
+    def parameters(self) -> Iterable: ...
+
+    def embed(self, tokens: Any) -> Any: ...
+
+    def head_loss(self, x: Any, labels: Any, normalizer: float | None) -> Any: ...
+
+
+class DelayableLinear(Protocol):
+    """``delay_wgrad`` is set by the engine for an overlapped step with delayed wgrad; ``backward_dw()`` computes
+    the oldest deferred wgrad (the layer's ``expert_backward_dw``/``attention_backward_dw`` call it where the
+    schedule puts it); ``reset_pending()`` drops the queue after a failed step."""
+
+    name: str
+    delay_wgrad: bool
+
+    @property
+    def pending_wgrads(self) -> int: ...
+
+    def backward_dw(self) -> None: ...
+
+    def reset_pending(self) -> None: ...
+
+
+class WeightGradStore:
+    """FIFO of deferred weight-gradient work: backward pushes, ``run_next`` computes the oldest."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._queue: deque[Callable[[], None]] = deque()
+
+    def push(self, work: Callable[[], None]) -> None:
+        self._queue.append(work)
+
+    def run_next(self) -> None:
+        if not self._queue:
+            raise RuntimeError(f"{self.owner}: backward_dw() called with no delayed wgrad queued")
+        self._queue.popleft()()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+
+def check_no_pending_wgrads(linears: Iterable[DelayableLinear]) -> None:
+    """Raises naming every module that still holds delayed wgrads (their gradients would be lost)."""
+    leftover = [f"{linear.name} ({linear.pending_wgrads} queued)" for linear in linears if linear.pending_wgrads]
+    if leftover:
+        raise RuntimeError(
+            "delayed weight gradients were queued but never computed, so these gradients would be lost: "
+            + ", ".join(leftover)
+            + ". Every backward with delay_wgrad on must be followed by backward_dw() on the module."
+        )

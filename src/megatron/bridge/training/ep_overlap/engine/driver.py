@@ -1,0 +1,268 @@
+"""The engine: executes a rank's schedule program, one training (or forward-only) step at a time.
+
+Contract:
+    * :class:`Engine` runs the steps :func:`~megatron.bridge.training.ep_overlap.program.program` yields for this
+      rank: it binds each unit to its nodes (or, with overlap off, to the plain path) and calls every op's method
+      in the program's order (:func:`run_ops`). It knows no variant of the schedule: edge pairing, chunking,
+      forward-only steps and pipeline parallelism are inputs of the program.
+    * Losses and every gradient are bitwise equal between the overlapped and the plain path, and across pipeline
+      layouts; ``moe_ep_overlap_chunks=2`` is the one option that is not (``program/units.py``).
+    * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
+      gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once. A
+      chunk that offers ``update_router_biases(groups)`` gets it called once per training step after that sync
+      (where Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases).
+    * Options come in one :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, checked by the
+      rules table when the engine is built: what it refuses raises the same :class:`CommOverlapConfigError` that
+      ``CommOverlapConfig.setup``, the harness and the Megatron-Core hook raise. The attention-wgrad window is a
+      value here; ``EPOverlapEngine`` (``placement.py``) lets the planner choose it.
+    * The loss of a step is the sum of token cross-entropies over every microbatch of every rank, divided by the
+      number of tokens that count (``inputs.py``); only the last pipeline stage has losses.
+    * With delayed wgrad every deferred weight gradient runs once, within its own microbatch's backward, where the
+      program puts it; one left queued at the end of a step is an error naming the module.
+"""
+
+import functools
+import operator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from megatron.bridge.training.ep_overlap.contract import check_no_pending_wgrads
+from megatron.bridge.training.ep_overlap.engine.grads import delayable_linears, sync_grads
+from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, loss_token_count
+from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
+from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.engine.p2p import PipelineP2P
+from megatron.bridge.training.ep_overlap.engine.plain import PlainRun, PlainTimeline
+from megatron.bridge.training.ep_overlap.engine.records import StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.steps import OPS, ChunkShape, Step, program
+from megatron.bridge.training.ep_overlap.program.units import Unit
+from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
+from megatron.bridge.utils.process_groups import EPGroups
+
+
+@dataclass
+class StepResult:
+    """Outcome of one step on this rank."""
+
+    losses: list[torch.Tensor]  # per microbatch: token-summed CE / (global tokens of the step)
+    stats: StepStats
+    recorder: StepRecorder
+
+
+def run_ops(ops, runners: dict) -> None:
+    """Runs ``ops`` in order: op ``(kind, name)`` of unit u is ``runners[u]``'s (or its layer's) ``<kind>_<name>``;
+    the activation and gradient an op writes go to the next op of that unit that reads them (``program.OPS``)."""
+    values = {}
+    for op in ops:
+        target = runners[op.unit] if op.layer is None else runners[op.unit].layers[op.layer]
+        reads, writes = OPS[(op.kind, op.name)]
+        method = getattr(target, op.method)
+        out = method(values.pop((op.unit, reads))) if reads else method()
+        if writes:
+            values[(op.unit, writes)] = out
+
+
+# Where a P2P transfer of each kind meets a unit's chunk I/O: (what it receives into, what sends it).
+_IO = {"F": ("input", "send_output"), "B": ("grad", "send_grad")}
+
+
+def _connect(step: Step, runners: dict, p2p: PipelineP2P) -> None:
+    """Hands the step's received tensors to its units, and their sends to the P2P."""
+    for transfer in step.recv:
+        setattr(runners[step.unit_for(transfer).unit].io, _IO[transfer.kind][0], p2p.take(transfer))
+    for transfer in step.send:
+        send = functools.partial(p2p.send, transfer)
+        setattr(runners[step.unit_for(transfer).unit].io, _IO[transfer.kind][1], send)
+
+
+def _layout_problems(chunks: list, config, groups: EPGroups) -> list[str]:
+    """What does not match between the chunks, the config's pipeline sizes and the process groups."""
+    P, V = groups.pp_size, len(chunks)
+    problems = []
+    if (config.pipeline_model_parallel_size or 1) != P:
+        problems.append(f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} but the pipeline has {P}")
+    if (config.virtual_pipeline_model_parallel_size or 1) != V:
+        problems.append(
+            f"virtual_pipeline_model_parallel_size={config.virtual_pipeline_model_parallel_size} but this rank has "
+            f"{V} model chunks"
+        )
+    first = groups.pp_rank == 0
+    last = groups.pp_rank == P - 1
+    if chunks[0].pre_process != first or any(c.pre_process for c in chunks[1:]):
+        problems.append("only the first chunk of pipeline rank 0 may hold the embedding")
+    if chunks[-1].post_process != last or any(c.post_process for c in chunks[:-1]):
+        problems.append("only the last chunk of the last pipeline rank may hold the head")
+    return problems
+
+
+class Engine:
+    """Runs training steps with the EP-overlap schedule, or the plain path, at any pipeline layout.
+
+    Args:
+        model: A whole model, or this pipeline rank's model chunks in virtual-stage order (Megatron-Core's layout:
+            the first holding the embedding on pipeline rank 0, the last the head on the last rank); each a
+            :class:`~megatron.bridge.training.ep_overlap.contract.ChunkModel` (the reference ``MoEGPTModel`` and
+            the Megatron-Core plan are). Its ``config`` is checked against the EP-overlap rules.
+        groups: This rank's process groups (with the pipeline group when PP > 1).
+        options: The schedule's options; or give its fields as keywords (``overlap=True, delay_wgrad=True``).
+
+    Raises:
+        CommOverlapConfigError: When the config and options break an EP-overlap rule (one line each, with its fix).
+        ValueError: When the chunks do not match the pipeline layout, or ``launch_off_host=True`` cannot apply.
+    """
+
+    def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
+        if options is not None and fields:
+            raise TypeError(f"give options or its fields, not both (got options and {sorted(fields)})")
+        options = options or EPOverlapOptions(**fields)
+        self.chunks = list(model) if isinstance(model, list | tuple) else [model]
+        config = self.chunks[0].config
+        violations = check_ep_overlap_options(config, options)
+        if violations:
+            raise CommOverlapConfigError(violations)
+        problems = _layout_problems(self.chunks, config, groups)
+        if problems:
+            raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))
+        self.model, self.groups, self.options = model, groups, options
+        self.shapes = [ChunkShape.of(chunk) for chunk in self.chunks]
+        if options.launch_off_host:
+            why = self._why_not_off_host(options, next(self.chunks[0].parameters()).device)
+            if why:
+                raise ValueError(f"launch_off_host=True: {why}; leave it None (where it applies) or set it False")
+
+    @classmethod
+    def from_config(cls, model, groups: EPGroups, **fields) -> "Engine":
+        """Overlap and delayed wgrad as the model config resolves them; other options from ``fields``."""
+        config = (model[0] if isinstance(model, list | tuple) else model).config
+        return cls(model, groups, EPOverlapOptions.from_config(config, **fields))
+
+    @property
+    def attention_wgrad_window(self) -> int | None:
+        return self.options.attention_wgrad_window
+
+    def _why_not_off_host(self, options: EPOverlapOptions, device: torch.device) -> str | None:
+        if not options.overlap:
+            return "it launches the overlapped schedule's all-to-alls, and overlap is off"
+        if device.type != "cpu":
+            return f"it is the CPU lane's; this model is on {device.type}"
+        if not all(getattr(layer, "exchange_splits_off_host", False) for c in self.chunks for layer in c.layers):
+            return "a layer of this model does not allow its split exchange off the host (exchange_splits_off_host)"
+        return None
+
+    def launches_off_host(self, device: torch.device, options: EPOverlapOptions | None = None) -> bool:
+        """Whether an overlapped step on ``device`` launches its all-to-alls off the host thread."""
+        options = options or self.options
+        wanted = options.launch_off_host is not False and self.groups.ep_size > 1
+        return wanted and self._why_not_off_host(options, device) is None
+
+    def schedule(self, num_microbatches: int, *, forward_only: bool = False, options=None) -> list[Step]:
+        """This rank's program for a step of ``num_microbatches`` (what :meth:`step` executes)."""
+        return list(
+            program(
+                options or self.options,
+                self.shapes,
+                num_microbatches,
+                pipeline_size=self.groups.pp_size,
+                rank=self.groups.pp_rank,
+                forward_only=forward_only,
+            )
+        )
+
+    def step(self, microbatches: list[Microbatch], *, forward_only: bool = False) -> StepResult:
+        """Forward (and unless ``forward_only``, backward and gradient sync) over ``microbatches``."""
+        return self._step(microbatches, self.options, forward_only)
+
+    def _step(self, microbatches: list[Microbatch], options: EPOverlapOptions, forward_only: bool) -> StepResult:
+        if not microbatches:
+            raise ValueError("a step needs at least one microbatch")
+        if not forward_only and options.overlap and options.delay_wgrad and options.attention_wgrad_window is None:
+            raise ValueError("attention_wgrad_window=None (auto) is chosen by EPOverlapEngine; give 1 or 2 here")
+        device = next(self.chunks[0].parameters()).device
+        lane = make_lane(
+            self.groups,
+            device,
+            high_priority=options.high_priority_comm,
+            launch_off_host=self.launches_off_host(device, options),
+        )
+        steps = self.schedule(len(microbatches), forward_only=forward_only, options=options)
+        split = {member.microbatch for s in steps for member in s.units if member.half is not None}
+        normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
+        failed = True
+        try:
+            with torch.no_grad() if forward_only else nullcontext():
+                losses = self._run(steps, microbatches, normalizer, lane, device, options, forward_only)
+            failed = False
+        finally:
+            lane.close(failed=failed)
+        if not forward_only:
+            for chunk in self.chunks:
+                sync_grads(chunk, self.groups)
+                update_router_biases = getattr(chunk, "update_router_biases", None)
+                if update_router_biases is not None:
+                    update_router_biases(self.groups)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
+
+    def _run(self, steps, microbatches, normalizer, lane, device, options, forward_only) -> list[torch.Tensor]:
+        """Executes ``steps``; returns the losses per microbatch (last pipeline stage only)."""
+        P, V = self.groups.pp_size, len(self.chunks)
+        p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
+        plain = any(step.plain for step in steps)
+        timeline = PlainTimeline(lane) if plain else None
+        linears = delayable_linears(self.chunks)
+        previous = [linear.delay_wgrad for linear in linears]
+        runners: dict[tuple[int, int], MicrobatchNodes | PlainRun] = {}
+        losses: dict[int, list[torch.Tensor]] = {}
+
+        def runner(member) -> MicrobatchNodes | PlainRun:
+            """The nodes (or plain run) of a unit on its chunk, made when the unit first reaches the chunk."""
+            key = (member.unit, member.virtual)
+            if key not in runners:
+                chunk = self.chunks[member.virtual]
+                tokens, labels = microbatches[member.microbatch]
+                rows = Unit(member.microbatch, member.half).rows(tokens.shape[0])
+                args = (chunk, member.unit, tokens[rows], labels[rows], normalizer)
+                runners[key] = (
+                    PlainRun(*args, ChunkIO(), timeline)
+                    if plain
+                    else MicrobatchNodes(*args, lane, ChunkIO(), grad=not forward_only)
+                )
+            return runners[key]
+
+        def shape_of(transfer) -> tuple[int, ...]:
+            return self.chunks[0].hidden_shape(microbatches[transfer.microbatch][0])
+
+        dtype = next(self.chunks[0].parameters()).dtype
+        try:
+            for linear in linears:
+                linear.delay_wgrad = not plain and options.delay_wgrad
+            if p2p is not None and steps:
+                p2p.post(steps[0].recv, shape_of, dtype)
+            for i, step in enumerate(steps):
+                if p2p is not None and i + 1 < len(steps):  # receives are posted one step ahead
+                    p2p.post(steps[i + 1].recv, shape_of, dtype)
+                lane.recorder.phase = step.phase
+                bound = {member.unit: runner(member) for member in step.units}
+                if p2p is not None:
+                    _connect(step, bound, p2p)
+                run_ops(step.ops, bound)
+                for member in step.units:
+                    if member.role == "F" and self.chunks[member.virtual].post_process:
+                        losses.setdefault(member.microbatch, []).append(bound[member.unit].loss)
+                    if member.done:
+                        del runners[(member.unit, member.virtual)]
+            if p2p is not None:
+                p2p.finish()
+            check_no_pending_wgrads(linears)
+        finally:
+            for linear, value in zip(linears, previous):
+                linear.reset_pending()
+                linear.delay_wgrad = value
+            if timeline is not None:
+                timeline.detach(self.chunks)
+        # A chunked microbatch's loss is its halves' sum, first half first.
+        return [functools.reduce(operator.add, losses[m]) for m in sorted(losses)]

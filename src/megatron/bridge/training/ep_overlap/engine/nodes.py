@@ -1,0 +1,274 @@
+"""The nodes of one microbatch in one model chunk, each its own autograd segment, with one method per program op.
+
+A node's inputs are detached from the previous node's outputs (keeping their ``requires_grad``), so each node
+can be back-propagated on its own: backward of a node runs ``torch.autograd.backward(outputs, grads)`` and
+hands the gradients of its detached inputs to the node before it.
+
+    node          lane     forward                                   backward
+    pre_dispatch  compute  attention, pre-MLP norm, router, permute  dgrad (+ attention wgrad, deferred if delayed)
+    dispatch      comm     split-size exchange, all-to-all          reverse all-to-all
+    experts       compute  sort by local expert, grouped GEMMs       dgrad (+ expert wgrad, deferred if delayed)
+    combine       comm     all-to-all back, unpermute, residual add  unpermute backward, reverse all-to-all
+
+Each op of the schedule program (``program/steps.py``, ``(kind, name)``) is the method ``<kind>_<name>``: a comm
+node is a ``launch_`` (issue the all-to-all) and a ``wait_`` (in front of its consumer), so the program can put
+the other microbatch's compute in between. Dense layers run the same ops with no communication.
+
+Bitwise equality with the plain path holds because every node runs exactly the ops of the layer's plain forward,
+and every tensor that crosses a node boundary and has two gradient contributions (the residual ``h``) gets them
+summed in one addition, which is exact whatever the order.
+"""
+
+import time
+
+import torch
+
+from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A node input: cut from the producer's graph, keeping whether it needs a gradient."""
+    return None if t is None else t.detach().requires_grad_(t.requires_grad)
+
+
+def _backward(outputs: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _grad(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.grad
+
+
+def _free(t: torch.Tensor) -> None:
+    """Releases the data of a node output that backward does not read (an index_select result)."""
+    t.untyped_storage().resize_(0)
+
+
+class LayerNodes:
+    """The nodes of ``layer`` (:class:`~megatron.bridge.training.ep_overlap.contract.LayerFunctions`) for one
+    microbatch. With ``grad`` False (a forward-only step) they build no autograd graph."""
+
+    def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True):
+        self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
+        self.routing = None
+
+    def _compute(self, node: str):
+        return self.lane.compute(node, self.index, self.mb)
+
+    def _all_to_all(self, tensors, out_splits, in_splits, op: str) -> list[Pending]:
+        return [
+            self.lane.all_to_all(t, out_splits, in_splits, op=op, layer=self.index, microbatch=self.mb)
+            for t in tensors
+        ]
+
+    # ---- forward ------------------------------------------------------------------------------------
+
+    def compute_pre_dispatch(self, x_in: torch.Tensor) -> None:
+        with self._compute("pre_dispatch"):
+            self.x = _leaf(x_in)
+            with torch.set_grad_enabled(self.grad):
+                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
+        self._splits_known, self._exchange = False, None
+
+    def launch_split(self) -> None:
+        """Sends the split sizes ahead without blocking the host, so they travel (and a slower peer catches up)
+        while the host computes something else."""
+        if self.routing is not None and self._exchange is None:
+            self._exchange = self.lane.record_comm("split_exchange", self.index, self.mb)
+            self.layer.start_split_exchange(self.routing)
+
+    def wait_split(self) -> None:
+        """Finishes the split-size exchange (a host sync), once. On a lane that launches off the host it is left
+        to the dispatch's launch, on the helper thread."""
+        if self.routing is None or self._splits_known or self.lane.launches_off_host:
+            return
+        self.launch_split()
+        self._finish_exchange()
+
+    def _finish_exchange(self) -> tuple[list[int], list[int]]:
+        """Waits for the split sizes (on the host or on the lane's helper thread); returns the dispatch's splits."""
+        routing = self.routing
+        if not self._splits_known:
+            record = self._exchange
+            record.wait_start_host = time.perf_counter()
+            self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+            record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
+            self._splits_known = True
+        return routing.out_splits, routing.in_splits
+
+    def launch_dispatch(self) -> None:
+        if self.routing is None:
+            self._dispatched = [done(_leaf(t)) for t in self.send]
+            return
+        self.launch_split()  # on the host thread, so every rank starts its exchanges in program order
+        sent = [t.detach() for t in self.send]
+        self._dispatched = self.lane.launch(
+            self._finish_exchange, sent, op="dispatch", layer=self.index, microbatch=self.mb
+        )
+
+    def wait_dispatch(self) -> None:
+        self.received = [pending.wait() for pending in self._dispatched]
+
+    def compute_experts(self) -> None:
+        received = self.received
+        with self._compute("experts"):
+            if self.routing is not None:
+                for sent, got in zip(self.send, received):
+                    _free(sent)
+                    got.requires_grad_(sent.requires_grad)
+            with torch.set_grad_enabled(self.grad):
+                self.expert_out = self.layer.experts(tuple(received), self.routing)
+
+    def launch_combine(self) -> None:
+        routing = self.routing
+        if routing is None:
+            self._combined = done(_leaf(self.expert_out))
+            return
+        (self._combined,) = self._all_to_all(
+            [self.expert_out.detach()], routing.in_splits, routing.out_splits, "combine"
+        )
+
+    def wait_combine(self) -> None:
+        self.back = self._combined.wait()
+
+    def compute_combine(self) -> torch.Tensor:
+        """Unpermute and add the residual. Returns the layer output."""
+        back = self.back
+        with self._compute("combine"):
+            if self.routing is not None:
+                _free(self.expert_out)
+                back.requires_grad_(self.grad)
+            self.h_in, self.keep_in = _leaf(self.h), _leaf(self.keep)
+            with torch.set_grad_enabled(self.grad):
+                self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
+        return self.out
+
+    # ---- backward -----------------------------------------------------------------------------------
+
+    def compute_combine_bwd(self, grad_out: torch.Tensor) -> None:
+        with self._compute("combine_bwd"):
+            _backward([self.out], [grad_out])
+        self.out = None
+
+    def launch_combine_bwd(self) -> None:
+        grad_back, routing = self.back.grad, self.routing
+        if routing is None:
+            self._combine_grad = done(grad_back)
+            return
+        (self._combine_grad,) = self._all_to_all([grad_back], routing.out_splits, routing.in_splits, "combine_bwd")
+
+    def wait_combine_bwd(self) -> None:
+        self._grad_expert_out = self._combine_grad.wait()
+
+    def compute_experts_bwd(self) -> None:
+        """Expert dgrad (and wgrad, unless delayed)."""
+        with self._compute("experts_bwd"):
+            _backward([self.expert_out], [self._grad_expert_out])
+        self.expert_out = self.back = self._grad_expert_out = None
+
+    def launch_dispatch_bwd(self) -> None:
+        """The reverse all-to-all of the experts' input gradients."""
+        grads = [_grad(t) for t in self.received]
+        routing = self.routing
+        self.received = None
+        if routing is None:
+            self._dispatch_grads = [done(g) for g in grads]
+            return
+        present = [g for g in grads if g is not None]
+        launched = iter(self._all_to_all(present, routing.in_splits, routing.out_splits, "dispatch_bwd"))
+        self._dispatch_grads = [None if g is None else next(launched) for g in grads]
+
+    def wgrad_experts(self) -> None:
+        """Delayed expert weight gradients (the program puts them beside the dispatch backward in flight)."""
+        with self._compute("expert_wgrad"):
+            self.layer.expert_backward_dw()
+
+    def wait_dispatch_bwd(self) -> None:
+        self._grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
+
+    def compute_pre_dispatch_bwd(self) -> torch.Tensor:
+        """Attention/router/norm dgrad (attention wgrad too, unless delayed). Returns the layer input's gradient."""
+        with self._compute("pre_dispatch_bwd"):
+            _backward([self.h, *self.send, self.keep], [self.h_in.grad, *self._grad_send, _grad(self.keep_in)])
+        grad_in = self.x.grad
+        self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self._grad_send = None
+        return grad_in
+
+    def wgrad_attention(self) -> None:
+        """Delayed attention weight gradients (after attention dgrad, where the program puts them)."""
+        with self._compute("attention_wgrad"):
+            self.layer.attention_backward_dw()
+
+
+class ChunkIO:
+    """Where a pipeline chunk's input comes from and its outputs go (set by the driver before each step).
+
+    ``input``/``grad``: the received activation / output gradient (a :class:`Pending`); ``send_output``/
+    ``send_grad``: callables that start sending the chunk's output activation / input gradient.
+    """
+
+    def __init__(self):
+        self.input: Pending | None = None
+        self.grad: Pending | None = None
+        self.send_output = self.send_grad = None
+
+
+class MicrobatchNodes:
+    """All nodes of one unit in one model chunk (:class:`~megatron.bridge.training.ep_overlap.contract.ChunkModel`):
+    the chunk's two ends and ``layers``, one :class:`LayerNodes` each. Records are numbered by ``microbatch`` (the
+    unit). Chunks that are not the model's first/last receive and send through ``io`` (:class:`ChunkIO`).
+
+    ``loss`` is the head's output: the scalar loss, unless a driver computes the loss from it (Megatron-Core's
+    combined 1F1B does: the head then returns per-token losses, and the driver sets ``output_grad``, the gradient
+    of the head's output, before the backward starts).
+    """
+
+    def __init__(
+        self, model, microbatch: int, tokens, labels, normalizer, lane, io: ChunkIO | None = None, grad: bool = True
+    ):
+        self.model, self.mb, self.lane, self.io, self.grad = model, microbatch, lane, io, grad
+        self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
+        self.layers = [
+            LayerNodes(layer, j, microbatch, lane, grad) for j, layer in zip(model.layer_numbers, model.layers)
+        ]
+        self.loss: torch.Tensor | None = None
+        self.output_grad: torch.Tensor | None = None
+
+    def compute_embedding(self) -> torch.Tensor:
+        with self.lane.compute("embedding", -1, self.mb), torch.set_grad_enabled(self.grad):
+            self.embedded = self.model.embed(self.tokens)
+        return self.embedded
+
+    def wait_recv_activation(self) -> torch.Tensor:
+        return self.io.input.wait().requires_grad_(self.grad)
+
+    def compute_head(self, x_in: torch.Tensor) -> None:
+        with self.lane.compute("head", len(self.layers), self.mb):
+            self.head_in = _leaf(x_in)
+            with torch.set_grad_enabled(self.grad):
+                self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer)
+
+    def launch_send_activation(self, x: torch.Tensor) -> None:
+        self.io.send_output(x)
+
+    def compute_head_bwd(self) -> torch.Tensor:
+        with self.lane.compute("head_bwd", len(self.layers), self.mb):
+            if self.output_grad is None:
+                self.loss.backward()
+            else:
+                _backward([self.loss], [self.output_grad])
+        grad, self.head_in, self.output_grad = self.head_in.grad, None, None
+        return grad
+
+    def wait_recv_grad(self) -> torch.Tensor:
+        return self.io.grad.wait()
+
+    def compute_embedding_bwd(self, grad: torch.Tensor) -> None:
+        with self.lane.compute("embedding_bwd", -1, self.mb):
+            _backward([self.embedded], [grad])
+        self.embedded = None
+
+    def launch_send_grad(self, grad: torch.Tensor) -> None:
+        self.io.send_grad(grad)

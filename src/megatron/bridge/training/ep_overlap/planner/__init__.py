@@ -1,0 +1,39 @@
+"""The planner: prices the engine's schedule program before a run (pure Python; no torch).
+
+``simulate`` charges every op of the program a cost and runs one rank's compute and link; ``measured`` reads costs
+from a recorded plain step; ``cost_model`` derives them from a model shape and a hardware profile.
+"""
+
+from megatron.bridge.training.ep_overlap.planner.measured import (
+    comm_kind,
+    costs_from_records,
+    exposed_by_phase,
+    exposed_by_phase_and_kind,
+)
+from megatron.bridge.training.ep_overlap.planner.simulate import (
+    Comparison,
+    LayerCosts,
+    Link,
+    Prediction,
+    StepCosts,
+    best_plan,
+    predict,
+    simulate,
+    step_by_wgrad_window,
+)
+
+__all__ = [
+    "Comparison",
+    "LayerCosts",
+    "Link",
+    "Prediction",
+    "StepCosts",
+    "best_plan",
+    "comm_kind",
+    "costs_from_records",
+    "exposed_by_phase",
+    "exposed_by_phase_and_kind",
+    "predict",
+    "simulate",
+    "step_by_wgrad_window",
+]

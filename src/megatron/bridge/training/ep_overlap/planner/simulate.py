@@ -1,0 +1,297 @@
+"""Predicts a training step with and without EP overlap: prices the engine's own schedule program.
+
+Contract:
+    * The simulated order is the engine's: the steps :func:`~megatron.bridge.training.ep_overlap.program.program`
+      yields for PP = 1 and the given :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, op by
+      op. Each op is charged a cost (:func:`_charge`); a chunked microbatch's halves cost half of its compute and
+      bytes each. ``simulate`` also returns the order in which it launched the all-to-alls, which a test compares
+      with what the engine recorded.
+    * One rank is simulated (EP ranks are symmetric): a compute resource that runs its ops in host order, a ``wait``
+      blocking it until that all-to-all has arrived (the time it waits is exposed comm), and one FIFO link. An
+      all-to-all occupies the link for ``bytes / bandwidth`` (bytes: the larger of what the rank sends and receives)
+      and arrives ``latency`` later; it starts when launched and the link is free. A split-size exchange is a round
+      trip queued behind whatever the link still carries. With ``launch_off_host=True`` (the engine's CPU lane)
+      no split-size wait blocks the host of the overlapped schedule: the dispatch starts once the sizes are back and
+      the link is free. One rank is simulated, so it cannot show skew between ranks.
+    * Costs are per layer and microbatch (:class:`StepCosts`): the compute segments between all-to-alls, which are
+      exactly what the plain path records (``plain dispatch`` of layer j: everything since the previous all-to-all,
+      up to layer j's dispatch), so a compute op that ends no segment (an embedding, an unpermute) costs nothing of
+      its own; the bytes of each all-to-all; and the split-size round trip. They come from a measured step
+      (``measured.costs_from_records``) or from a model shape and a hardware profile (``cost_model.py``). Work
+      outside the schedule (gradient sync, optimizer) is ``other_s`` and is the same in both arms.
+    * Outputs: step time, compute, comm and exposed comm per phase for the plain path and the overlapped one, the
+      speedup and the hidden fraction h = (T_plain - T_overlap) / min(T_compute, T_comm); :func:`best_plan` searches
+      the microbatch count and delayed wgrad.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Op, program, unit_ops
+
+PHASES = ("warmup", "paired", "cooldown", "plain")
+DEFAULT_OPTIONS = EPOverlapOptions()  # overlap on, nothing else
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One layer for one microbatch on one rank: seconds of compute, bytes of each all-to-all (0 for dense).
+
+    Attributes:
+        f_pre: Forward from the previous all-to-all to this layer's dispatch: the previous layer's unpermute and
+            residual (the embedding for the first), attention, router, permute.
+        f_exp: Forward experts, between dispatch and combine.
+        b_exp: Expert backward, dgrad and wgrad.
+        b_pre: Backward from this layer's dispatch backward to the next all-to-all below: attention/router
+            backward, and the combine backward of the layer below (the embedding backward for the first).
+        dispatch_bytes: Bytes of the dispatch all-to-all (and of its backward).
+        combine_bytes: Bytes of the combine all-to-all (and of its backward).
+        expert_wgrad_share: Part of ``b_exp`` that is weight gradient (deferrable with delayed wgrad).
+        attention_wgrad_share: Part of ``b_pre`` that is attention weight gradient (deferrable).
+    """
+
+    f_pre: float
+    f_exp: float
+    b_exp: float
+    b_pre: float
+    dispatch_bytes: float = 0.0
+    combine_bytes: float = 0.0
+    expert_wgrad_share: float = 0.5  # dgrad and wgrad of a GEMM cost the same FLOPs
+    attention_wgrad_share: float = 0.3  # of attention/router/norm backward, about a third is projection wgrad
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Costs of one microbatch through the whole model, plus what a step adds outside the schedule."""
+
+    layers: tuple[LayerCosts, ...]
+    f_tail: float  # after the last combine: its unpermute, final norm, head and loss
+    b_head: float  # loss and head backward, and the last layer's unpermute backward
+    other_s: float = 0.0  # per step: gradient sync, optimizer
+
+    def scaled(self, share: float) -> "StepCosts":
+        """``share`` of the microbatch's tokens: compute and bytes scale with it, ``other_s`` does not."""
+        return StepCosts(
+            layers=tuple(
+                replace(
+                    layer,
+                    f_pre=layer.f_pre * share,
+                    f_exp=layer.f_exp * share,
+                    b_exp=layer.b_exp * share,
+                    b_pre=layer.b_pre * share,
+                    dispatch_bytes=layer.dispatch_bytes * share,
+                    combine_bytes=layer.combine_bytes * share,
+                )
+                for layer in self.layers
+            ),
+            f_tail=self.f_tail * share,
+            b_head=self.b_head * share,
+            other_s=self.other_s,
+        )
+
+
+@dataclass(frozen=True)
+class Link:
+    """One rank's link: bandwidth in bytes/s, latency per all-to-all, and the split-size round trip."""
+
+    bandwidth_Bps: float
+    latency_s: float = 0.0
+    meta_s: float = 0.0
+
+
+@dataclass
+class Prediction:
+    """One simulated step."""
+
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_s: dict[str, float] = field(default_factory=dict)
+    launches: list[tuple[str, int, int]] = field(default_factory=list)  # (op, layer, microbatch), in order
+
+    @property
+    def exposed_total_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+
+Key = tuple[str, int, int]  # (all-to-all, layer, unit)
+
+
+class _Sim:
+    """The compute resource (host order) and the FIFO link of one rank."""
+
+    def __init__(self, link: Link, launch_off_host: bool):
+        self.link, self.launch_off_host = link, launch_off_host
+        self.host = self.link_free = 0.0
+        self.arrived: dict[Key, float] = {}
+        self.exchanges: dict[tuple[int, int], float | None] = {}  # (unit, layer): when the split sizes are back
+        self.phase = "plain"
+        self.exposed: dict[str, float] = defaultdict(float)
+        self.compute_s = self.comm_s = 0.0
+        self.launches: list[Key] = []
+
+    def wait(self, t: float) -> None:
+        if t > self.host:
+            self.exposed[self.phase] += t - self.host
+            self.host = t
+
+    def compute(self, seconds: float) -> None:
+        self.host += seconds
+        self.compute_s += seconds
+
+    def exchange_start(self, key: tuple[int, int], nbytes: float) -> None:
+        """The split sizes of a dispatch of ``nbytes`` are back one round trip after the bytes still queued on the
+        link (a dense layer exchanges nothing)."""
+        if nbytes > 0:
+            self.comm_s += self.link.meta_s
+            self.exchanges[key] = max(self.host, self.link_free) + self.link.meta_s
+
+    def launch(self, key: Key, nbytes: float, not_before: float | None = None) -> None:
+        """An all-to-all of ``nbytes``, on the link once it is free (and, off the host, not before ``not_before``)."""
+        if nbytes <= 0:  # a dense layer: nothing crosses the link
+            self.arrived[key] = self.host
+            return
+        link = self.link
+        start = max(self.host, self.link_free, not_before or 0.0)
+        self.link_free = start + nbytes / link.bandwidth_Bps
+        self.arrived[key] = self.link_free + link.latency_s
+        self.comm_s += self.arrived[key] - start
+        self.launches.append(key)
+
+
+def _wgrads(layer: LayerCosts, delay_wgrad: bool) -> tuple[float, float]:
+    """(expert wgrad, attention wgrad) of a layer's backward that delayed wgrad defers (0 without it)."""
+    if not delay_wgrad:
+        return 0.0, 0.0
+    return layer.b_exp * layer.expert_wgrad_share, layer.b_pre * layer.attention_wgrad_share
+
+
+# Seconds of the compute ops that end a segment of the plain path, from (the unit's costs, the op's layer, its
+# expert wgrad, its attention wgrad); every other compute op costs nothing of its own.
+_SECONDS = {
+    ("compute", "pre_dispatch"): lambda c, layer, ew, aw: layer.f_pre,
+    ("compute", "experts"): lambda c, layer, ew, aw: layer.f_exp,
+    ("compute", "head"): lambda c, layer, ew, aw: c.f_tail,
+    ("compute", "head_bwd"): lambda c, layer, ew, aw: c.b_head,
+    ("compute", "experts_bwd"): lambda c, layer, ew, aw: layer.b_exp - ew,
+    ("compute", "pre_dispatch_bwd"): lambda c, layer, ew, aw: layer.b_pre - aw,
+    ("wgrad", "experts"): lambda c, layer, ew, aw: ew,
+    ("wgrad", "attention"): lambda c, layer, ew, aw: aw,
+}
+_BYTES = {"dispatch": "dispatch_bytes", "dispatch_bwd": "dispatch_bytes", "combine": "combine_bytes",
+          "combine_bwd": "combine_bytes"}  # fmt: skip
+
+
+def _charge(sim: _Sim, op: Op, costs: StepCosts, shape: ChunkShape, delay: bool) -> None:
+    """What ``op`` costs one rank (P2P ops do not occur: the planner simulates PP = 1)."""
+    if op.kind == "plain":  # a whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once
+        for sub in unit_ops("F" if op.name == "forward" else "B", op.unit, shape, delay=False):
+            _charge(sim, sub, costs, shape, delay=False)
+        return
+    layer = None if op.layer is None else costs.layers[op.layer]
+    ew, aw = (0.0, 0.0) if layer is None else _wgrads(layer, delay)
+    here = (op.unit, op.layer)
+    if (op.kind, op.name) in _SECONDS:
+        sim.compute(_SECONDS[(op.kind, op.name)](costs, layer, ew, aw))
+    elif op.kind == "launch" and op.name == "split":
+        sim.exchange_start(here, layer.dispatch_bytes)
+    elif op.kind == "wait" and op.name == "split":
+        if not sim.launch_off_host and here in sim.exchanges:
+            sim.wait(sim.exchanges[here])
+    elif op.kind == "launch" and op.name in _BYTES:
+        not_before = sim.exchanges.pop(here, None) if op.name == "dispatch" else None
+        sim.launch((op.name, op.layer, op.unit), getattr(layer, _BYTES[op.name]), not_before)
+    elif op.kind == "wait" and op.name in _BYTES:
+        sim.wait(sim.arrived[(op.name, op.layer, op.unit)])
+
+
+def simulate(
+    costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions = DEFAULT_OPTIONS
+) -> Prediction:
+    """One step of ``num_microbatches`` microbatches as the engine runs it with ``options`` (``overlap=False``: the
+    plain path). ``options.launch_off_host`` is whether the lane launches off the host (None counts as not)."""
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    shape = ChunkShape(True, True, tuple(layer.dispatch_bytes > 0 for layer in costs.layers))
+    sim = _Sim(link, launch_off_host=options.overlap and options.launch_off_host is True)
+    steps = list(program(options, [shape], num_microbatches))
+    unit_costs = {m.unit: costs if m.half is None else costs.scaled(0.5) for s in steps for m in s.units}
+    for step in steps:
+        sim.phase = step.phase
+        sim.exposed.setdefault(step.phase, 0.0)
+        for op in step.ops:
+            _charge(sim, op, unit_costs[op.unit], shape, options.delay_wgrad and not step.plain)
+    return Prediction(
+        step_s=sim.host + costs.other_s,
+        compute_s=sim.compute_s,
+        comm_s=sim.comm_s,
+        exposed_s={phase: sim.exposed.get(phase, 0.0) for phase in PHASES if phase in sim.exposed},
+        launches=sim.launches,
+    )
+
+
+@dataclass
+class Comparison:
+    """The plain path and the overlapped one for the same costs."""
+
+    baseline: Prediction
+    overlap: Prediction
+    num_microbatches: int
+    options: EPOverlapOptions
+
+    @property
+    def delay_wgrad(self) -> bool:
+        return self.options.delay_wgrad
+
+    @property
+    def wgrad_window(self) -> int:
+        return self.options.attention_wgrad_window or 1
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.step_s / self.overlap.step_s
+
+    @property
+    def h(self) -> float:
+        """Hidden fraction of the hideable time: (T_plain - T_overlap) / min(T_compute, T_comm)."""
+        comm = self.baseline.exposed_total_s
+        compute = self.baseline.step_s - comm
+        hideable = min(compute, comm)
+        return 0.0 if hideable <= 0 else (self.baseline.step_s - self.overlap.step_s) / hideable
+
+
+def predict(
+    costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions = DEFAULT_OPTIONS
+) -> Comparison:
+    """Plain vs overlapped (with ``options``) step for one microbatch count."""
+    overlapped = simulate(costs, link, num_microbatches, replace(options, overlap=True))
+    baseline = simulate(costs, link, num_microbatches, EPOverlapOptions(overlap=False))
+    return Comparison(baseline, overlapped, num_microbatches, options)
+
+
+def step_by_wgrad_window(costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions) -> dict:
+    """The overlapped step with delayed wgrad for each attention-wgrad window (what auto placement compares)."""
+    return {
+        window: simulate(
+            costs, link, num_microbatches,
+            replace(options, overlap=True, delay_wgrad=True, attention_wgrad_window=window),
+        ).step_s
+        for window in WGRAD_WINDOWS
+    }  # fmt: skip
+
+
+def best_plan(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:
+    """Every (microbatch count, delayed wgrad, attention-wgrad window) option, best throughput gain first.
+
+    The options differ in how many microbatches a step holds, so they are ranked by time per microbatch of the
+    overlapped step; ties keep the plainer option (fewer microbatches, no delayed wgrad, window 1).
+    """
+    choices = [EPOverlapOptions()]
+    choices += [EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=window) for window in WGRAD_WINDOWS]
+    options = [predict(costs, link, n, choice) for n in microbatch_counts for choice in choices]
+    return sorted(
+        options,
+        key=lambda c: (c.overlap.step_s / c.num_microbatches, c.num_microbatches, c.delay_wgrad, c.wgrad_window),
+    )

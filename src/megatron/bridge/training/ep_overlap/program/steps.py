@@ -1,0 +1,398 @@
+"""The schedule program: a rank's training step as data, read by the engine, the planner and Megatron-Core's driver.
+
+Contract:
+    * :func:`program` yields one rank's step as :class:`Step` s, in order. Each step has a kind (``forward``,
+      ``backward``, ``paired``, ``forward_pair``, ``backward_pair``), the units it covers (a chunked microbatch's
+      halves are units like any other), its P2P transfers, and windows of :class:`Op` s in host order. Edge pairing,
+      chunking, forward-only steps and pipeline parallelism are inputs of the generator; nothing downstream
+      branches on them.
+    * An op is ``(kind, name)`` on one unit, and on one layer of its chunk or on the chunk's ends (:data:`OPS`):
+      ``compute`` runs a node, ``launch`` starts an all-to-all (or a split-size exchange, or a P2P send),
+      ``wait`` blocks until one has arrived, ``wgrad`` runs a delayed weight gradient, and ``plain`` runs a whole
+      chunk through ordinary autograd (overlap off). The engine calls ``<kind>_<name>`` on the unit's nodes, the
+      planner charges each op a cost, and Megatron-Core's driver runs :func:`layer_step` 's per-kind step.
+    * The paired layer step (:func:`layer_step`, forward of layer j of F with backward of layer L-1-j of B) has
+      four windows; each all-to-all of one microbatch is launched just before compute of the other and waited for
+      only where its consumer runs:
+
+          1. B.combine backward (comm)   ||  F.pre_dispatch, [B's previous attention wgrad]
+          2. F.dispatch (comm)           ||  [B's previous attention wgrad], B.experts backward (dgrad)
+          3. B.dispatch backward (comm)  ||  B.experts wgrad (delayed), F.experts
+          4. F.combine (comm)            ||  B.pre_dispatch backward (dgrad)
+
+      B's attention wgrad (delayed) fills window ``attention_wgrad_window`` (1 or 2) of the next layer step; with
+      window 1 and a dense F layer it runs before F.pre_dispatch (there are no split sizes to hide behind it).
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD, Transfer, pipeline_schedule
+from megatron.bridge.training.ep_overlap.program.units import Unit, units
+
+# (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation, "g" the gradient.
+OPS: dict[tuple[str, str], tuple[str | None, str | None]] = {
+    ("compute", "embedding"): (None, "x"),
+    ("wait", "recv_activation"): (None, "x"),
+    ("compute", "pre_dispatch"): ("x", None),  # attention, pre-MLP norm, router, permute
+    ("launch", "split"): (None, None),  # the split sizes go out
+    ("wait", "split"): (None, None),  # ... and are known (the dispatch's host sync)
+    ("launch", "dispatch"): (None, None),
+    ("wait", "dispatch"): (None, None),
+    ("compute", "experts"): (None, None),
+    ("launch", "combine"): (None, None),
+    ("wait", "combine"): (None, None),
+    ("compute", "combine"): (None, "x"),  # unpermute, residual add: the layer's output
+    ("compute", "head"): ("x", None),
+    ("launch", "send_activation"): ("x", None),
+    ("compute", "head_bwd"): (None, "g"),
+    ("wait", "recv_grad"): (None, "g"),
+    ("compute", "combine_bwd"): ("g", None),
+    ("launch", "combine_bwd"): (None, None),
+    ("wait", "combine_bwd"): (None, None),
+    ("compute", "experts_bwd"): (None, None),  # dgrad, and wgrad unless delayed
+    ("launch", "dispatch_bwd"): (None, None),
+    ("wgrad", "experts"): (None, None),
+    ("wait", "dispatch_bwd"): (None, None),
+    ("compute", "pre_dispatch_bwd"): (None, "g"),
+    ("wgrad", "attention"): (None, None),
+    ("compute", "embedding_bwd"): ("g", None),
+    ("launch", "send_grad"): ("g", None),
+    ("plain", "forward"): (None, None),
+    ("plain", "backward"): (None, None),
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the host: ``kind`` and ``name`` as in :data:`OPS`, on ``unit``, at ``layer`` (its position
+    in the unit's chunk) or at the chunk's ends (None)."""
+
+    kind: str
+    name: str
+    unit: int
+    layer: int | None = None
+
+    @property
+    def method(self) -> str:
+        """The nodes' method that runs it."""
+        return f"{self.kind}_{self.name}"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name} u{self.unit}" + ("" if self.layer is None else f" L{self.layer}")
+
+
+@dataclass(frozen=True)
+class Window:
+    label: str
+    ops: tuple[Op, ...]
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """What the program needs of a model chunk: whether it holds the embedding and the head, which layers are MoE."""
+
+    first: bool
+    last: bool
+    moe: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, chunk) -> "ChunkShape":
+        """Read off anything with ``pre_process``, ``post_process`` and ``layers`` with ``is_moe``."""
+        return cls(bool(chunk.pre_process), bool(chunk.post_process), tuple(bool(x.is_moe) for x in chunk.layers))
+
+
+@dataclass(frozen=True)
+class StepUnit:
+    """A unit a step runs: its role (``F`` forward, ``B`` backward), the microbatch and half it is, the virtual
+    stage of its chunk on this rank, and whether this step is the unit's last on that chunk."""
+
+    role: str
+    unit: int
+    microbatch: int
+    half: int | None
+    virtual: int
+    done: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    phase: str  # as recorded: "warmup", "paired", "cooldown", "forward", or "plain" (overlap off)
+    units: tuple[StepUnit, ...]
+    recv: tuple[Transfer, ...]
+    send: tuple[Transfer, ...]
+    windows: tuple[Window, ...]
+
+    @property
+    def ops(self) -> Iterator[Op]:
+        return (op for window in self.windows for op in window.ops)
+
+    @property
+    def plain(self) -> bool:
+        """Runs whole chunks through ordinary autograd (overlap off)."""
+        return any(op.kind == "plain" for op in self.ops)
+
+    def unit_for(self, transfer: Transfer) -> StepUnit:
+        """The unit a P2P transfer belongs to: the forward's for an activation, the backward's for a gradient."""
+        return next(u for u in self.units if u.role == transfer.kind and u.microbatch == transfer.microbatch)
+
+
+# ---- the layer steps, per kind -----------------------------------------------------------------------------
+
+
+class _Output:
+    """Where a forward unit's current activation comes from: the chunk's start, a combine still to finish, or done."""
+
+    def __init__(self, unit: int, shape: ChunkShape):
+        self.unit, self.shape, self.pending = unit, shape, "begin"
+
+    def take(self) -> list[Op]:
+        pending, self.pending = self.pending, None
+        if pending == "begin":
+            return [
+                Op("compute", "embedding", self.unit) if self.shape.first else Op("wait", "recv_activation", self.unit)
+            ]
+        return (
+            []
+            if pending is None
+            else [Op("wait", "combine", self.unit, pending), Op("compute", "combine", self.unit, pending)]
+        )
+
+    def end(self) -> list[Op]:
+        last = Op("compute", "head", self.unit) if self.shape.last else Op("launch", "send_activation", self.unit)
+        return self.take() + [last]
+
+
+def _to_dispatch(out: _Output, j: int, moe: bool) -> list[Op]:
+    """F's input, attention, router and permute, then the dispatch (after its split sizes, on an MoE layer)."""
+    u = out.unit
+    split = [Op("launch", "split", u, j), Op("wait", "split", u, j)] if moe else []
+    return out.take() + [Op("compute", "pre_dispatch", u, j), *split, Op("launch", "dispatch", u, j)]
+
+
+def _to_combine(u: int, j: int) -> list[Op]:
+    return [Op("wait", "dispatch", u, j), Op("compute", "experts", u, j), Op("launch", "combine", u, j)]
+
+
+def _layer_forward(out: _Output, j: int, moe: bool) -> list[Op]:
+    ops = _to_dispatch(out, j, moe) + _to_combine(out.unit, j)
+    out.pending = j
+    return ops
+
+
+def _backward_begin(u: int, shape: ChunkShape) -> Op:
+    return Op("compute", "head_bwd", u) if shape.last else Op("wait", "recv_grad", u)
+
+
+def _backward_end(u: int, shape: ChunkShape) -> Op:
+    return Op("compute", "embedding_bwd", u) if shape.first else Op("launch", "send_grad", u)
+
+
+def _combine_bwd(u: int, k: int) -> list[Op]:
+    return [Op("compute", "combine_bwd", u, k), Op("launch", "combine_bwd", u, k)]
+
+
+def _experts_dgrad(u: int, k: int) -> list[Op]:
+    return [Op("wait", "combine_bwd", u, k), Op("compute", "experts_bwd", u, k)]
+
+
+def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
+    ops = _experts_dgrad(u, k) + [Op("launch", "dispatch_bwd", u, k)]
+    return ops + ([Op("wgrad", "experts", u, k)] if delay and moe else [])
+
+
+def _pre_dispatch_bwd(u: int, k: int) -> list[Op]:
+    return [Op("wait", "dispatch_bwd", u, k), Op("compute", "pre_dispatch_bwd", u, k)]
+
+
+def _attention_wgrad(b: Sequence[int], k: int | None, delay: bool) -> list[Op]:
+    return [Op("wgrad", "attention", u, k) for u in b] if delay and k is not None else []
+
+
+def _layer_backward(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
+    ops = _combine_bwd(u, k) + _experts_bwd(u, k, moe, delay) + _pre_dispatch_bwd(u, k)
+    return ops + _attention_wgrad([u], k, delay)
+
+
+def unit_ops(role: str, u: int, shape: ChunkShape, delay: bool) -> list[Op]:
+    """One unit's forward (``F``) or backward (``B``) through its chunk, nothing beside it."""
+    if role == FORWARD:
+        out = _Output(u, shape)
+        return [op for j, moe in enumerate(shape.moe) for op in _layer_forward(out, j, moe)] + out.end()
+    layers = [op for k in reversed(range(len(shape.moe))) for op in _layer_backward(u, k, shape.moe[k], delay)]
+    return [_backward_begin(u, shape), *layers, _backward_end(u, shape)]
+
+
+def _alone(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
+    role, (u,), shape = (FORWARD, f, fs) if f else ("B", b, bs)
+    return [Window("alone", tuple(unit_ops(role, u, shape, delay)))]
+
+
+def layer_step(
+    outs, b: Sequence[int], j: int, k: int, moe_f: bool, moe_b: bool, pending, delay, window
+) -> list[Window]:
+    """The paired layer step: forward of layer ``j`` of F's units (``outs``, where each one's input comes from)
+    with backward of layer ``k`` of B's units ``b``; ``pending`` is B's layer whose attention wgrad is still to run
+    (None: none), ``delay`` whether wgrad is delayed, ``window`` where that wgrad goes (1 or 2)."""
+    f = [out.unit for out in outs]
+    wgrad = _attention_wgrad(b, pending, delay)
+    early = window == 1 and not moe_f  # no split sizes to hide: the wgrad goes beside B.combine backward
+    w1 = [op for u in b for op in _combine_bwd(u, k)] + (wgrad if early else [])
+    w1 += [op for out in outs for op in out.take() + [Op("compute", "pre_dispatch", out.unit, j)]]
+    w1 += [Op("launch", "split", u, j) for u in f] if moe_f else []
+    w1 += wgrad if window == 1 and not early else []
+    w2 = [Op("wait", "split", u, j) for u in f] if moe_f else []
+    w2 += [Op("launch", "dispatch", u, j) for u in f] + (wgrad if window == 2 else [])
+    w2 += [op for u in b for op in _experts_dgrad(u, k)]
+    w3 = [Op("launch", "dispatch_bwd", u, k) for u in b]
+    w3 += [Op("wgrad", "experts", u, k) for u in b] if delay and moe_b else []
+    w3 += [op for u in f for op in (Op("wait", "dispatch", u, j), Op("compute", "experts", u, j))]
+    w4 = [Op("launch", "combine", u, j) for u in f] + [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    for out in outs:
+        out.pending = j
+    label = f"F L{j} + B L{k}"
+    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
+
+
+def _paired(f, b, fs: ChunkShape, bs: ChunkShape, delay: bool, window: int) -> list[Window]:
+    """Forward of ``f`` with backward of ``b``, layer by layer; the longer chunk's extra layers run unpaired."""
+    outs = [_Output(u, fs) for u in f]
+    nf, nb = len(fs.moe), len(bs.moe)
+    windows = [Window("B begin", tuple(_backward_begin(u, bs) for u in b))]
+    pending = None
+    for j in range(min(nf, nb)):
+        k = nb - 1 - j
+        windows += layer_step(outs, b, j, k, fs.moe[j], bs.moe[k], pending, delay, window)
+        pending = k
+    extra = []
+    for j in range(min(nf, nb), nb):  # B's chunk is longer
+        k = nb - 1 - j
+        extra += _attention_wgrad(b, pending, delay) + [
+            op for u in b for op in _layer_backward(u, k, bs.moe[k], delay)
+        ]
+        pending = None
+    for j in range(min(nf, nb), nf):  # F's chunk is longer: each extra layer's output is finished at once
+        extra += [op for out in outs for op in _layer_forward(out, j, fs.moe[j]) + out.take()]
+    # P2P in Megatron-Core's order: the activation, then the gradient; B's last attention wgrad while F's last
+    # combine is in flight (on the last chunk)
+    end = [] if fs.last else [op for out in outs for op in out.end()]
+    end += [_backward_end(u, bs) for u in b] + _attention_wgrad(b, pending, delay)
+    end += [op for out in outs for op in out.end()] if fs.last else []
+    return windows + [Window("unpaired layers", tuple(extra)), Window("ends", tuple(end))]
+
+
+def _forward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
+    """Two forwards interleaved layer by layer: each one's all-to-alls run while the other computes."""
+    outs = [_Output(u, fs) for u in f]
+    windows = []
+    for j, moe in enumerate(fs.moe):
+        ops = [op for out in outs for op in _to_dispatch(out, j, moe)] + [op for u in f for op in _to_combine(u, j)]
+        for out in outs:
+            out.pending = j
+        windows.append(Window(f"F L{j} x2", tuple(ops)))
+    return windows + [Window("ends", tuple(op for out in outs for op in out.end()))]
+
+
+def _backward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
+    """Two backwards interleaved layer by layer; every parameter gets the first one's contribution first."""
+    x, y = b
+    windows = [Window("B begin", (_backward_begin(x, bs), _backward_begin(y, bs)))]
+    pending = None
+    for k in reversed(range(len(bs.moe))):
+        moe = bs.moe[k]
+        ops = _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
+        ops += _experts_bwd(x, k, moe, delay) + _experts_bwd(y, k, moe, delay)
+        windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))
+        pending = k
+    ends = _attention_wgrad(b, pending, delay) + [_backward_end(x, bs), _backward_end(y, bs)]
+    return windows + [Window("ends", tuple(ends))]
+
+
+_BUILD = {
+    "forward": _alone,
+    "backward": _alone,
+    "paired": _paired,
+    "forward_pair": _forward_pair,
+    "backward_pair": _backward_pair,
+}
+
+
+def windows_of(
+    kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int
+) -> list[Window]:
+    """The windows of one step of ``kind``: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of
+    one shaped ``bs`` (what Megatron-Core's driver runs per call, and what :func:`program` yields per step)."""
+    return _BUILD[kind](tuple(f), tuple(b), fs, bs, delay_wgrad, window)
+
+
+# ---- the generator -----------------------------------------------------------------------------------------
+
+
+def program(
+    options,
+    shapes: Sequence[ChunkShape],
+    num_microbatches: int,
+    *,
+    pipeline_size: int = 1,
+    rank: int = 0,
+    forward_only: bool = False,
+) -> Iterator[Step]:
+    """This rank's step: ``shapes`` are its chunks in virtual-stage order, ``options`` an ``EPOverlapOptions``.
+
+    With overlap off every step runs a whole chunk through ordinary autograd (``plain``). A forward-only step
+    overlaps at PP = 1 only (two forwards at a time); with PP > 1 it runs plain.
+    """
+    overlap = options.overlap and not (forward_only and pipeline_size > 1)
+    chunks = options.moe_ep_overlap_chunks if overlap else 1
+    delay = overlap and options.delay_wgrad
+    window = options.attention_wgrad_window or 1
+    plan = units(num_microbatches, chunks, forward_only=forward_only)
+    of: dict[int, list[tuple[int, Unit]]] = {}
+    for u, unit in enumerate(plan):
+        of.setdefault(unit.microbatch, []).append((u, unit))
+    steps = pipeline_schedule(
+        pipeline_size, len(shapes), num_microbatches, rank, overlap=overlap, forward_only=forward_only,
+        edge_pairing=options.edge_pairing,
+    )  # fmt: skip
+    for s in steps:
+        sides = [(FORWARD, s.forward), ("B", s.backward), (FORWARD if s.forward else "B", s.partner)]
+        members = [
+            StepUnit(role, u, unit.microbatch, unit.half, at[1], role == "B" or forward_only)
+            for role, at in sides
+            if at is not None
+            for u, unit in of[at[0]]
+        ]
+        if len({m.unit for m in members}) != len(members):  # ops name their unit: a step holds each unit once
+            raise RuntimeError(f"pipeline step {s} runs a unit twice")
+        f = [m.unit for m in members if m.role == FORWARD]
+        b = [m.unit for m in members if m.role == "B"]
+        fs = shapes[s.forward[1]] if s.forward else None
+        bs = shapes[s.backward[1]] if s.backward else (shapes[s.partner[1]] if s.partner else None)
+        if not overlap:
+            kind = "forward" if f else "backward"
+            windows = [Window("plain", (Op("plain", kind, members[0].unit),))]
+        else:
+            kind = "paired" if f and b else ("forward" if f else "backward") + ("_pair" if len(f + b) == 2 else "")
+            windows = windows_of(kind, f, b, fs, bs, delay_wgrad=delay, window=window)
+        yield Step(kind, s.phase if overlap else "plain", tuple(members), s.recv, s.send, tuple(windows))
+
+
+def format_program(steps: Sequence[Step], rank: int, pipeline_size: int) -> str:
+    """One line per step (phase, kind, units as F/B u<unit>=m<microbatch>[.half] c<chunk>, P2P), one per window."""
+
+    def who(m: StepUnit) -> str:
+        half = "" if m.half is None else f".{m.half}"
+        return f"{m.role} u{m.unit}=m{m.microbatch}{half} c{m.virtual * pipeline_size + rank}"
+
+    def p2p(direction: str, transfers) -> list[str]:
+        return [f"{direction}{t.kind}m{t.microbatch}c{t.chunk}@r{t.peer}" for t in transfers]
+
+    lines = [f"pipeline rank {rank}:"]
+    for i, s in enumerate(steps):
+        work = " + ".join(who(m) for m in s.units)
+        lines.append(
+            f"  {i:3d} {s.phase:8s} {s.kind:13s} {work} {' '.join(p2p('<', s.recv) + p2p('>', s.send))}".rstrip()
+        )
+        lines += [f"        {w.label}: " + "; ".join(map(str, w.ops)) for w in s.windows if w.ops]
+    return "\n".join(lines)
