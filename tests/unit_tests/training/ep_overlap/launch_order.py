@@ -198,7 +198,6 @@ TIMEOUT = timedelta(seconds=60)
 def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -> dict:
     """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, every allowed option set."""
     from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.utils.process_groups import init_ep_groups
 
     install()
@@ -210,18 +209,23 @@ def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -
         virtual_pipeline_model_parallel_size=2 if pp > 1 else None, pipeline_dtype=torch.float32 if pp > 1 else None,
     )  # fmt: skip
     groups = init_ep_groups(2, TIMEOUT, pipeline_size=pp)
+
+    def build():
+        return build_pipeline_chunks(config, groups, 1, groups.pp_rank) if pp > 1 else MoEGPTModel(config, groups, 1)
+
+    return _engine_orders(groups, microbatch_counts, engine_options(pp), build, vocab=32, shape=(2, 4))
+
+
+def _engine_orders(groups, microbatch_counts, combinations, build, *, vocab: int, shape: tuple) -> dict:
+    """One step per option combination on a fresh model from ``build()``, for each microbatch count."""
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+
     out = {}
     for n in microbatch_counts:
         gen = torch.Generator().manual_seed(n * 10 + groups.ep_rank)
-        data = [
-            (torch.randint(0, 32, (2, 4), generator=gen), torch.randint(0, 32, (2, 4), generator=gen))
-            for _ in range(n)
-        ]
-        for options in engine_options(pp):
-            model = (
-                build_pipeline_chunks(config, groups, 1, groups.pp_rank) if pp > 1 else MoEGPTModel(config, groups, 1)
-            )
-            engine = EPOverlapEngine(model, groups, **engine_kwargs(options))
+        data = [tuple(torch.randint(0, vocab, (2, *shape), generator=gen)) for _ in range(n)]
+        for options in combinations:
+            engine = EPOverlapEngine(build(), groups, **engine_kwargs(options))
             out[f"N={n},{key(options)}"] = run_engine(engine, data, options)
     return out
 
@@ -232,7 +236,6 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
 
     install_cpu_stubs()
     init_megatron(2, pp, 2 if pp > 1 else None)
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
 
     from .test_mcore_equivalence import McoreCase, build_gpt
@@ -241,15 +244,11 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     install()
     groups = mcore_ep_groups(TIMEOUT)
     case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))
-    out = {}
-    for n in microbatch_counts:
-        gen = torch.Generator().manual_seed(n * 10 + groups.ep_rank)
-        data = [tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(n)]
-        for options in engine_options(pp, off_host=False):
-            model = build_plans(case, pp, 2) if pp > 1 else McoreGPTPlan(build_gpt(case))
-            engine = EPOverlapEngine(model, groups, **engine_kwargs(options))
-            out[f"N={n},{key(options)}"] = run_engine(engine, data, options)
-    return out
+
+    def build():
+        return build_plans(case, pp, 2) if pp > 1 else McoreGPTPlan(build_gpt(case))
+
+    return _engine_orders(groups, microbatch_counts, engine_options(pp, off_host=False), build, vocab=64, shape=(2, 8))
 
 
 def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict:
