@@ -1,18 +1,26 @@
 """Megatron-Bridge 0.6.2 from the package registry, and the two ways this project ships against it.
 
-    python tools/upstream.py plugin    # dist/megatron_bridge_ep_overlap-*.whl: installs beside upstream
-    python tools/upstream.py patch     # dist/megatron-bridge-ep-overlap.patch: for a fork of upstream
+    python tools/upstream.py plugin               # dist/megatron_bridge_ep_overlap-*.whl: installs beside upstream
+    python tools/upstream.py patch                # dist/megatron-bridge-ep-overlap.patch: for a fork of 0.6.2
+    python tools/upstream.py patch --against DIR  # a patch for the upstream source tree DIR (e.g. a checkout of
+                                                  # main), and which hunks of the 0.6.2 patch need a rebase there
 
 The patch holds this project's new modules and its changes to upstream's ``training/comm_overlap.py`` and
-``training/flex_dispatcher_backend.py``, against the 0.6.2 sources (the registry's sdist, fetched here into
-build/, never committed). It is checked with ``git apply --check`` on a fresh unpack before it is written.
+``training/flex_dispatcher_backend.py``, by default against the 0.6.2 sources (the registry's sdist, fetched here
+into build/, never committed). It is checked with ``git apply --check`` on a fresh copy of the tree it is made
+for before it is written. It passes upstream's repository checks: every new Python file starts with the license
+header upstream's copyright check expects (added here, so the project's own files stay as they are), and
+upstream's two files keep theirs.
 """
 
+import argparse
 import difflib
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +28,20 @@ VERSION = "0.6.2"
 CACHE = ROOT / "build" / f"megatron-bridge-{VERSION}"
 PATCH = ROOT / "dist" / "megatron-bridge-ep-overlap.patch"
 PACKAGE = Path("src/megatron/bridge")
+LICENSE_HEADER = f"""# Copyright (c) {date.today().year}, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
 
 
 def _pip(*args: str) -> None:
@@ -62,8 +84,29 @@ def build_plugin(out: Path = ROOT / "dist") -> Path:
     return next(out.glob("megatron_bridge_ep_overlap-*.whl"))
 
 
-def _diff(relative: Path, upstream_root: Path) -> str:
+def _leading_comments(lines: list[str]) -> list[str]:
+    """The comment block a file starts with (upstream's license header), with the blank lines after it."""
+    end = 0
+    while end < len(lines) and lines[end].startswith("#"):
+        end += 1
+    while end and end < len(lines) and not lines[end].strip():
+        end += 1
+    return lines[:end]
+
+
+def as_shipped(relative: Path, upstream_root: Path) -> list[str]:
+    """Our file as the patch ships it: with upstream's own header where upstream has the file, else with the license
+    header upstream's copyright check expects (a Python file already starting with one is left as it is)."""
     ours = (ROOT / relative).read_text().splitlines(keepends=True)
+    if ours and ours[0].startswith("# Copyright"):
+        return ours
+    theirs = upstream_root / relative
+    header = _leading_comments(theirs.read_text().splitlines(keepends=True)) if theirs.exists() else []
+    return (header or [*LICENSE_HEADER.splitlines(keepends=True), "\n"]) + ours
+
+
+def _diff(relative: Path, upstream_root: Path) -> str:
+    ours = as_shipped(relative, upstream_root)
     theirs_path = upstream_root / relative
     theirs = theirs_path.read_text().splitlines(keepends=True) if theirs_path.exists() else []
     if ours == theirs:
@@ -76,34 +119,81 @@ def _diff(relative: Path, upstream_root: Path) -> str:
     return header + text
 
 
+def make_patch(upstream_root: Path) -> str:
+    """The patch of every Python file of this project's package against the tree ``upstream_root``."""
+    files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
+    return "".join(_diff(relative, upstream_root) for relative in files)
+
+
 def build_patch(path: Path = PATCH) -> Path:
     """Writes the patch against the 0.6.2 sources, after checking that it applies to a fresh unpack."""
     with tempfile.TemporaryDirectory() as scratch:
-        upstream_root = unpack_sources(Path(scratch))
-        files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
-        patch = "".join(_diff(relative, upstream_root) for relative in files)
-        check_applies(patch)
+        patch = make_patch(unpack_sources(Path(scratch)))
+    check_applies(patch)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(patch)
     return path
 
 
-def check_applies(patch: str) -> None:
-    """Raises CalledProcessError unless ``patch`` applies cleanly to a fresh unpack of the 0.6.2 sources."""
+def check_applies(patch: str, root: Path | None = None) -> None:
+    """Raises CalledProcessError unless ``patch`` applies cleanly to ``root`` (default: a fresh unpack of 0.6.2)."""
     with tempfile.TemporaryDirectory() as scratch:
-        root = unpack_sources(Path(scratch))
+        root = root or unpack_sources(Path(scratch))
         subprocess.run(["git", "apply", "--check", "-"], cwd=root, input=patch, text=True, check=True,
                        capture_output=True)  # fmt: skip
 
 
+def hunks_needing_rebase(patch: str, tree: Path) -> dict[str, int]:
+    """Per file, how many hunks of ``patch`` do not apply to the source tree ``tree`` (tried on a scratch copy of
+    the files the patch touches; ``tree`` is not changed)."""
+    touched = sorted({line[6:].strip() for line in patch.splitlines() if line.startswith("+++ b/")})
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch)
+        for relative in touched:
+            if (tree / relative).exists():
+                (copy / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tree / relative, copy / relative)
+        subprocess.run(["git", "apply", "--reject", "-"], cwd=copy, input=patch, text=True, capture_output=True)
+        return {
+            str(rej.relative_to(copy).with_suffix("")): rej.read_text().count("\n@@ ")
+            + rej.read_text().startswith("@@ ")
+            for rej in sorted(copy.rglob("*.rej"))
+        }
+
+
+def patch_against(tree: Path, out: Path | None = None) -> tuple[Path, dict[str, int]]:
+    """A patch for the upstream source tree ``tree`` (checked to apply there), and the hunks of the 0.6.2 patch
+    that would need a rebase to apply to it."""
+    patch = make_patch(tree)
+    check_applies(patch, tree)
+    out = out or ROOT / "dist" / f"megatron-bridge-ep-overlap-{tree.resolve().name}.patch"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(patch)
+    with tempfile.TemporaryDirectory() as scratch:
+        release = make_patch(unpack_sources(Path(scratch)))
+    return out, hunks_needing_rebase(release, tree)
+
+
 def main(argv: list[str]) -> int:
-    if argv == ["plugin"]:
+    parser = argparse.ArgumentParser(prog="upstream.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["plugin", "patch"])
+    parser.add_argument("--against", type=Path, help="an upstream source tree (holding src/megatron/bridge)")
+    args = parser.parse_args(argv)
+    if args.what == "plugin":
         print(f"plugin wheel: {build_plugin()}")
-    elif argv == ["patch"]:
+    elif args.against is None:
         print(f"patch against megatron-bridge {VERSION} (applies cleanly): {build_patch()}")
     else:
-        print("usage: python tools/upstream.py plugin|patch", file=sys.stderr)
-        return 2
+        if not (args.against / PACKAGE).is_dir():
+            print(f"error: --against {args.against}: no {PACKAGE} there; give a Megatron-Bridge source tree",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        path, rebase = patch_against(args.against)
+        print(f"patch against {args.against} (applies cleanly): {path}")
+        if not rebase:
+            print(f"the {VERSION} patch applies to {args.against} as it is")
+        for relative, hunks in rebase.items():
+            print(f"the {VERSION} patch needs a rebase for {args.against}: {relative} ({hunks} hunk(s) do not apply)")
     return 0
 
 

@@ -165,3 +165,33 @@ def test_the_patch_applies_to_a_fresh_unpack(wheels, tmp_path):
         "new file mode 100644\n--- /dev/null\n+++ b/src/megatron/bridge/training/ep_overlap/engine/driver.py" in patch
     )
     assert "a/src/megatron/bridge/__init__.py" not in patch
+
+
+def _first_lines_without_the_header(root: Path, files: list[str]) -> list[str]:
+    """Files whose first line lacks what upstream's copyright check looks for."""
+    import re
+
+    header = re.compile(r"Copyright.*NVIDIA CORPORATION.*All rights reserved\.")
+    return [f for f in files if not header.search((root / f).read_text().splitlines()[0])]
+
+
+def test_the_patched_tree_passes_upstreams_copyright_check(wheels, tmp_path):
+    patch = upstream.build_patch(tmp_path / "ep-overlap.patch").read_text()
+    root = upstream.unpack_sources(tmp_path / "tree")
+    subprocess.run(["git", "apply", "-"], cwd=root, input=patch, text=True, check=True, capture_output=True)
+    touched = sorted({line[6:] for line in patch.splitlines() if line.startswith("+++ b/")})
+    assert touched and all(f.endswith(".py") for f in touched)
+    assert _first_lines_without_the_header(root, touched) == []
+    assert "\n-# Copyright" not in patch  # upstream's two files keep their header
+    # The project's own files stay as they are: the header is added when the patch is made.
+    assert _first_lines_without_the_header(ROOT, [str(upstream.PACKAGE / "training/ep_overlap/options.py")])
+
+
+def test_a_patch_for_another_upstream_tree_says_which_hunks_need_a_rebase(wheels, tmp_path):
+    tree = upstream.unpack_sources(tmp_path / "tree")  # stands in for a checkout of upstream's main
+    flex = tree / upstream.PACKAGE / "training/flex_dispatcher_backend.py"
+    flex.write_text(flex.read_text().replace("def _fallback_to_alltoall", "def _fallback_to_all_to_all"))
+    out, rebase = upstream.patch_against(tree, tmp_path / "for-tree.patch")
+    upstream.check_applies(out.read_text(), tree)
+    assert rebase == {str(upstream.PACKAGE / "training/flex_dispatcher_backend.py"): 1}
+    assert upstream.main(["patch", "--against", str(tmp_path / "nowhere")]) == 2

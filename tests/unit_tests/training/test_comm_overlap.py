@@ -19,7 +19,7 @@ from megatron.bridge.training.comm_overlap import (
     userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192,
     userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora,
 )
-from megatron.bridge.utils.config_values import is_explicitly_set
+from megatron.bridge.utils.config_values import is_explicitly_set, mark_explicit
 
 
 def moe_model(**overrides) -> TransformerConfig:
@@ -279,6 +279,47 @@ def test_forwarded_field_set_explicitly_still_counts(fake_versions):
     assert is_explicitly_set(model, "batch_p2p_comm")
     found = comm_overlap_violations(CommOverlapConfig(tp_comm_overlap=False, batch_p2p_comm=True), model)
     assert [v.name for v in found] == ["conflict"]
+
+
+@dataclasses.dataclass(init=False)
+class ProviderStandIn:
+    """A recipe's provider stand-in (as upstream's Moonlight recipe test has): a dataclass declaring a few fields and
+    holding the MoE flags as plain attributes at their Megatron-Core defaults."""
+
+    pipeline_model_parallel_size: int = 1
+
+    def __init__(self, **values):
+        for key, value in {**moe_model().__dict__, **values}.items():
+            setattr(self, key, value)
+        self.overlap_moe_expert_parallel_comm = self.delay_wgrad_compute = False
+
+
+def test_a_field_default_never_conflicts_with_comm_overlap(fake_versions):
+    model = ProviderStandIn()
+    assert not is_explicitly_set(model, "delay_wgrad_compute")  # not a field here: TransformerConfig's default
+    CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True).setup(
+        model
+    )
+    assert (model.overlap_moe_expert_parallel_comm, model.delay_wgrad_compute) == (True, True)
+
+
+def test_an_explicit_contradiction_is_still_refused(fake_versions):
+    requested = dict(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    differs = ProviderStandIn()
+    differs.overlap_moe_expert_parallel_comm = True  # differs from its default: set
+    assert not comm_overlap_violations(CommOverlapConfig(**requested), differs)
+    differs_from_request = moe_model(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    found = comm_overlap_violations(
+        CommOverlapConfig(**{**requested, "delay_wgrad_compute": False}), differs_from_request
+    )
+    assert [v.name for v in found] == ["conflict"]
+    # False equals the default; a recipe that means it says so, and the contradiction is refused.
+    stated = moe_model(delay_wgrad_compute=False)
+    mark_explicit(stated, "delay_wgrad_compute")
+    found = comm_overlap_violations(CommOverlapConfig(**requested), stated)
+    assert [v.name for v in found] == ["conflict"] and "delay_wgrad_compute=False" in str(found[0])
+    unstated = moe_model(delay_wgrad_compute=False)
+    assert not comm_overlap_violations(CommOverlapConfig(**requested), unstated)
 
 
 def test_explicit_ddp_value_stands_when_comm_overlap_leaves_it_auto(fake_versions):

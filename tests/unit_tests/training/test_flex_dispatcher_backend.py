@@ -32,8 +32,14 @@ def gpu(monkeypatch):
     calls = []
 
     def pretend(device):
+        def properties(index):
+            calls.append(index)
+            if device is None:  # what torch does on a host without a driver
+                raise RuntimeError("Found no NVIDIA driver on your system.")
+            return device
+
         monkeypatch.setattr(torch.cuda, "is_available", lambda: device is not None)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: calls.append(index) or device)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
         return calls
 
     return pretend
@@ -146,11 +152,26 @@ def test_validate_flex_on_unsupported_gpu_raises(gpu):
 
 def test_validate_flex_on_cpu_host_raises_a_clear_error(gpu):
     calls = gpu(None)
-    with pytest.raises(FlexDispatcherConfigError, match="needs a CUDA GPU and this host has none"):
+    with pytest.raises(FlexDispatcherConfigError, match="needs a CUDA GPU and this host has none") as raised:
         validate_flex_dispatcher_backend(
             moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
         )
-    assert calls == []
+    assert calls == [0]  # asked as upstream asks; the call could not answer
+    assert raised.value.__cause__ is None and "NVIDIA driver" not in str(raised.value)
+
+
+@pytest.mark.parametrize("device, error", [(A100, None), (B200, None), (V100, "DeepEP is supported for Ampere")])
+def test_validate_asks_the_device_first_so_a_mocked_gpu_answers_on_a_cpu_host(monkeypatch, device, error):
+    # Upstream's test_config.py mocks get_device_properties alone; is_available stays this host's (False here).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: device)
+    model = moe_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    if error is None:
+        validate_flex_dispatcher_backend(model)
+        assert model.moe_token_dispatcher_type == "flex"
+    else:
+        with pytest.raises(ValueError, match=error):
+            validate_flex_dispatcher_backend(model)
 
 
 def test_validate_flex_with_unknown_backend_raises(gpu):

@@ -11,10 +11,11 @@ Contract:
     * GPU gating (:data:`BACKENDS`): DeepEP needs compute capability major 8 or 9, or a device named
       "NVIDIA B200*"/"NVIDIA B300*"; HybridEP needs major 8, 9 or 10; NCCL EP needs major 9 or 10. Device
       properties are read with ``torch.cuda.get_device_properties(0)``.
-    * Safe on a host without CUDA: nothing here touches CUDA when ``torch.cuda.is_available()`` is False.
-      ``apply`` then records the backend as asked (the config is being prepared for a GPU node, as upstream
-      does); ``validate`` raises :class:`FlexDispatcherConfigError` saying the host has no GPU instead of a
-      CUDA initialisation error. An unknown backend name is never looked up on the device.
+    * Safe on a host without CUDA. ``apply`` checks ``torch.cuda.is_available()`` first, as upstream does, and
+      records the backend as asked (the config is being prepared for a GPU node). ``validate`` asks for the device
+      properties first, as upstream does, so a mocked or real device answers; only where that call cannot answer
+      (no CUDA: it raises at once) does it raise :class:`FlexDispatcherConfigError` saying the host has no GPU,
+      instead of a CUDA initialisation error. An unknown backend name is never looked up on the device.
     * ``validate`` with flex selected and the backend cleared (``None``) restores "alltoall" (upstream #5740);
       with a backend set while the dispatcher is not "flex" it warns that the backend alone does nothing.
 """
@@ -138,11 +139,14 @@ def validate_flex_dispatcher_backend(model_config: Any) -> None:
         raise FlexDispatcherConfigError(
             f"moe_flex_dispatcher_backend={backend!r} is not supported; expected one of {SUPPORTED_BACKENDS}. {fix}"
         )
-    if not torch.cuda.is_available():
+    try:  # as upstream asks, so a mocked or real device answers first
+        device = torch.cuda.get_device_properties(0)
+    except (RuntimeError, AssertionError):  # no driver, or a torch built without CUDA
+        if torch.cuda.is_available():
+            raise
         raise FlexDispatcherConfigError(
             f"moe_token_dispatcher_type='flex' with {support.label} needs a CUDA GPU and this host has none. {fix}"
-        )
-    device = torch.cuda.get_device_properties(0)
+        ) from None
     if not support.supports(device):
         raise FlexDispatcherConfigError(
             f"{support.label} is supported for {support.gpus}. Current GPU: {device.name}. {fix}"
