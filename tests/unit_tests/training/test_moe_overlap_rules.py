@@ -239,3 +239,35 @@ def test_graph_modules_count_without_cuda_graph_impl(fake_versions):
     # Upstream judges the graphed modules alone; a recipe may set cuda_graph_impl later.
     found = violated(fake_versions, {"cuda_graph_modules": ["attn"], "add_bias_linear": True}, {"delay": True})
     assert "delay_wgrad_graph_attn_bias" in found
+
+
+# Names a fix may mention that are not config fields: functions of this project and Megatron-Bridge that do what the
+# fix asks.
+CALLABLES = {"apply_flex_dispatcher_backend", "use_bridge_schedule", "use_ep_overlap_schedule"}
+
+
+def _existing_names() -> set[str]:
+    """Fields of the configs a fix can name: the model (Megatron-Core's TransformerConfig), comm_overlap, the
+    schedule's options, and the training config's micro_batch_size (Megatron-Bridge's and the harness's)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.bridge.training.comm_overlap import CommOverlapConfig
+
+    configs = (TransformerConfig, CommOverlapConfig, EPOverlapOptions)
+    return {f.name for config in configs for f in dataclasses.fields(config)} | {"micro_batch_size", "comm_overlap"}
+
+
+def _named(fix: str) -> set[str]:
+    """The snake_case names a fix mentions, outside quoted values."""
+    import re
+
+    return set(re.findall(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", re.sub(r"'[^']*'", "", fix)))
+
+
+@pytest.mark.parametrize("rule_name", sorted(CASES))
+def test_every_fix_names_fields_that_exist_on_the_config_it_names(fake_versions, rule_name):
+    violation = violated(fake_versions, *CASES[rule_name][0])[rule_name]
+    missing = _named(violation.fix) - _existing_names() - CALLABLES
+    assert not missing, f"[{rule_name}] fix names {sorted(missing)}, which no config has: {violation.fix}"

@@ -191,6 +191,15 @@ def gather_facts(
     return facts
 
 
+def use_bridge_schedule(model_config: Any) -> Any:
+    """Marks ``model_config`` as run by this project's schedule (``EPOverlapEngine``, ``use_ep_overlap_schedule``),
+    whose rules apply instead of Megatron-Core's own overlapped schedule's (fp32 is tested bitwise there). The
+    Megatron-Core plan marks the config itself when it is built; a recipe whose ``setup`` runs before that calls
+    this first. Returns the config."""
+    model_config.ep_overlap_schedule = "bridge"
+    return model_config
+
+
 def _at_least(version: Version | None, minimum: str) -> bool:
     return version is not None and version >= Version(minimum)
 
@@ -266,7 +275,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: bool(f["model.bf16"] or f["model.fp16"]),
         "Megatron-Core's own overlapped schedule is only supported when using bf16 or fp16 models.",
-        "set bf16=True (or fp16=True), or run this project's schedule (ep_overlap_schedule='bridge').",
+        "set bf16=True (or fp16=True); where this project's schedule runs the layers (EPOverlapEngine or "
+        "use_ep_overlap_schedule), say so first: use_bridge_schedule() on the model config, before setup.",
     ),
     Rule(
         "torch_version",
@@ -490,7 +500,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         lambda f: _chunked(f) and f[MICRO_BATCH] is not None,
         lambda f: f[MICRO_BATCH] >= 2,
         "chunks split a microbatch along its sequences, so it needs at least 2.",
-        "set micro_batch_size >= 2 (e.g. 2 with half the seq_length keeps the tokens per microbatch), or "
+        "set micro_batch_size >= 2 (e.g. 2 sequences of half the length keep the tokens per microbatch), or "
         "moe_ep_overlap_chunks=1.",
     ),
 )

@@ -76,13 +76,15 @@ def test_engine_reads_flags_from_the_model_config():
         EPOverlapEngine.from_config(model, single_process_groups())
 
 
-def test_wrong_sequence_length_names_the_embedding():
+def test_wrong_sequence_length_is_refused_up_front_and_by_the_embedding():
     case = Case(world=1, ep=1)
     model = MoEGPTModel(case.config())
     engine = EPOverlapEngine(model, single_process_groups(), overlap=False)
     tokens = torch.zeros(2, case.seq_length + 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="embedding: got sequences of length 9"):
+    with pytest.raises(ValueError, match="microbatch 0: sequences of 9 tokens, but the model takes 8"):
         engine.step([(tokens, tokens)])
+    with pytest.raises(ValueError, match="embedding: got sequences of length 9"):
+        model.embed(tokens)
 
 
 def test_wrong_hidden_size_names_the_layer():

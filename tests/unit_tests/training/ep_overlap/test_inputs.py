@@ -1,5 +1,6 @@
 """Microbatch input: correct loss normalisation for any sizes and ignored labels; bad ids refused on every rank."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -92,3 +93,82 @@ def test_a_step_with_every_label_ignored_is_refused():
     outcomes = run_local_ranks(_step_with, 2, (-1, "all_ignored"), raise_on_error=False)
     for outcome in outcomes:
         assert "every label of this step is IGNORE_INDEX (-100)" in outcome.error
+
+
+def _disagreeing(rank: int, world: int, what: str) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=60))  # a hang would wait this long; the check answers at once
+    data = _data(rank, ignore=False)
+    if rank == 1 and what == "count":
+        data = data[:2]
+    if rank == 1 and what == "dtype":
+        data = [(tokens.to(torch.int32), labels) for tokens, labels in data]
+    EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "what, line",
+    [
+        ("count", "microbatches per step: rank 0 has 3, rank 1 has 2"),
+        ("dtype", "token dtype: rank 0 has torch.int64, rank 1 has torch.int32"),
+    ],
+)
+def test_ranks_that_disagree_fail_together_before_any_all_to_all(what, line):
+    start = time.monotonic()
+    outcomes = run_local_ranks(_disagreeing, 2, (what,), raise_on_error=False, collective_timeout_s=60)
+    assert time.monotonic() - start < 30  # not the collective timeout
+    for outcome in outcomes:
+        assert "the ranks disagree on the step's shape" in outcome.error and line in outcome.error
+        assert "CollectiveError" not in outcome.error
+
+
+def _malformed(rank: int, world: int, what: str) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=60))
+    data = _data(rank, ignore=False)
+    if rank == 1:
+        tokens, labels = data[0]
+        data[0] = {
+            "bool tokens": (tokens > 30, labels),
+            "uint8 tokens": (tokens.to(torch.uint8), labels),
+            "sequence length": (tokens[:, :-2], labels[:, :-2]),
+        }[what]
+    EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
+    return "ran"
+
+
+@pytest.mark.parametrize(
+    "what, detail",
+    [
+        ("bool tokens", "tokens must be int64 or int32 ids and labels int64, not torch.bool/torch.int64"),
+        ("uint8 tokens", "tokens must be int64 or int32 ids and labels int64, not torch.uint8/torch.int64"),
+        ("sequence length", f"sequences of {CASE.seq_length - 2} tokens, but the model takes {CASE.seq_length}"),
+    ],
+)
+def test_malformed_tokens_are_refused_up_front_on_every_rank(what, detail):
+    outcomes = run_local_ranks(_malformed, 2, (what,), raise_on_error=False)
+    for outcome in outcomes:
+        assert "bad microbatch input on rank(s) [1]" in outcome.error and "ValueError" in outcome.error
+    assert f"rank 1: microbatch 0: {detail}" in outcomes[1].error
+
+
+def _nan_on(rank: int, world: int, bad_rank: int) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    model = MoEGPTModel(CASE.config(), groups)
+    data = _data(rank, ignore=False)
+    for tokens, _ in data:
+        tokens[tokens == 5] = 6
+    if rank == bad_rank:
+        with torch.no_grad():
+            model.word_embeddings.weight[5] = float("nan")
+        data[1][0][0, 0] = 5  # only microbatch 1 of this rank reads the NaN row
+    EPOverlapEngine(model, groups, overlap=True).step(data)
+    return "ran"
+
+
+def test_a_non_finite_loss_or_gradient_is_reported_on_every_rank_naming_rank_and_microbatch():
+    outcomes = run_local_ranks(_nan_on, 2, (1,), raise_on_error=False)
+    for outcome in outcomes:
+        assert "FloatingPointError: non-finite values in this step" in outcome.error
+        assert "rank 1: the loss of microbatch 1 is not finite" in outcome.error
+        assert "rank 0: the loss of" not in outcome.error  # the rank it came from is the one named for the loss
+    assert "rank 1: a gradient is not finite (first: " in outcomes[1].error

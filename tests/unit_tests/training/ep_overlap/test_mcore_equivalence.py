@@ -30,11 +30,12 @@ class McoreCase:
     device: str = "cpu"
     rope: bool = False
     expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
+    mtp: bool = False  # one multi-token prediction layer
 
 
 def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -61,11 +62,15 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         moe_router_score_function="sigmoid" if case.expert_bias else "softmax",
         moe_router_enable_expert_bias=case.expert_bias,
         moe_router_bias_update_rate=0.05,
+        mtp_num_layers=1 if case.mtp else None,
     )
     torch.manual_seed(1234)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) if case.mtp else None
     model = GPTModel(
         config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
         vocab_size=64,
         max_sequence_length=8,
         position_embedding_type="rope" if case.rope else "learned_absolute",
@@ -171,3 +176,36 @@ def test_mcore_on_one_gpu_with_two_gloo_ranks(bf16):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     case = McoreCase(bf16=bf16, device="cuda")
     check_equal(case, run_local_ranks(train_mcore, 2, (case,), start_method="spawn"))
+
+
+def _doc_snippet(rank: int, world: int) -> list[float]:
+    """The "From a Megatron-Core training script" snippet of megatron-core-integration.md, run as a user would: with
+    a model, an optimizer, the EP size and the steps' data in hand (the model built after parallel_state, which the
+    snippet's first line initializes, so that line is done here first and then skipped)."""
+    import contextlib
+    import re
+    from pathlib import Path
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    install_cpu_stubs()
+    doc = (Path(__file__).resolve().parents[4] / "docs/training/megatron-core-integration.md").read_text()
+    snippet = re.search(r"From a Megatron-Core training script:\n\n```python\n(.*?)```", doc, re.S).group(1)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    model = build_gpt(McoreCase())
+    gen = torch.Generator().manual_seed(rank)
+    steps = [[tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(3)] for _ in range(2)]
+    namespace = {"model": model, "ep": world, "steps": steps, "optimizer": torch.optim.Adam(model.parameters())}
+    initialize, parallel_state.initialize_model_parallel = parallel_state.initialize_model_parallel, lambda **k: None
+    try:
+        exec(snippet, namespace)
+    finally:
+        parallel_state.initialize_model_parallel = initialize
+    return [float(loss) for loss in namespace["result"].losses]
+
+
+def test_the_training_script_snippet_runs_as_written():
+    for outcome in run_local_ranks(_doc_snippet, 2, ()):
+        assert len(outcome.result) == 3 and all(torch.isfinite(torch.tensor(outcome.result)))

@@ -138,6 +138,41 @@ def test_hook_refuses_a_bad_config_before_any_step(change, expected):
         assert outcome.result.startswith("CommOverlapConfigError") and expected in outcome.result, outcome.result
 
 
+def refuse_model(rank: int, world: int, kind: str) -> dict:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, use_ep_overlap_schedule
+
+    from .mcore_hybrid import build_hybrid
+
+    model = build_gpt(McoreCase(mtp=True)) if kind == "mtp" else build_hybrid("*E*E")
+    refused = {}
+    for name, build in (("hook", lambda: use_ep_overlap_schedule([model])), ("plan", lambda: McoreGPTPlan(model))):
+        try:
+            build()
+            refused[name] = "accepted"
+        except ValueError as error:
+            refused[name] = str(error)
+    return refused
+
+
+@pytest.mark.parametrize(
+    "kind, line",
+    [
+        (
+            "mtp",
+            "mtp_num_layers=1: the EP-overlap plan does not run Megatron-Core's multi-token prediction layers yet",
+        ),
+        ("hybrid", "HybridModel: the EP-overlap plan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
+    ],
+)
+def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):
+    # Before, an MTP GPTModel ran under both: its losses matched while every MTP parameter got no gradient.
+    for outcome in run_local_ranks(refuse_model, 2, (kind,)):
+        for where in ("hook", "plan"):
+            assert outcome.result[where].startswith(line) and "fix: " in outcome.result[where], outcome.result
+
+
 def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: bool) -> dict:
     """Megatron-Core's interleaved schedule (PP 2 x VPP 2 x EP 2): plain, and combined 1F1B running our plan."""
     install_cpu_stubs()

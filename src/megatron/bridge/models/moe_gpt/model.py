@@ -379,6 +379,11 @@ class MoEGPTModel(torch.nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def sequence_length(self) -> int:
+        """The one sequence length the learned position embedding and the attention take."""
+        return self.config.seq_length
+
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings, flattened to [T, D]."""
         B, S = tokens_BS.shape

@@ -54,13 +54,15 @@ class LayerFunctions(Protocol):
 
 class ChunkModel(Protocol):
     """A whole model or one pipeline chunk: ``layers`` with their global ``layer_numbers``; ``pre_process`` /
-    ``post_process`` whether it holds the embedding / the head; ``embed(tokens)`` and
+    ``post_process`` whether it holds the embedding / the head; ``sequence_length`` the one it takes (None: any);
+    ``embed(tokens)`` and
     ``head_loss(x, labels, normalizer)`` where it does; ``hidden_shape(tokens)`` of the activation between chunks;
     a whole model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``update_router_biases(groups)``,
     called once per training step after the gradient sync."""
 
     config: Any
     vocab_size: int
+    sequence_length: int | None
     layers: list
     layer_numbers: list[int]
     pre_process: bool

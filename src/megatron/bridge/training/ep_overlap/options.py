@@ -27,6 +27,8 @@ class EPOverlapOptions:
         launch_off_host: On CPU, launch all-to-alls from one helper thread whenever one must wait, so a dispatch
             waiting for its split sizes does not stop the host. None: wherever it applies; True insists.
         high_priority_comm: On CUDA, give the comm stream high priority.
+        check_for_nan_in_loss_and_grad: After the backward, fail every rank at once when any rank's loss or
+            gradient is not finite, naming the rank and the microbatch (Megatron-Core's check, on by default there).
     """
 
     overlap: bool = True
@@ -36,6 +38,7 @@ class EPOverlapOptions:
     moe_ep_overlap_chunks: int = 1
     launch_off_host: bool | None = None
     high_priority_comm: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> "EPOverlapOptions":

@@ -8,9 +8,14 @@ Contract:
     * Losses and every gradient are bitwise equal between the overlapped and the plain path, and across pipeline
       layouts; ``moe_ep_overlap_chunks=2`` is the one option that is not (``program/units.py``).
     * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
-      gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once. A
-      chunk that offers ``update_router_biases(groups)`` gets it called once per training step after that sync
-      (where Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases).
+      gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once. The
+      step's synced gradient is then added to what ``.grad`` (or ``main_grad``) held before it, as autograd and
+      Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. A chunk that
+      offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
+      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases).
+    * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
+      finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
+      parameters' gradients are then as they were before the step.
     * Options come in one :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, checked by the
       rules table when the engine is built: what it refuses raises the same :class:`CommOverlapConfigError` that
       ``CommOverlapConfig.setup``, the harness and the Megatron-Core hook raise. The attention-wgrad window is a
@@ -29,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron.bridge.training.ep_overlap.contract import check_no_pending_wgrads
-from megatron.bridge.training.ep_overlap.engine.grads import delayable_linears, sync_grads
-from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, loss_token_count
+from megatron.bridge.training.ep_overlap.engine.grads import HeldGradients, delayable_linears, sync_grads
+from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, check_finite, loss_token_count
 from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.p2p import PipelineP2P
@@ -190,22 +195,39 @@ class Engine:
         steps = self.schedule(len(microbatches), forward_only=forward_only, options=options)
         split = {member.microbatch for s in steps for member in s.units if member.half is not None}
         normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
+        held = None if forward_only else HeldGradients(self._named_parameters())
         failed = True
         try:
             with torch.no_grad() if forward_only else nullcontext():
                 losses = self._run(steps, microbatches, normalizer, lane, device, options, forward_only)
+            if options.check_for_nan_in_loss_and_grad:
+                check_finite(losses, held.contributions() if held else [], self.groups, device)
+            if held is not None:
+                for chunk in self.chunks:
+                    sync_grads(chunk, self.groups)
+                held.restore(add=True)
             failed = False
         finally:
             lane.close(failed=failed)
+            if failed and held is not None:
+                held.restore(add=False)
         if not forward_only:
             for chunk in self.chunks:
-                sync_grads(chunk, self.groups)
                 update_router_biases = getattr(chunk, "update_router_biases", None)
                 if update_router_biases is not None:
                     update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        prefix = len(self.chunks) > 1
+        return [
+            (f"chunk{v}.{name}" if prefix else name, param)
+            for v, chunk in enumerate(self.chunks)
+            for name, param in chunk.named_parameters()
+            if param.requires_grad
+        ]
 
     def _run(self, steps, microbatches, normalizer, lane, device, options, forward_only) -> list[torch.Tensor]:
         """Executes ``steps``; returns the losses per microbatch (last pipeline stage only)."""

@@ -34,3 +34,47 @@ def sync_grads(model: torch.nn.Module, groups: EPGroups) -> None:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class HeldGradients:
+    """What the parameters' gradients held before a step, set aside so that the step computes and syncs its own
+    contribution alone, then added back: ``step()`` accumulates into ``.grad`` (or ``main_grad``) as autograd and
+    Megatron-Core's gradient buffers do, and the all-reduce never sums an earlier step's gradient again.
+
+    k steps without zeroing give, bitwise, the sum of the k steps' own gradients taken in step order.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]]):
+        self.names = [name for name, _ in named_params]
+        self.params = params = [param for _, param in named_params]
+        mains = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+        nonzero = iter(torch.stack([m.any() for m in mains]).tolist() if mains else [])  # one host sync
+        self.held = []
+        for param in params:
+            main = getattr(param, "main_grad", None)
+            if main is not None:
+                self.held.append(main.clone() if next(nonzero) else None)
+                main.zero_()
+            else:
+                self.held.append(param.grad)
+                param.grad = None
+
+    def restore(self, *, add: bool) -> None:
+        """``add``: put the earlier gradients back under this step's (old + new); else put them back as they were,
+        dropping whatever a failed step left."""
+        for param, old in zip(self.params, self.held):
+            main = getattr(param, "main_grad", None)
+            if main is not None:
+                if old is not None:
+                    main.add_(old) if add else main.copy_(old)
+                elif not add:
+                    main.zero_()
+            elif not add or param.grad is None:
+                param.grad = old
+            elif old is not None:
+                param.grad = old.add_(param.grad)
+
+    def contributions(self) -> list[tuple[str, torch.Tensor]]:
+        """This step's gradient of each parameter that has one (before ``restore``), by name."""
+        grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in self.params]
+        return [(name, grad) for name, grad in zip(self.names, grads) if grad is not None]

@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
+from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
@@ -180,7 +182,20 @@ class McoreGPTPlan:
     """
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
+        # What the plan does not schedule is refused here, so no step runs it half-way.
+        if not isinstance(model, GPTModel):
+            raise ValueError(
+                f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel (whole or a pipeline "
+                "chunk) and no other model class yet; fix: build a GPTModel, or turn overlap_moe_expert_parallel_comm "
+                "off for this model"
+            )
         config = model.config
+        if config.mtp_num_layers:
+            raise ValueError(
+                f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap plan does not run Megatron-Core's "
+                "multi-token prediction layers yet (they would get no gradient); fix: set mtp_num_layers=None, or "
+                "turn overlap_moe_expert_parallel_comm off"
+            )
         if model.share_embeddings_and_output_weights:
             raise ValueError(
                 "the EP-overlap plan needs share_embeddings_and_output_weights=False: a tied weight gets its two "
@@ -197,8 +212,9 @@ class McoreGPTPlan:
         # Megatron-Core numbers layers from 1 across the whole model.
         self.layer_numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
         self.vocab_size = model.vocab_size
+        self.sequence_length = model.max_sequence_length  # the plan's attention mask is built for it
         # This project's schedule runs these layers, with its own rules (fp32 included).
-        config.ep_overlap_schedule = "bridge"
+        use_bridge_schedule(config)
         seq = model.max_sequence_length
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
