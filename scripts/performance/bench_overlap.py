@@ -24,8 +24,8 @@ from argument_parser import parse_cli_args  # noqa: E402
 from utils.quiet import quiet_third_party_imports  # noqa: E402
 
 with quiet_third_party_imports():
-    from utils.ab_run import build_recipe, plan_arms, run_local, specs_for, summarize
-from utils.stats import median_ci, step_series  # noqa: E402
+    from utils.ab_run import Progress, build_recipe, plan_arms, run_local, specs_for, summarize
+from utils.stats import TOO_FEW, median_ci, step_series  # noqa: E402
 
 
 def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -> dict:
@@ -35,9 +35,7 @@ def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -
     )
     recipe = build_recipe(args)
     specs = specs_for(plan_arms(recipe, args), recipe, "cpu")
-    for spec in specs:
-        spec.progress = False
-    results = run_local(specs, args, "cpu")
+    results = run_local(specs, args, "cpu", Progress(echo=False))
     summary = summarize(results, recipe, args, "cpu", args.nproc_per_node)
     warmup = recipe.train.warmup_steps
     base, over = summary["arms"]["baseline"], summary["arms"]["overlap"]
@@ -67,6 +65,8 @@ HEADER = (
 
 
 def _ci(figure: dict, fmt: str) -> str:
+    if figure["ci95"] is None:
+        return f"{fmt.format(figure['median'])} ({TOO_FEW})"
     lo, hi = figure["ci95"]
     return f"{fmt.format(figure['median'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
 

@@ -12,7 +12,6 @@ GPU, and it needs no torch.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,9 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--model", choices=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"], help="a published shape")
     source.add_argument("--table", action="store_true", help="print the cluster-scale table (Markdown)")
     parser.add_argument("--profile", choices=["H100", "H200"], default="H100")
-    parser.add_argument("--gpus", type=int, default=16)
-    parser.add_argument("--ep", type=int, default=16)
-    parser.add_argument("--global_batch", type=int, default=1024, help="sequences per step")
+    parser.add_argument("--gpus", type=int, default=None, help="with --model (default 16)")
+    parser.add_argument("--ep", type=int, default=None, help="with --model: expert-parallel size (default 16)")
+    parser.add_argument("--global_batch", type=int, default=None, help="with --model: sequences (default 1024)")
     parser.add_argument("--link_gbps", type=float, default=None, help="with --from_json: predict for this link")
     parser.add_argument("--microbatches", type=int, nargs="+", default=None, help="microbatch counts to search")
     return parser
@@ -48,6 +47,7 @@ def _line(label: str, comparison) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from utils.plan_inputs import MODEL_DEFAULTS, PlanInputError, flag_problems, read_measured
     from utils.quiet import quiet_third_party_imports
 
     with quiet_third_party_imports():
@@ -55,31 +55,33 @@ def main(argv: list[str] | None = None) -> int:
         from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
         from megatron.bridge.training.ep_overlap.planner import cost_model
 
+    problems = flag_problems(args, cost_model.SHAPES[args.model].num_experts if args.model else None)
+    if not problems and args.from_json:
+        try:
+            run = read_measured(args.from_json)
+            costs, link = planner.costs_from_records(
+                run.records, run.step_times_s, args.link_gbps or run.link_gbps, run.num_layers
+            )
+        except PlanInputError as exc:
+            problems.append(str(exc))
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"--from_json={args.from_json}: a step record is malformed ({exc!r}); rerun the harness")
+    if problems:
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.table:
         from utils.plan_table import cluster_table
 
         print(cluster_table())
         return 0
     if args.from_json:
-        summary = json.loads(Path(args.from_json).read_text())
-        base = summary["arms"]["baseline"]
-        train, model = summary["config"]["train"], summary["config"]["model"]
-        if (model.get("pipeline_model_parallel_size") or 1) > 1:
-            print(
-                f"error: {args.from_json} is a pipelined run (pipeline_model_parallel_size="
-                f"{model['pipeline_model_parallel_size']}); the planner simulates PP = 1: use an A/B run without "
-                "pipeline flags",
-                file=sys.stderr,
-            )
-            return 2
-        warmup = train["warmup_steps"]
-        link_gbps = args.link_gbps or summary["config"]["link_gbps"]
-        costs, link = planner.costs_from_records(
-            base["records"]["0"][warmup:], base["step_times_s"][warmup:], link_gbps, model["num_layers"]
-        )
-        n = train["num_microbatches"]
-        print(f"costs from {args.from_json} (rank 0's baseline records, steps {warmup + 1}..{train['max_steps']})")
+        n = run.num_microbatches
+        print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
     else:
+        args.gpus, args.ep, args.global_batch = (
+            getattr(args, k) if getattr(args, k) is not None else v for k, v in MODEL_DEFAULTS.items()
+        )
         layout = cost_model.Layout(args.gpus, args.ep, args.global_batch)
         costs, link = cost_model.costs_from_model(
             cost_model.SHAPES[args.model], layout, cost_model.PROFILES[args.profile]

@@ -84,3 +84,67 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"  # a zombie has exited; only its parent's reaping is left
     except FileNotFoundError:
         return False
+
+
+def _killed(rank: int, world: int, after_error: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0 and after_error:
+        raise ValueError("rank 0 failed first")
+    if rank == 1:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
+
+
+@pytest.mark.parametrize("after_error", [False, True])
+def test_a_killed_rank_is_seen_within_a_second_and_reported_first_with_its_signal(after_error):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as raised:
+        run_local_ranks(_killed, 2, (after_error,), collective_timeout_s=60)
+    assert time.monotonic() - start < 1.0 + 1.0 + 4  # its death, a second for the others' reasons, start-up
+    failure = raised.value
+    assert failure.first[0] == 1 and failure.outcomes[1].error == "rank 1 was killed by SIGKILL (out of memory?)"
+    assert str(failure).split("\n")[1:3] == ["--- rank 1 ---", "rank 1 was killed by SIGKILL (out of memory?)"]
+
+
+def _long_step_with_heartbeats(rank: int, world: int) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.bridge.utils.process_groups import all_reduce
+
+    # One "step" of about 3 s made of many short collectives, under a 1 s stall timeout, with no report_progress.
+    start = time.monotonic()
+    for count in range(150):
+        all_reduce(torch.ones(1), dist.group.WORLD, op=f"collective {count}", timeout=timedelta(seconds=30))
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_a_long_step_that_keeps_finishing_collectives_is_never_taken_for_a_stall():
+    outcomes = run_local_ranks(_long_step_with_heartbeats, 2, (), stall_timeout_s=1.0)
+    assert all(o.result > 2.0 for o in outcomes)
+
+
+def _stall_after_a_collective(rank: int, world: int) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.bridge.utils.process_groups import all_reduce
+
+    all_reduce(torch.ones(1), dist.group.WORLD, op="the last collective", timeout=timedelta(seconds=30))
+    time.sleep(60)
+
+
+def test_a_real_stall_is_still_caught_and_names_what_each_rank_last_finished():
+    with pytest.raises(RankFailure) as raised:
+        run_local_ranks(_stall_after_a_collective, 2, (), stall_timeout_s=1.5)
+    assert "no rank reported progress for 2 s (stall timeout 2 s); this rank last finished the last collective" in str(
+        raised.value
+    )

@@ -182,13 +182,29 @@ def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: s
 
 @dataclass
 class Progress:
-    """Steps finished so far, per arm (one report per rank and step), and the arm running now."""
+    """Steps finished so far, per arm (one report per rank and step), and the arm running now.
+
+    The console line of a finished step is printed here, when the parent has its report, so a step the console
+    shows is always one the partial JSON holds.
+    """
 
     finished: dict[str, list[dict]] = field(default_factory=dict)
     running: str | None = None
+    max_steps: int = 0
+    echo: bool = True
 
     def record(self, rank: int, report: dict) -> None:
         self.finished.setdefault(report["arm"], []).append(report)
+        if self.echo and rank == 0:
+            print(
+                f"  [{report['arm']}] step {report['step']}/{self.max_steps}: {report['step_time_s']:.3f} s, "
+                f"loss {report['loss']:.4f}, exposed comm {report['exposed_comm_s']:.3f} s",
+                flush=True,
+            )
+
+    def all_done(self, arms: list[str], ranks: int) -> bool:
+        """Every rank reported the last step of every arm: what is left is returning the results."""
+        return all(sum(1 for r in self.finished.get(arm, []) if r["step"] == self.max_steps) == ranks for arm in arms)
 
     def describe(self, steps: int) -> str:
         done = [f"{arm} {max(r['step'] for r in reports)}/{steps}" for arm, reports in self.finished.items()]
@@ -196,8 +212,12 @@ class Progress:
 
 
 def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None = None) -> dict[str, list[dict]]:
-    """Every arm in the same local ranks, step by step in ABBA order (see ``utils.arms.run_arms``)."""
+    """Every arm in the same local ranks, step by step in ABBA order (see ``utils.arms.run_arms``); the parent prints
+    each finished step (``Progress``). An interrupt after every step finished still waits for the results."""
     progress = progress if progress is not None else Progress()
+    progress.max_steps = specs[0].train.max_steps
+    for spec in specs:
+        spec.progress = False  # printed by the parent, as reports arrive
     backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     with EmulatedLink(args.nproc_per_node, args.link_gbps) if args.link_gbps else contextlib.nullcontext() as link:
         if link is not None and link.removed_stale:
@@ -219,6 +239,7 @@ def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None
             rank_setup=link.rank_setup() if link else None,
             master_addr=link.master_addr if link else "127.0.0.1",
             on_progress=progress.record,
+            finish_after_interrupt=lambda: progress.all_done([spec.name for spec in specs], args.nproc_per_node),
         )
         progress.running = None
     return {spec.name: [o.result[spec.name] for o in outcomes] for spec in specs}
@@ -412,7 +433,7 @@ def run(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     except RankFailure as exc:
-        for outcome in exc.outcomes:
+        for outcome in (exc.outcomes[rank] for rank in exc.first):  # a rank that died first is the cause
             if outcome.error:
                 lines = outcome.error.strip().splitlines()
                 print(f"error: rank {outcome.rank}: {lines[-1]}", file=sys.stderr)
@@ -437,14 +458,20 @@ def run(args) -> int:
             signal.signal(signum, handler)
     if results is None:  # torchrun ranks other than 0
         return 0
-    summary = summarize(results, recipe, args, device, world)
-    print(format_table(summary))
-    if args.json_path:
-        write_json(summary, args.json_path)
-        print(f"results written to {args.json_path}")
-    if args.timeline:
-        draw_timeline(summary, args.timeline)
-        print(f"timeline of one steady step per arm drawn to {args.timeline}")
+    # Every step ran: an interrupt now would only lose the report, so it waits until the report is written.
+    held = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = summarize(results, recipe, args, device, world)
+        print(format_table(summary))
+        if args.json_path:
+            write_json(summary, args.json_path)
+            print(f"results written to {args.json_path}")
+        if args.timeline:
+            draw_timeline(summary, args.timeline)
+            print(f"timeline of one steady step per arm drawn to {args.timeline}")
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
     return 0
 
 

@@ -29,7 +29,7 @@ class ArmSpec:
     options: EPOverlapOptions
     train: object  # TrainConfig
     device: str
-    progress: bool = True
+    progress: bool = True  # rank 0 prints each finished step (under torchrun; a local run's parent prints them)
     model_impl: str = "reference"
 
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -176,14 +175,20 @@ def run_problems(
 
 
 def _output_problems(flag: str, path: Path) -> list[str]:
-    """Creates the parent folder and checks the file can be written, so no run ends unable to save its results."""
+    """Creates the parent folder and opens the file for writing (removing it again if it was not there), so no run
+    ends unable to save its results: permission bits say nothing under /proc or /sys, an open does."""
     if path.is_dir():
         return [f"{flag}={str(path)!r}: is a folder; give a file name"]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return [f"{flag}={str(path)!r}: cannot create its folder ({exc.strerror})"]
-    target = path if path.exists() else path.parent
-    if not os.access(target, os.W_OK):
-        return [f"{flag}={str(path)!r}: not writable; choose another path"]
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return [f"{flag}={str(path)!r}: cannot be written ({exc.strerror}); choose another path"]
+    if not existed:
+        path.unlink()
     return []

@@ -12,9 +12,16 @@ import numpy as np
 RESAMPLES = 4000
 
 
+MIN_STEPS_FOR_INTERVAL = 3  # a bootstrap of fewer values says nothing about the spread
+TOO_FEW = "too few steps for an interval"
+
+
 def median_ci(values: list[float], seed: int = 0) -> dict[str, Any]:
-    """``{"median": m, "ci95": [lo, hi]}`` of ``values`` (a 95% percentile bootstrap of the median)."""
+    """``{"median": m, "ci95": [lo, hi]}`` of ``values`` (a 95% percentile bootstrap of the median); ``ci95`` is
+    None with fewer than :data:`MIN_STEPS_FOR_INTERVAL` values."""
     data = np.asarray(values, dtype=float)
+    if len(data) < MIN_STEPS_FOR_INTERVAL:
+        return {"median": float(np.median(data)), "ci95": None}
     picks = np.random.default_rng(seed).integers(0, len(data), size=(RESAMPLES, len(data)))
     lo, hi = np.percentile(np.median(data[picks], axis=1), [2.5, 97.5])
     return {"median": float(np.median(data)), "ci95": [float(lo), float(hi)]}
@@ -47,10 +54,13 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
     ratios = [b / o for b, o in zip(base, over)]
     hidden = [(b - o) / min(b - c, c) for b, o, c in zip(base, over, comm)]
     speedup = median_ci(ratios)
-    lo, hi = speedup["ci95"]
-    speedup["verdict"] = (
-        "no measurable difference" if lo <= 1.0 <= hi else ("overlap faster" if lo > 1.0 else "overlap slower")
-    )
+    if speedup["ci95"] is None:
+        speedup["verdict"] = TOO_FEW
+    else:
+        lo, hi = speedup["ci95"]
+        speedup["verdict"] = (
+            "no measurable difference" if lo <= 1.0 <= hi else ("overlap faster" if lo > 1.0 else "overlap slower")
+        )
     return {
         "steady_steps": len(ratios),
         "speedup": speedup,
@@ -96,6 +106,8 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
     """The report lines of :func:`matched_ab`."""
 
     def ci(figure: dict[str, Any], fmt: str) -> str:
+        if figure["ci95"] is None:
+            return f"{fmt.format(figure['median'])} ({TOO_FEW})"
         lo, hi = figure["ci95"]
         return f"{fmt.format(figure['median'])} [95% CI {fmt.format(lo)}, {fmt.format(hi)}]"
 

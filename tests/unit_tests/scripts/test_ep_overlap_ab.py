@@ -190,7 +190,8 @@ def test_link_without_root_says_so_and_fails(monkeypatch, capsys):
 
 def test_ab_smoke_on_loopback(tmp_path, capsys):
     json_path, png_path = tmp_path / "ab.json", tmp_path / "timeline.png"
-    code = ep_overlap_ab.main(TINY + ["--ab", "--predict", "--json", str(json_path), "--timeline", str(png_path)])
+    argv = TINY + ["-ms", "4", "--ab", "--predict", "--json", str(json_path), "--timeline", str(png_path)]
+    code = ep_overlap_ab.main(argv)  # 3 steady steps: the fewest that give an interval
     out = capsys.readouterr().out
     assert code == 0
     assert "losses and final parameters bitwise equal: yes" in out
@@ -208,7 +209,7 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
     assert result["numerics"]["bitwise_equal"] is True
     for arm in ("baseline", "overlap"):
         data = result["arms"][arm]
-        assert len(data["step_times_s"]) == 3 and len(data["losses"]) == 3
+        assert len(data["step_times_s"]) == 4 and len(data["losses"]) == 4
         for key in ("median_step_time_s", "comm_s", "exposed_comm_s"):
             assert isinstance(data[key], float) and data[key] >= 0
         waited = data["host_waited_for_core_s"]  # Linux reports it; elsewhere it is None and the table says n/a

@@ -173,3 +173,74 @@ def test_namespaces_go_with_sigterm_and_a_killed_runs_are_removed_and_reported(t
     assert run.returncode == 0, run.stderr
     assert f"note: removed {len(leaked)} network namespace(s) left by a run that was killed" in run.stdout
     assert namespaces(proc.pid) == []
+
+
+def test_an_output_under_proc_is_refused_up_front_not_after_the_run():
+    run = harness(*TINY, "-d", "--json", "/proc/ab.json")
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: --json='/proc/ab.json': cannot be written (")
+
+
+def test_the_partial_json_holds_every_step_the_console_printed(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--ab", "-ms", "100000", "--json", str(tmp_path / "ab.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step 3/100000" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    lines += proc.communicate(timeout=30)[0].splitlines()
+    printed = {
+        (line.split("]")[0].split("[")[1], int(line.split("step ")[1].split("/")[0]))
+        for line in lines
+        if line.startswith("  [")
+    }
+    assert {("baseline", 3), ("overlap", 3)} & printed
+    partial = json.loads((tmp_path / "ab.json").read_text())
+    saved = {(arm, step["step"]) for arm, steps in partial["completed_steps"].items() for step in steps}
+    assert printed and printed <= saved
+
+
+def test_an_interrupt_after_the_last_step_still_writes_the_full_report(tmp_path):
+    json_path = tmp_path / "ab.json"
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--ab", "-ms", "3", "--json", str(json_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last = 0
+    for line in proc.stdout:
+        last += "step 3/3" in line
+        if last == 2:  # both arms' last step is done; the ranks have only their results left to return
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "speedup" in out and "bitwise equal" in out
+    assert "speedup" in json.loads(json_path.read_text())
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (the SigCgt mask of /proc/PID/status)."""
+    status = (Path("/proc") / str(pid) / "status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def test_a_signal_during_the_imports_stops_a_background_run():
+    def like_a_background_job():  # a shell starts a background job with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *TINY, "--ab", "-d"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=like_a_background_job)  # fmt: skip
+    while not _catches(proc.pid, signal.SIGINT):  # its handler is set; torch is still being imported
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert err == "stopped by SIGINT while starting up; no rank had started\n"
+
+
+def test_no_interval_from_fewer_than_three_steady_steps():
+    run = harness(*TINY, "--ab", "-ms", "3")  # 2 steady steps
+    assert run.returncode == 0, run.stderr
+    assert "speedup (matched per-step ratio, median of 2 steps): " in run.stdout
+    assert "(too few steps for an interval)" in run.stdout and "95% CI" not in run.stdout

@@ -7,11 +7,16 @@
 
 Nothing waits forever, and nothing that makes progress is cut short:
     * A rank stuck in a collective fails itself at the process-group timeout (and reports it).
-    * A rank reports progress with :func:`report_progress` (e.g. once per training step); the parent stops the
-      run only when no rank has reported anything for ``stall_timeout_s``. There is no wall-clock cap.
-    * A rank that dies without reporting is seen at once; the others are then stopped.
-    * Ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), and every way out of ``run_local_ranks``
-      (return, exception, a signal turned into an exception) stops the ranks within about 2 s.
+    * A rank reports progress with :func:`report_progress` (e.g. once per training step), and says it is alive
+      with :func:`heartbeat` whenever a collective or a compute node finishes (at most twice a second; the
+      collective waits of ``process_groups`` and the engine's nodes do). The parent stops the run only when no rank
+      has said anything for ``stall_timeout_s``, naming what each rank last finished. There is no wall-clock cap.
+    * A rank that dies is seen within a second, whatever else has happened (another rank's error included), and
+      is reported first, with its exit signal; the others are stopped a second later.
+    * Ranks ignore SIGINT: the parent decides. Ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), and
+      every way out of ``run_local_ranks`` (return, exception, a signal turned into an exception) stops the ranks
+      within about 2 s. An interrupt that comes when ``finish_after_interrupt()`` says the ranks have nothing left
+      but to return lets them return.
     * What ranks reported with :func:`report_progress` survives a failure: :class:`RankFailure` carries it.
 """
 
@@ -20,7 +25,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -45,14 +52,23 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died, or made no progress for too long.
 
     Attributes:
-        outcomes: Every rank's outcome.
+        outcomes: Every rank's outcome, by rank.
         progress: Per rank, the payloads it reported with :func:`report_progress` before the failure.
+        first: The ranks in the order their errors should be read: a rank that died first (its death is the cause
+            the others' errors follow from), then by rank.
     """
 
-    def __init__(self, outcomes: list[RankOutcome], message: str = "", progress: dict[int, list] | None = None):
+    def __init__(
+        self,
+        outcomes: list[RankOutcome],
+        message: str = "",
+        progress: dict[int, list] | None = None,
+        first: list[int] | None = None,
+    ):
         self.outcomes = outcomes
         self.progress = progress or {}
-        details = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in outcomes if o.error)
+        self.first = list(first or []) + [o.rank for o in outcomes if o.rank not in (first or [])]
+        details = "\n".join(f"--- rank {r} ---\n{outcomes[r].error}" for r in self.first if outcomes[r].error)
         super().__init__(f"{message}\n{details}".strip())
 
 
@@ -67,6 +83,25 @@ def report_progress(payload: Any = None) -> None:
     if _PROGRESS is not None:
         results, rank = _PROGRESS
         results.put(("progress", rank, _dumps(payload)))
+
+
+_HEARTBEAT_S = 0.5
+_INTERRUPT_GRACE_S = 0.3
+_last_heartbeat = 0.0
+
+
+def heartbeat(what: str) -> None:
+    """Tells the parent this rank is alive, having just finished ``what`` (a collective, a compute node): at most
+    every half second, so a long step of many short operations is never taken for a stall. A no-op outside a rank
+    started by :func:`run_local_ranks`."""
+    global _last_heartbeat
+    if _PROGRESS is None:
+        return
+    now = time.monotonic()
+    if now - _last_heartbeat >= _HEARTBEAT_S:
+        _last_heartbeat = now
+        results, rank = _PROGRESS
+        results.put(("alive", rank, what))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -95,6 +130,7 @@ def _dumps(value: Any) -> bytes:
 def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, rank_setup, results, parent):
     global _PROGRESS
     _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt stops
     _PROGRESS = (results, rank)
     try:
         if rank_setup is not None:
@@ -126,6 +162,7 @@ def run_local_ranks(
     rank_setup: Callable[[int], None] | None = None,
     master_addr: str = "127.0.0.1",
     on_progress: Callable[[int, Any], None] | None = None,
+    finish_after_interrupt: Callable[[], bool] | None = None,
 ) -> list[RankOutcome]:
     """Runs ``fn(rank, nprocs, *args)`` on ``nprocs`` local ranks and returns their outcomes, ordered by rank.
 
@@ -145,6 +182,8 @@ def run_local_ranks(
         master_addr: Address where rank 0 listens for the rendezvous (reachable from every rank).
         on_progress: Called in the parent with ``(rank, payload)`` for every :func:`report_progress`, as it
             arrives (so a caller keeps it even when the run is interrupted).
+        finish_after_interrupt: Asked when the parent is interrupted (SIGINT, or a signal turned into
+            KeyboardInterrupt): True lets the ranks return (they have finished their work) instead of stopping them.
     """
     stall_timeout_s = stall_timeout_s or default_stall_timeout(collective_timeout_s)
     ctx = mp.get_context(start_method)
@@ -172,50 +211,141 @@ def run_local_ranks(
     ]
     for proc in procs:
         proc.start()
-    outcomes: dict[int, RankOutcome] = {}
-    progress: dict[int, list] = {rank: [] for rank in range(nprocs)}
-    last_news, stalled, give_up_at = time.monotonic(), None, None
+    run = _Collector(procs, results, stall_timeout_s, collective_timeout_s, on_progress, _SignalsAtSafePoints())
     try:
-        while len(outcomes) < nprocs and (give_up_at is None or time.monotonic() < give_up_at):
-            try:
-                kind, rank, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcomes]
-                if dead and results.empty() and give_up_at is None:
-                    for rank in dead:
-                        outcomes[rank] = RankOutcome(
-                            rank, None, f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
-                        )
-                    break
-                if time.monotonic() - last_news > stall_timeout_s:
-                    stalled = time.monotonic() - last_news
-                    break
-                continue
-            last_news = time.monotonic()
-            if kind == "progress":
-                progress[rank].append(_loads(payload))
-                if on_progress is not None:
-                    on_progress(rank, progress[rank][-1])
-            elif kind == "result":
-                outcomes[rank] = RankOutcome(rank, _loads(payload))
-            else:
-                outcomes[rank] = RankOutcome(rank, None, payload)
-                # Peers of a failed rank fail at their next collective, within one timeout: collect their reasons.
-                give_up_at = give_up_at or time.monotonic() + collective_timeout_s + 5
+        try:
+            run.collect()
+        except KeyboardInterrupt:
+            if finish_after_interrupt is None:
+                raise
+            # What the ranks sent just before the interrupt may still be in the queue: read it (briefly) first.
+            run.collect(deadline=time.monotonic() + _INTERRUPT_GRACE_S, until=finish_after_interrupt)
+            if not finish_after_interrupt():
+                raise
+            run.collect(deadline=time.monotonic() + collective_timeout_s)  # every step is done: let them return
     finally:
+        # A signal that came after the last read is not lost, unless the ranks are done and it asked them to finish.
+        finished = len(run.outcomes) == nprocs and finish_after_interrupt is not None and finish_after_interrupt()
+        run.signals.restore(redeliver=not finished)
         _stop(procs)
-    for rank in range(nprocs):
-        if rank not in outcomes:
-            reason = (
-                f"no rank reported progress for {stalled:.0f} s (stall timeout {stall_timeout_s:.0f} s)"
-                if stalled is not None
-                else "stopped when another rank failed"
-            )
-            outcomes[rank] = RankOutcome(rank, None, f"rank {rank}: {reason}")
-    ordered = [outcomes[rank] for rank in range(nprocs)]
+    ordered = run.outcomes_by_rank()
     if raise_on_error and any(o.error for o in ordered):
-        raise RankFailure(ordered, f"{sum(1 for o in ordered if o.error)} of {nprocs} ranks failed", progress)
+        failed = sum(1 for o in ordered if o.error)
+        raise RankFailure(ordered, f"{failed} of {nprocs} ranks failed", run.progress, first=run.died)
     return ordered
+
+
+class _SignalsAtSafePoints:
+    """Holds SIGINT and SIGTERM until the parent is between two queue reads, then hands them to the handlers that
+    were set before. A handler that raises in the middle of ``Queue.get`` would lose the message being read (a
+    rank's result, and the rank would then look dead)."""
+
+    def __init__(self):
+        self.pending: list[int] = []
+        self.previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.previous[signum] = signal.signal(signum, lambda signum, _frame: self.pending.append(signum))
+
+    def deliver(self) -> None:
+        while self.pending:
+            signum = self.pending.pop(0)
+            handler = self.previous[signum]
+            if callable(handler):
+                handler(signum, None)
+            elif handler == signal.SIG_DFL:
+                self.pending.insert(0, signum)
+                self.restore(redeliver=True)
+
+    def restore(self, redeliver: bool = False) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+        pending, self.pending = self.pending, []
+        for signum in pending if redeliver else []:
+            signal.raise_signal(signum)
+
+
+class _Collector:
+    """The parent's side of a run: results, progress and heartbeats as they arrive, dead ranks, stalls."""
+
+    def __init__(self, procs, results, stall_timeout_s: float, collective_timeout_s: float, on_progress, signals):
+        self.procs, self.results, self.on_progress, self.signals = procs, results, on_progress, signals
+        self.stall_timeout_s, self.collective_timeout_s = stall_timeout_s, collective_timeout_s
+        self.outcomes: dict[int, RankOutcome] = {}
+        self.progress: dict[int, list] = {rank: [] for rank in range(len(procs))}
+        self.last_seen: dict[int, str] = {}
+        self.died: list[int] = []
+        self.last_news, self.stalled, self.give_up_at = time.monotonic(), None, None
+
+    def collect(self, deadline: float | None = None, until: Callable[[], bool] | None = None) -> None:
+        """Until every rank has an outcome, a rank failed and the others had their chance, a stall, ``deadline``,
+        or ``until()`` says so."""
+        nprocs = len(self.procs)
+        while len(self.outcomes) < nprocs and not (until is not None and until()):
+            self.signals.deliver()
+            now = time.monotonic()
+            if (self.give_up_at is not None and now >= self.give_up_at) or (deadline is not None and now >= deadline):
+                return
+            try:
+                kind, rank, payload = self.results.get(timeout=0.2)
+            except queue.Empty:
+                self._see_the_dead()
+                if deadline is None and time.monotonic() - self.last_news > self.stall_timeout_s:
+                    self.stalled = time.monotonic() - self.last_news
+                    return
+                continue
+            self.last_news = time.monotonic()
+            if kind == "alive":
+                self.last_seen[rank] = payload
+            elif kind == "progress":
+                self.progress[rank].append(_loads(payload))
+                if self.on_progress is not None:
+                    self.on_progress(rank, self.progress[rank][-1])
+            elif kind == "result":
+                self.outcomes[rank] = RankOutcome(rank, _loads(payload))
+            else:
+                self.outcomes[rank] = RankOutcome(rank, None, payload)
+                # Peers of a failed rank fail at their next collective, within one timeout: collect their reasons.
+                self._give_up_by(time.monotonic() + self.collective_timeout_s + 5)
+            self._see_the_dead()
+
+    def _give_up_by(self, when: float) -> None:
+        self.give_up_at = when if self.give_up_at is None else min(self.give_up_at, when)
+
+    def _see_the_dead(self) -> None:
+        """A rank whose process ended without an outcome (and with nothing of its left in the queue) died."""
+        dead = [r for r, p in enumerate(self.procs) if r not in self.outcomes and not p.is_alive()]
+        if not dead or not self.results.empty():
+            return
+        for rank in dead:
+            self.outcomes[rank] = RankOutcome(rank, None, _death(rank, self.procs[rank].exitcode))
+            self.died.append(rank)
+        self._give_up_by(time.monotonic() + 1.0)  # the survivors' own errors (a peer gone) arrive within that
+
+    def outcomes_by_rank(self) -> list[RankOutcome]:
+        for rank in range(len(self.procs)):
+            if rank not in self.outcomes:
+                self.outcomes[rank] = RankOutcome(rank, None, f"rank {rank}: {self._why_stopped(rank)}")
+        return [self.outcomes[rank] for rank in range(len(self.procs))]
+
+    def _why_stopped(self, rank: int) -> str:
+        if self.stalled is None:
+            return "stopped when another rank failed" if (self.died or self.give_up_at) else "stopped"
+        last = self.last_seen.get(rank)
+        return (
+            f"no rank reported progress for {self.stalled:.0f} s (stall timeout {self.stall_timeout_s:.0f} s); this "
+            + (f"rank last finished {last}" if last else "rank finished no collective or node at all")
+        )
+
+
+def _death(rank: int, exitcode: int | None) -> str:
+    """Why a rank's process ended without reporting: the signal that killed it, or its exit status."""
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (out of memory?)" if -exitcode == signal.SIGKILL else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} died without reporting (exit code {exitcode})"
 
 
 def default_stall_timeout(collective_timeout_s: float) -> float:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.bridge.utils.multiprocess import heartbeat
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or did not finish within the timeout; the message names the rank and the op."""
@@ -102,6 +104,7 @@ def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
         raise wait_error(op, timeout, exc) from exc
     if completed is False:
         raise wait_error(op, timeout, None)
+    heartbeat(op)
 
 
 def wait_error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:

@@ -37,6 +37,7 @@ from megatron.bridge.training.ep_overlap.engine.records import (
     HostClock,
     StepRecorder,
 )
+from megatron.bridge.utils.multiprocess import heartbeat
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
 
 Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits) of an all-to-all
@@ -103,6 +104,7 @@ class _Lane:
         record.end_host = time.perf_counter()
         self.recorder.compute.append(record)
         self._after_compute(microbatch)
+        heartbeat(f"{node} (layer {layer}, microbatch {microbatch})")
 
     def _after_compute(self, microbatch: int) -> None:
         pass

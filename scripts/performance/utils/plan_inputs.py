@@ -1,0 +1,154 @@
+"""The planner CLI's inputs, checked before anything is priced: flags against the model and layout, and a JSON file
+read with one line per problem (the file, what is missing or wrong, and what to give instead).
+
+Every check returns problems as strings; the CLI prints each as ``error: ...`` and exits 2.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# The layout defaults of a --model prediction (a flag left unset means these).
+MODEL_DEFAULTS = {"gpus": 16, "ep": 16, "global_batch": 1024}
+
+
+def flag_problems(args, num_experts: int | None) -> list[str]:
+    """Problems of the flags: each row is (broken, field, value, fix), checked in order, all reported."""
+    positive = lambda v: v is not None and v <= 0  # noqa: E731
+    rows = [
+        (positive(args.link_gbps), "--link_gbps", args.link_gbps, "give the link's rate in Gbit/s, above 0"),
+        (
+            any(n <= 0 for n in args.microbatches or []),
+            "--microbatches",
+            args.microbatches,
+            "give microbatch counts of 1 or more",
+        ),
+    ]
+    if args.from_json or args.table:
+        source = "--from_json" if args.from_json else "--table"
+        for flag in ("gpus", "ep", "global_batch"):
+            rows.append(
+                (
+                    getattr(args, flag) is not None,
+                    f"--{flag}",
+                    getattr(args, flag),
+                    f"applies to --model only ({source} takes the layout from "
+                    + ("the measured run" if args.from_json else "its own rows")
+                    + "): drop it",
+                )
+            )
+        if args.table:
+            rows.append((args.link_gbps is not None, "--link_gbps", args.link_gbps, "applies to --from_json: drop it"))
+    else:
+        gpus, ep, batch = (getattr(args, k) if getattr(args, k) is not None else v for k, v in MODEL_DEFAULTS.items())
+        rows += [
+            (
+                args.link_gbps is not None,
+                "--link_gbps",
+                args.link_gbps,
+                "applies to --from_json; with --model the link is --profile's: drop it",
+            ),
+            (gpus <= 0, "--gpus", gpus, "give 1 or more GPUs"),
+            (ep <= 0, "--ep", ep, "give an expert-parallel size of 1 or more"),
+            (
+                gpus > 0 and ep > 0 and gpus % ep != 0,
+                "--ep",
+                ep,
+                f"must divide --gpus={gpus} (EP groups tile the data-parallel ranks): pick one of "
+                f"{[d for d in range(1, gpus + 1) if gpus % d == 0]}",
+            ),
+            (
+                ep > 0 and num_experts is not None and num_experts % ep != 0,
+                "--ep",
+                ep,
+                f"must divide the model's {num_experts} experts (each rank holds the same number): pick one of "
+                f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0 and (gpus <= 0 or gpus % d == 0)]}",
+            ),
+            (
+                gpus > 0 and (batch <= 0 or batch % gpus != 0),
+                "--global_batch",
+                batch,
+                f"give a positive multiple of --gpus={gpus} (every data-parallel rank gets whole sequences)",
+            ),
+        ]
+    return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What the planner takes from the harness's JSON: rank 0's steady baseline steps and the run's shape."""
+
+    records: list[dict]
+    step_times_s: list[float]
+    link_gbps: float | None
+    num_layers: int
+    num_microbatches: int
+    first_step: int
+    last_step: int
+
+
+class PlanInputError(ValueError):
+    """A file the planner cannot use; ``str()`` is the one line to print."""
+
+
+def read_measured(path: str) -> MeasuredRun:
+    """Reads the harness's ``--json`` output of a finished ``--ab`` run (or a single run with a baseline arm).
+
+    Raises:
+        PlanInputError: the file is missing, not JSON, a partial result, pipelined, or lacks a field the planner
+            reads; the message names the file and what is missing.
+    """
+    where = f"--from_json={path}"
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PlanInputError(f"{where}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        summary = json.loads(text)
+    except json.JSONDecodeError as exc:
+        what = "empty" if not text.strip() else f"not JSON ({exc.msg}: line {exc.lineno}, column {exc.colno})"
+        raise PlanInputError(f"{where}: {what}; give the file the harness wrote with --json") from None
+    if not isinstance(summary, dict):
+        raise PlanInputError(f"{where}: holds a {type(summary).__name__}, not the harness's --json output")
+    if "completed_steps" in summary:
+        raise PlanInputError(
+            f"{where}: the partial result of a run that {summary.get('status', 'did not finish')}; "
+            "the planner needs a finished run's output: rerun the harness"
+        )
+
+    def need(*keys: str):
+        value = summary
+        for depth, key in enumerate(keys):
+            if not isinstance(value, dict) or key not in value:
+                hint = " (an --ab run has it)" if keys[:2] == ("arms", "baseline") else ""
+                missing = ".".join(keys[: depth + 1])
+                raise PlanInputError(f"{where}: has no {missing}{hint}; rerun the harness with --ab")
+            value = value[key]
+        return value
+
+    pipeline = need("config", "model").get("pipeline_model_parallel_size") or 1
+    if pipeline > 1:
+        raise PlanInputError(
+            f"{where}: a pipelined run (pipeline_model_parallel_size={pipeline}); the planner simulates PP = 1: "
+            "use an A/B run without pipeline flags"
+        )
+    warmup, max_steps = need("config", "train", "warmup_steps"), need("config", "train", "max_steps")
+    records, times = need("arms", "baseline", "records", "0"), need("arms", "baseline", "step_times_s")
+    if not isinstance(records, list) or not isinstance(times, list) or len(records) <= warmup:
+        raise PlanInputError(
+            f"{where}: no steady baseline step (warmup_steps={warmup}, {len(records)} step record(s)); "
+            "rerun with more --max_steps"
+        )
+    for i, step in enumerate(records[warmup:], start=warmup):
+        missing = [key for key in ("comm", "compute") if not isinstance(step, dict) or key not in step]
+        if missing:
+            raise PlanInputError(f"{where}: arms.baseline.records.0[{i}] has no {', '.join(missing)}")
+    return MeasuredRun(
+        records=records[warmup:],
+        step_times_s=times[warmup:],
+        link_gbps=need("config").get("link_gbps"),
+        num_layers=need("config", "model", "num_layers"),
+        num_microbatches=need("config", "train", "num_microbatches"),
+        first_step=warmup + 1,
+        last_step=max_steps,
+    )

@@ -1,0 +1,120 @@
+"""The planner CLI believes nothing it is given: bad flags and files it cannot use get one line each and exit 2."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "performance" / "ep_overlap_plan.py"
+
+# The fields of the harness's --json output that the planner reads (one steady step of rank 0's baseline).
+SENT = {"bytes_sent": 1e6, "bytes_received": 1e6}
+STEP = {
+    "comm": [{"op": "dispatch_fwd", "layer": 0, **SENT, "start_s": 0.0, "end_s": 0.1}],
+    "compute": [{"node": "attn_fwd", "layer": 0, "start_s": 0.0, "end_s": 0.2}],
+}
+SUMMARY = {
+    "config": {
+        "model": {"num_layers": 1, "pipeline_model_parallel_size": 1},
+        "train": {"warmup_steps": 1, "max_steps": 2, "num_microbatches": 2},
+        "link_gbps": 1.0,
+    },
+    "arms": {"baseline": {"records": {"0": [STEP, STEP]}, "step_times_s": [0.5, 0.5]}, "overlap": {}},
+}
+
+
+def _baseline(*steps: dict) -> dict:
+    return {**SUMMARY, "arms": {"baseline": {"records": {"0": list(steps)}, "step_times_s": [0.5] * len(steps)}}}
+
+
+def _without(*keys: str) -> dict:
+    summary = copy.deepcopy(SUMMARY)
+    holder = summary
+    for key in keys[:-1]:
+        holder = holder[key]
+    del holder[keys[-1]]
+    return summary
+
+
+def plan(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+
+
+def refused(run: subprocess.CompletedProcess) -> list[str]:
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stdout == ""
+    lines = run.stderr.splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), run.stderr
+    return lines
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--link_gbps", "-1"], ["--link_gbps=-1.0: give the link's rate", "--link_gbps=-1.0: applies"]),
+        (["--model", "mixtral-8x7b", "--ep", "64"], ["--ep=64: must divide --gpus", "--ep=64: must divide the model"]),
+        (["--ep", "3"], ["--ep=3: must divide --gpus=16", "--ep=3: must divide the model's 128 experts"]),
+        (["--global_batch", "-8"], ["--global_batch=-8: give a positive multiple of --gpus=16"]),
+        (["--gpus", "0"], ["--gpus=0: give 1 or more GPUs"]),
+        (["--gpus", "8", "--ep", "8", "--global_batch", "12"], ["--global_batch=12: give a positive multiple of"]),
+        (["--microbatches", "4", "0"], ["--microbatches=[4, 0]: give microbatch counts of 1 or more"]),
+    ],
+)  # fmt: skip
+def test_a_layout_the_model_cannot_have_is_refused(argv, expected):
+    if "--model" not in argv:
+        argv = ["--model", "qwen3-30b-a3b", *argv]
+    lines = refused(plan(*argv))
+    assert len(lines) == len(expected)
+    for line, start in zip(lines, expected):
+        assert line.startswith(f"error: {start}")
+
+
+def test_a_flag_the_source_ignores_is_refused_not_dropped(tmp_path):
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(SUMMARY))
+    (line,) = refused(plan("--from_json", str(path), "--gpus", "4"))
+    assert (
+        line
+        == "error: --gpus=4: applies to --model only (--from_json takes the layout from the measured run): drop it"
+    )
+    (line,) = refused(plan("--model", "qwen3-30b-a3b", "--link_gbps", "100"))
+    assert line.startswith("error: --link_gbps=100.0: applies to --from_json")
+
+
+def test_the_minimal_summary_is_accepted(tmp_path):
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(SUMMARY))
+    run = plan("--from_json", str(path))
+    assert run.returncode == 0, run.stderr
+    assert f"costs from {path} (rank 0's baseline records, steps 2..2)" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "empty; give the file the harness wrote with --json"),
+        (json.dumps(SUMMARY)[:-40], "not JSON ("),
+        ("[1, 2]", "holds a list, not the harness's --json output"),
+        (_without("arms", "baseline"), "has no arms.baseline (an --ab run has it); rerun the harness with --ab"),
+        (_without("config", "train", "warmup_steps"), "has no config.train.warmup_steps; rerun the harness with --ab"),
+        (_without("arms", "baseline", "records"), "has no arms.baseline.records (an --ab run has it)"),
+        ({"status": "stopped by SIGINT", "completed_steps": {}}, "the partial result of a run that stopped by SIGINT"),
+        (_baseline(STEP), "no steady baseline step (warmup_steps=1, 1 step record(s))"),
+        (_baseline(STEP, {"comm": []}), "arms.baseline.records.0[1] has no compute"),
+        (_baseline(STEP, {"comm": [{}], "compute": []}), "a step record is malformed"),
+    ],
+)  # fmt: skip
+def test_a_file_the_planner_cannot_use_gets_one_line_naming_it(tmp_path, content, message):
+    path = tmp_path / "ab.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    (line,) = refused(plan("--from_json", str(path)))
+    assert line.startswith(f"error: --from_json={path}: ")
+    assert message in line
+
+
+def test_a_missing_file_is_named():
+    (line,) = refused(plan("--from_json", "/nonexistent/ab.json"))
+    assert line == "error: --from_json=/nonexistent/ab.json: cannot be read (No such file or directory)"
