@@ -79,7 +79,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
 
     config = spec.model
     if not parallel_state.model_parallel_is_initialized():
@@ -96,7 +96,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     ).cuda()
     if config.bf16:
         model = model.bfloat16()
-    return McoreGPTPlan(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
+    return plan_for(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
 
 
 def arm_order(step: int, names: list[str]) -> list[str]:

@@ -238,7 +238,7 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     init_megatron(2, pp, 2 if pp > 1 else None)
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
 
-    from .test_mcore_equivalence import McoreCase, build_gpt
+    from .mcore_models import McoreCase, build_gpt
     from .test_mcore_pipeline import build_plans
 
     install()
@@ -261,7 +261,7 @@ def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict
 
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
-    from .test_mcore_equivalence import McoreCase, build_gpt
+    from .mcore_models import McoreCase, build_gpt
     from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
     from .test_mcore_pipeline import build_plans
 

@@ -13,7 +13,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .test_mcore_equivalence import McoreCase, build_gpt
+from .mcore_models import McoreCase, build_gpt
 from .test_numerics import assert_bitwise
 from .workers import Case, attach_main_grads, batches
 

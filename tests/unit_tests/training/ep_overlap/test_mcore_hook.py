@@ -16,7 +16,7 @@ import torch
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .test_mcore_equivalence import McoreCase, build_gpt
+from .mcore_models import HybridCase, McoreCase, build_gpt, build_model
 from .test_numerics import assert_bitwise
 
 SEQ, MICRO_BATCH = 8, 2
@@ -53,7 +53,7 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
 
     out = {}
     for arm in ("plain", "overlap"):
-        model = build_gpt(case, overlap_flag=arm == "overlap" and case.bf16)
+        model = build_model(case, overlap_flag=arm == "overlap" and case.bf16)
         if arm == "overlap":
             model.config.overlap_moe_expert_parallel_comm = True  # fp32: Megatron-Core's config refuses it at build
             use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
@@ -89,6 +89,9 @@ CASES = {
     "ep2-bf16-top2-flag-at-build": McoreCase(bf16=True, microbatches=3),
     "ep2-fp32-top1-mixed-rope": McoreCase(topk=1, layer_freq=(1, 0), rope=True, microbatches=2),
     "ep2-fp32-one-microbatch": McoreCase(microbatches=1),
+    # HybridModel: the hook gives it the same instance-level build_schedule_plan; units are MoE groups.
+    "hybrid-*E*E": HybridCase(pattern="*E*E", microbatches=3),
+    "hybrid-E-*E*-top1-rope": HybridCase(pattern="E-*E*-", topk=1, rope=True, microbatches=3),
 }
 
 
@@ -138,16 +141,33 @@ def test_hook_refuses_a_bad_config_before_any_step(change, expected):
         assert outcome.result.startswith("CommOverlapConfigError") and expected in outcome.result, outcome.result
 
 
+class _NotAMegatronModel(torch.nn.Module):
+    """A model class the plan does not know, with what the hook reads of a model."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.proj = torch.nn.Linear(4, 4)
+
+
 def refuse_model(rank: int, world: int, kind: str) -> dict:
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, plan_for, use_ep_overlap_schedule
 
-    from .mcore_hybrid import build_hybrid
+    from .mcore_models import build_hybrid
 
-    model = build_gpt(McoreCase(mtp=True)) if kind == "mtp" else build_hybrid("*E*E")
+    if kind == "mtp":
+        model, plan = build_gpt(McoreCase(mtp=True)), plan_for
+    elif kind == "other":
+        model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), plan_for
+    else:  # a HybridModel handed to the GPT plan by name
+        model, plan = build_hybrid(HybridCase()), McoreGPTPlan
+    builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
+    if kind == "hybrid-as-gpt":
+        del builds["hook"]  # the hook picks the plan by class, so it takes the HybridModel
     refused = {}
-    for name, build in (("hook", lambda: use_ep_overlap_schedule([model])), ("plan", lambda: McoreGPTPlan(model))):
+    for name, build in builds.items():
         try:
             build()
             refused[name] = "accepted"
@@ -163,14 +183,16 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
             "mtp",
             "mtp_num_layers=1: the EP-overlap plan does not run Megatron-Core's multi-token prediction layers yet",
         ),
-        ("hybrid", "HybridModel: the EP-overlap plan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
+        ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
+        ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
     ],
 )
 def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):
     # Before, an MTP GPTModel ran under both: its losses matched while every MTP parameter got no gradient.
     for outcome in run_local_ranks(refuse_model, 2, (kind,)):
-        for where in ("hook", "plan"):
-            assert outcome.result[where].startswith(line) and "fix: " in outcome.result[where], outcome.result
+        assert outcome.result, outcome.result
+        for result in outcome.result.values():
+            assert result.startswith(line) and "fix: " in result, outcome.result
 
 
 def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: bool) -> dict:
@@ -221,10 +243,17 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
     return out
 
 
+INTERLEAVED = {  # Megatron-Core refuses N = 5 here
+    "gpt": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2),
+    "hybrid": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2),
+}
+
+
+@pytest.mark.parametrize("model", sorted(INTERLEAVED))
 @pytest.mark.parametrize("overlap_p2p_comm", [False, True])
-def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overlap_p2p_comm):
+def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overlap_p2p_comm, model):
     # With overlap_p2p_comm Megatron-Core hands the plan its P2P hooks; without, it moves tensors between steps.
-    case = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2)  # Megatron-Core refuses N = 5 here
+    case = INTERLEAVED[model]
     for outcome in run_local_ranks(train_interleaved, 4, (case, overlap_p2p_comm)):
         plain, overlap = outcome.result["plain"], outcome.result["overlap"]
         for step in range(case.steps):

@@ -1,4 +1,4 @@
-"""Megatron-Core GPTModel chunks under the pipelined schedule: bitwise equal to the PP = 1 model.
+"""Megatron-Core GPTModel and HybridModel chunks under the pipelined schedule: bitwise equal to the PP = 1 model.
 
 A PP = 1 run on 2 ranks (EP 2) and a PP 2 x VPP 2 x EP 2 run on 4 ranks build Megatron-Core models of the same
 shape, then set every weight matrix from a generator keyed by its global name (global layer number, global
@@ -16,7 +16,7 @@ import torch
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .test_mcore_equivalence import McoreCase
+from .mcore_models import HybridCase, McoreCase
 from .test_pipeline import assert_matches_reference, train_recording
 
 
@@ -24,7 +24,8 @@ def global_name(plan, name: str, local_experts: int, ep_rank: int) -> str:
     """A parameter's name in the whole model: global layer number, global expert index."""
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if match:
-        name = f"decoder.layers.{plan.layer_numbers[int(match.group(1))]}.{match.group(2)}"
+        number = plan.model.decoder.layers[int(match.group(1))].layer_number - 1  # Megatron-Core counts from 1
+        name = f"decoder.layers.{number}.{match.group(2)}"
     return re.sub(r"local_experts\.(\d+)\.", lambda m: f"experts.{ep_rank * local_experts + int(m.group(1))}.", name)
 
 
@@ -40,12 +41,40 @@ def set_weights(plans, local_experts: int, ep_rank: int) -> None:
 
 
 def build_plans(case: McoreCase, pp: int, vpp: int):
+    """This rank's chunks (one per virtual stage; the whole model at PP = 1), as plans with the shared weights."""
+    from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap.mcore import plan_for
+
+    from .mcore_models import build_hybrid
+
+    if isinstance(case, HybridCase):
+        stages = range(vpp) if pp > 1 else [None]
+        plans = [
+            plan_for(
+                build_hybrid(
+                    case,
+                    pp=pp,
+                    vpp=vpp if pp > 1 else None,
+                    vp_stage=v,
+                    pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
+                )
+            )
+            for v in stages
+        ]
+        set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())
+        return plans
+    return _gpt_plans(case, pp, vpp)
+
+
+def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan
+    from megatron.bridge.training.ep_overlap.mcore import plan_for
 
     config = TransformerConfig(
         num_layers=len(case.layer_freq), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
@@ -71,7 +100,7 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
             share_embeddings_and_output_weights=False,
             vp_stage=v,
         )
-        plans.append(McoreGPTPlan(model))
+        plans.append(plan_for(model))
     set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())
     return plans
 
@@ -108,6 +137,8 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
 CASES = {
     "pp2-vpp2-ep2-N2": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=2, steps=3),
     "pp2-vpp2-ep2-N5-top1": McoreCase(layer_freq=(1, 1, 0, 1), topk=1, microbatches=5, steps=3),
+    # HybridModel: '|' splits the pattern into PP x VPP segments; a segment may start with MoE or end dense.
+    "hybrid-pp2-vpp2-ep2-N3": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2),
 }
 
 

@@ -1,25 +1,35 @@
 """Megatron-Core models under the EP-overlap schedule.
 
-``gpt.py``: node functions for Megatron-Core's ``TransformerLayer`` and :class:`McoreGPTPlan`, a ``GPTModel`` (or
-one pipeline chunk of it) as the engine runs it. ``hook.py``: :func:`use_ep_overlap_schedule`, the Megatron-Bridge
-pre-wrap hook that makes Megatron-Core's own combined 1F1B driver run the schedule program's steps.
+``layer.py``: a decoder layer (and the compute layers before it) cut into the schedule's node functions.
+``base.py``, ``gpt.py``, ``hybrid.py``: :class:`McorePlan` and its ``GPTModel`` and ``HybridModel`` plans (a whole
+model or one pipeline chunk, as the engine runs it). ``factory.py``: :func:`plan_for`, the plan for either.
+``hook.py``: :func:`use_ep_overlap_schedule`, the Megatron-Bridge pre-wrap hook that makes Megatron-Core's own
+combined 1F1B driver run the schedule program's steps.
 """
 
-from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan, McoreLayer, McoreRouting, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan
 from megatron.bridge.training.ep_overlap.mcore.hook import (
     DEFAULT_TIMEOUT,
     EPOverlapPlanBuilder,
     EPOverlapSchedulePlan,
     use_ep_overlap_schedule,
 )
+from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridPlan
+from megatron.bridge.training.ep_overlap.mcore.layer import McoreComputeRun, McoreLayer, McoreRouting
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "EPOverlapPlanBuilder",
     "EPOverlapSchedulePlan",
+    "McoreComputeRun",
     "McoreGPTPlan",
+    "McoreHybridPlan",
     "McoreLayer",
+    "McorePlan",
     "McoreRouting",
     "mcore_ep_groups",
+    "plan_for",
     "use_ep_overlap_schedule",
 ]

@@ -6,13 +6,13 @@ Contract:
       chunk, and Megatron-Bridge's stock ``forward_step`` builds it with
       ``model.build_schedule_plan(tokens, position_ids, attention_mask, labels=..., loss_mask=...)``.
     * :func:`use_ep_overlap_schedule` is a Bridge pre-wrap hook (``cfg.model.register_pre_wrap_hook``). It gives
-      each ``GPTModel`` (a whole model, or each pipeline chunk) its own ``build_schedule_plan`` (an instance
-      attribute; the class is untouched), which returns an :class:`EPOverlapSchedulePlan`. No upstream file
-      changes.
+      each ``GPTModel`` or ``HybridModel`` (a whole model, or each pipeline chunk) its own ``build_schedule_plan``
+      (an instance attribute; the class is untouched; Megatron-Core's driver looks the method up by name), which
+      returns an :class:`EPOverlapSchedulePlan`. No upstream file changes.
     * Megatron-Core runs each step of its driver as ``EPOverlapSchedulePlan.run(f_plan, b_plan, b_grad=...)``:
       a forward alone, a backward alone, or the forward of one microbatch paired with the backward of another.
       ``run`` executes the schedule program's step of that kind (``program.windows_of``: the paired layer step per
-      layer) with the engine's executor, as the engine does. It returns what the chunk's ``GPTModel.forward``
+      unit) with the engine's executor, as the engine does. It returns what the chunk's model ``forward``
       returns: per-token losses on the last chunk, which Megatron-Core reduces with the recipe's loss function,
       else the hidden states. ``b_grad`` is the gradient of that output.
     * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls them where its own plan does:
@@ -24,7 +24,7 @@ Contract:
       x VPP 2 through its interleaved schedule).
     * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
       options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
-      adapter's limits (:class:`McoreGPTPlan`).
+      adapter's limits (``plan_for``).
     * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
       every rank of an EP group issues them in the same order. A new step (a plan built while none is in
       flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
@@ -41,7 +41,8 @@ from megatron.bridge.training.ep_overlap.engine.driver import run_ops
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
-from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
@@ -65,9 +66,9 @@ class _HostEvent:
 
 
 class _MicrobatchModel:
-    """One microbatch's view of a :class:`McoreGPTPlan`: its position ids, attention mask and rotary embedding."""
+    """One microbatch's view of a plan: its position ids, attention mask and rotary embedding."""
 
-    def __init__(self, plan: McoreGPTPlan, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
+    def __init__(self, plan: McorePlan, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
         self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
         self.pre_process, self.post_process = plan.pre_process, plan.post_process
         self.layer_numbers = plan.layer_numbers
@@ -80,7 +81,7 @@ class _MicrobatchModel:
         return x_SBH
 
     def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None) -> torch.Tensor:
-        """Per-token losses, as ``GPTModel.forward`` returns them; the recipe's loss function reduces them."""
+        """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
         return self.plan.per_token_losses(x_SBH, labels_BS)
 
 
@@ -190,10 +191,10 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one GPTModel or pipeline chunk (see the module docstring).
+    """``build_schedule_plan`` for one GPTModel or HybridModel, or one pipeline chunk (see the module docstring).
 
     Args:
-        model: A Megatron-Core ``GPTModel``: the whole model, or one pipeline chunk of it.
+        model: A Megatron-Core ``GPTModel`` or ``HybridModel``: the whole model, or one pipeline chunk of it.
         session: What this rank's chunks share (one per rank; :func:`use_ep_overlap_schedule` makes it).
         attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2).
     """
@@ -205,7 +206,7 @@ class EPOverlapPlanBuilder:
             attention_wgrad_window=attention_wgrad_window,
             high_priority_comm=session.high_priority,
         )
-        self.plan = McoreGPTPlan(model, delay_wgrad=self.options.delay_wgrad)
+        self.plan = plan_for(model, delay_wgrad=self.options.delay_wgrad)
         violations = check_ep_overlap_options(config, self.options)
         if violations:
             raise CommOverlapConfigError(violations)
@@ -239,7 +240,7 @@ class EPOverlapPlanBuilder:
         loss_mask: torch.Tensor | None = None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
-        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as ``GPTModel``'s."""
+        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward."""
         given = sorted(name for name, value in unsupported.items() if value is not None)
         if decoder_input is not None:
             given.insert(0, "decoder_input")
@@ -277,8 +278,8 @@ def use_ep_overlap_schedule(
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the model is outside what the plan supports (tied embeddings, biases, a dispatcher other
-            than ``alltoall``, RoPE on a chunk without the embedding).
+        ValueError: When the model is outside what the plan supports (another model class, MTP, tied embeddings,
+            biases, a dispatcher other than ``alltoall``, RoPE on a chunk without the embedding).
     """
     config = models[0].config
     session = _RankSession(mcore_ep_groups(timeout), bool(getattr(config, "high_priority_a2a_comm_stream", False)))

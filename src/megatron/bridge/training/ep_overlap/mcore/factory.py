@@ -1,0 +1,28 @@
+"""``plan_for(model)``: the Megatron-Core plan for a model class, or one line saying the class is not scheduled."""
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan
+from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridPlan
+
+PLANS = {GPTModel: McoreGPTPlan, HybridModel: McoreHybridPlan}
+
+
+def plan_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McorePlan:
+    """The plan that runs ``model`` (a ``GPTModel`` or a ``HybridModel``, whole or one pipeline chunk).
+
+    Raises:
+        ValueError: For another model class, or a feature of the model the plan does not schedule (one line naming
+            it and the fix).
+    """
+    for model_class, plan_class in PLANS.items():
+        if isinstance(model, model_class):
+            return plan_class(model, delay_wgrad=delay_wgrad)
+    raise ValueError(
+        f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel (whole or a "
+        "pipeline chunk) and no other model class yet; fix: build one of those, or turn "
+        "overlap_moe_expert_parallel_comm off for this model"
+    )

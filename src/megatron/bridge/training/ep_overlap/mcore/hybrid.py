@@ -1,0 +1,86 @@
+"""Megatron-Core's ``HybridModel`` under the EP-overlap schedule: each MoE group is one unit.
+
+Contract:
+    * A hybrid stack is a pattern of layers (``*`` attention, ``+`` MLA, ``D`` DSA, ``-`` MLP, ``M`` Mamba, ``G``
+      GDN, ``E`` MoE). The schedule's unit is an MoE group: the layers after one MoE layer up to and including the
+      next. The group's compute layers run whole at the start of its ``pre_dispatch``, as ``HybridStack.forward``
+      runs them; the MoE layer is cut into nodes like a ``GPTModel`` layer
+      (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer`). Layers after the last MoE layer are
+      one dense unit (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreComputeRun`).
+    * :class:`McoreHybridPlan` runs a ``HybridModel`` or one pipeline chunk of it (``|`` in the pattern, virtual
+      stages as Megatron-Core selects them): embedding, the units, the stack's final norm, output layer, loss.
+      Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
+      own forward in the stack's order.
+    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): MTP
+      depths (``/`` in the pattern), tied embeddings, full recompute of the stack.
+"""
+
+import torch
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan
+from megatron.bridge.training.ep_overlap.mcore.layer import McoreComputeRun, McoreLayer
+
+
+def _is_moe(layer: torch.nn.Module) -> bool:
+    return isinstance(getattr(layer, "mlp", None), MoELayer)
+
+
+class McoreHybridPlan(McorePlan):
+    """A Megatron-Core ``HybridModel`` as the EP-overlap engine runs it (see the module docstring).
+
+    Args:
+        model: The HybridModel, or one pipeline chunk of it.
+        delay_wgrad: Whether the engine will run with delayed wgrad (for the plan's one warning).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
+        if not isinstance(model, HybridModel):
+            raise ValueError(f"{type(model).__name__}: McoreHybridPlan runs Megatron-Core's HybridModel")
+        if model.mtp_pattern is not None and model.mtp_num_depths > 0:
+            raise ValueError(
+                f"hybrid_layer_pattern={model.hybrid_layer_pattern!r}: the EP-overlap plan does not run multi-token "
+                "prediction depths ('/' in the pattern) yet; fix: drop the MTP part of the pattern, or turn "
+                "overlap_moe_expert_parallel_comm off for this model"
+            )
+        if model.config.recompute_granularity == "full":
+            raise ValueError(
+                "recompute_granularity='full': the EP-overlap plan runs the stack's layers one unit at a time and "
+                "cannot recompute the stack whole; fix: set recompute_granularity=None"
+            )
+        super().__init__(model, delay_wgrad=delay_wgrad)
+
+    def _build_units(self) -> tuple[list, list[int]]:
+        units, numbers, before = [], [], []
+        for layer in self.model.decoder.layers:
+            if not _is_moe(layer):
+                before.append(layer)
+                continue
+            number = layer.layer_number - 1  # Megatron-Core counts from 1
+            units.append(McoreLayer(layer, number, self, before))
+            numbers.append(number)
+            before = []
+        if before:
+            number = before[-1].layer_number - 1
+            units.append(McoreComputeRun(before, number, self))
+            numbers.append(number)
+        return units, numbers
+
+    def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        decoder = self.model.decoder
+        return decoder.final_norm(x_SBH) if decoder.post_layer_norm else x_SBH
+
+    def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """What ``HybridModel.forward`` does before the stack: the embedding, and the rotary embedding the next
+        forward's layers read."""
+        model = self.model
+        positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
+        x_SBH = model.embedding(input_ids=tokens_BS, position_ids=positions)
+        self.rotary_pos_emb = None
+        kind = model.position_embedding_type
+        if (kind == "rope" and not self.config.multi_latent_attention) or kind == "yarn":
+            length = model.rotary_pos_emb.get_rotary_seq_len(None, model.decoder, x_SBH, self.config, None)
+            emb = model.rotary_pos_emb(length, packed_seq=False)
+            self.rotary_pos_emb = emb[0] if kind == "yarn" else emb  # yarn also returns its mscale
+        return x_SBH

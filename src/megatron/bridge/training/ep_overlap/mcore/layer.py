@@ -1,0 +1,226 @@
+"""Megatron-Core decoder layers as the schedule's units: an MoE layer cut into node functions, with the compute layers
+that run before it.
+
+Contract:
+    * :class:`McoreLayer` gives a Megatron-Core ``TransformerLayer`` (``MoELayer`` with the ``alltoall`` token
+      dispatcher, or a dense MLP) the node functions the schedule drives, built from Megatron-Core's own
+      sub-steps (supported: the installed 0.19.x line):
+          pre_dispatch  the ``before`` layers whole, then ``_forward_attention``, ``_forward_pre_mlp_layernorm``,
+                        ``mlp.shared_experts_compute``, ``mlp.route``, ``mlp.preprocess`` (split counts, permute)
+          dispatch      the dispatcher's tokens and probs, all-to-all'd by the schedule's comm lane with the
+                        dispatcher's split sizes (what ``token_dispatch`` would do, but launched asynchronously)
+          experts       ``mlp.routed_experts_compute`` (sort by local expert, experts, unsort)
+          combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
+      These are exactly the ops of the stack's forward, so losses and gradients stay bitwise equal.
+    * A unit is an MoE group: the compute layers after one MoE layer (``before``: attention, MLP, Mamba, ... run
+      whole, as the stack runs them) and the next MoE layer. A ``GPTModel`` layer is the group with nothing before
+      it. :class:`McoreComputeRun` is a run of compute layers with no MoE layer after it (a dense unit).
+    * The dispatcher keeps one microbatch's routing state on itself between ``preprocess`` and ``postprocess``.
+      Two forwards of one layer may be in flight at once (edge pairing), so each microbatch's :class:`McoreRouting`
+      saves the dispatcher's attributes after each step that sets them and puts them back before the next.
+    * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
+      it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
+      experts' backward (the plan warns once).
+"""
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def _as_list(splits) -> list[int]:
+    if isinstance(splits, torch.Tensor | np.ndarray):
+        return [int(v) for v in splits.tolist()]
+    return [int(v) for v in splits]
+
+
+def uses_transformer_engine(module: torch.nn.Module) -> bool:
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in module.modules())
+
+
+def run_stack_layer(layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb) -> torch.Tensor:
+    """One decoder layer whole, called as Megatron-Core's stacks call it (``TransformerBlock``, ``HybridStack``)."""
+    if isinstance(layer, TransformerLayer):
+        out, _ = layer(hidden_states=x_SBH, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+    else:  # Mamba, GDN: no rotary embedding
+        out = layer(hidden_states=x_SBH, attention_mask=attention_mask)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _attention_modules(layers) -> list[torch.nn.Module]:
+    """The attention modules of ``layers`` that have weight gradients to compute (``backward_dw``)."""
+    found = [getattr(layer, "self_attention", None) for layer in layers]
+    return [module for module in found if module is not None and hasattr(module, "backward_dw")]
+
+
+@dataclass
+class McoreRouting:
+    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the
+    dispatcher's routing state for this microbatch (its attributes, saved after each step that sets them)."""
+
+    dispatcher: object
+    state: dict = field(default_factory=dict)
+    in_splits: list[int] = field(default_factory=list)
+    out_splits: list[int] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def active(self):
+        """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
+        self.dispatcher.__dict__.update(self.state)
+        yield self.dispatcher
+        self.state = dict(self.dispatcher.__dict__)
+
+
+class _Unit:
+    """What every unit shares: a name, the plan it reads masks from (or one microbatch's view), the stack call."""
+
+    name: str
+    plan: object
+
+    def bound_to(self, context):
+        """The same unit, reading its attention mask and rotary embedding from ``context`` (one microbatch's)."""
+        bound = copy.copy(self)
+        bound.plan = context
+        return bound
+
+    def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x_SBH = run_stack_layer(layer, x_SBH, self.plan.attention_mask, self.plan.rotary_pos_emb)
+        return x_SBH
+
+    def delayable_linears(self) -> list:
+        return []  # Megatron-Core modules own their delay setting (config.delay_wgrad_compute at build time)
+
+    def attention_backward_dw(self) -> None:
+        for attention in self.attentions:
+            attention.backward_dw()
+
+
+class McoreLayer(_Unit):
+    """Node functions for one Megatron-Core ``TransformerLayer`` and the compute layers ``before`` it (see the module
+    docstring)."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, plan, before: list[torch.nn.Module] = ()):
+        self.layer, self.plan, self.before = layer, plan, list(before)
+        self.name = f"layer{index}"
+        self.is_moe = isinstance(layer.mlp, MoELayer)
+        config = layer.config
+        if config.add_bias_linear:
+            raise ValueError(f"{self.name}: the EP-overlap plan needs add_bias_linear=False")
+        if self.is_moe and config.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(
+                f"{self.name}: moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not supported by the "
+                "Megatron-Core plan yet; use 'alltoall'"
+            )
+        self.attentions = _attention_modules([*self.before, layer])
+        self.expert_wgrad_delayable = self.is_moe and uses_transformer_engine(layer.mlp.experts)
+        self.attention_wgrad_delayable = any(uses_transformer_engine(module) for module in self.attentions)
+
+    def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """The plain path: the layers as the stack runs them."""
+        return self._run([*self.before, self.layer], x_SBH)
+
+    # ---- node functions -----------------------------------------------------------------------------
+
+    def pre_dispatch(self, x_SBH: torch.Tensor):
+        layer = self.layer
+        if x_SBH.dim() != 3 or x_SBH.shape[-1] != layer.config.hidden_size:
+            raise ValueError(
+                f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
+                f"got {tuple(x_SBH.shape)}"
+            )
+        x_SBH = self._run(self.before, x_SBH)
+        h, _ = layer._forward_attention(
+            hidden_states=x_SBH, attention_mask=self.plan.attention_mask, rotary_pos_emb=self.plan.rotary_pos_emb
+        )
+        normed = layer._forward_pre_mlp_layernorm(h)
+        if isinstance(normed, tuple):
+            raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")
+        if not self.is_moe:
+            return h, (normed,), None, None
+        mlp = layer.mlp
+        shared = mlp.shared_experts_compute(normed)
+        probs, routing_map = mlp.route(normed)
+        tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
+        routing = McoreRouting(mlp.token_dispatcher, dict(mlp.token_dispatcher.__dict__))
+        return h, (tokens, permuted_probs), shared, routing
+
+    def start_split_exchange(self, routing: McoreRouting | None) -> None:
+        """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are
+        kept); the device-to-host sync stays in :meth:`exchange_splits`."""
+
+    def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
+        """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
+        if routing is None:
+            return
+        with routing.active() as dispatcher:
+            dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
+                "before_ep_alltoall", dispatcher.tokens_per_expert
+            )
+            routing.in_splits = _as_list(dispatcher.input_splits)
+            routing.out_splits = _as_list(dispatcher.output_splits)
+
+    def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
+        if routing is None:
+            output, bias = self.layer.mlp(received[0])
+            return output
+        tokens, probs = received
+        with routing.active():
+            output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
+        return output
+
+    def combine(self, back: torch.Tensor, shared, h: torch.Tensor, routing: McoreRouting | None) -> torch.Tensor:
+        if routing is None:
+            output = back
+        else:
+            with routing.active():
+                output = self.layer.mlp.postprocess(back, shared)
+        return self.layer._forward_post_mlp((output, None), h)
+
+    # ---- delayed weight gradients -------------------------------------------------------------------
+
+    def expert_backward_dw(self) -> None:
+        if self.is_moe:
+            self.layer.mlp.backward_dw(routed_experts=True)
+
+
+class McoreComputeRun(_Unit):
+    """Compute layers with no MoE layer after them (a hybrid stack's tail, or a chunk with no MoE layer): a dense
+    unit. All but the last layer run in ``pre_dispatch``, the last in ``experts``, so each node computes something
+    and the schedule pairs it like a dense layer."""
+
+    is_moe = False
+    expert_wgrad_delayable = False
+
+    def __init__(self, layers: list[torch.nn.Module], index: int, plan):
+        self.layers, self.plan = list(layers), plan
+        self.name = f"layer{index}"
+        self.attentions = _attention_modules(self.layers)
+        self.attention_wgrad_delayable = any(uses_transformer_engine(module) for module in self.attentions)
+
+    def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        return self._run(self.layers, x_SBH)
+
+    def pre_dispatch(self, x_SBH: torch.Tensor):
+        z_SBH = self._run(self.layers[:-1], x_SBH)
+        return z_SBH, (z_SBH,), None, None
+
+    def start_split_exchange(self, routing) -> None:
+        """A dense unit sends nothing."""
+
+    def exchange_splits(self, routing, *, op: str) -> None:
+        """A dense unit sends nothing."""
+
+    def experts(self, received: tuple[torch.Tensor, ...], routing) -> torch.Tensor:
+        return self._run(self.layers[-1:], received[0])
+
+    def combine(self, back: torch.Tensor, keep, h: torch.Tensor, routing) -> torch.Tensor:
+        return back  # the last layer added its own residual
+
+    def expert_backward_dw(self) -> None:
+        """No experts."""

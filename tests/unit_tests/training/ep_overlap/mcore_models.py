@@ -1,0 +1,167 @@
+"""Test-only: the Megatron-Core models the adapter tests build, from local (non-Transformer-Engine) specs, for CPU.
+
+:class:`McoreCase` and :func:`build_gpt`: a ``GPTModel``. :class:`HybridCase` and :func:`build_hybrid`: a
+``HybridModel``. Megatron-Core ships only a Transformer Engine spec for ``HybridModel`` (``hybrid_stack_spec``); this
+one takes the attention (``*``), MLP (``-``) and MoE (``E``) parts of ``get_gpt_layer_local_spec()``, and the stack's
+final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's norm. Left to the
+GPU check: Mamba (``M``) and GDN (``G``) need their CUDA kernels, and Megatron-Core 0.19's local MLA spec (``+``)
+does not build (its ``DotProductAttention`` takes no ``k_channels``). Build after ``install_cpu_stubs`` (on CPU).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class McoreCase:
+    world: int = 2
+    bf16: bool = False
+    topk: int = 2
+    layer_freq: tuple = (1, 1)
+    delay_wgrad: bool = False
+    microbatches: int = 4
+    steps: int = 2
+    device: str = "cpu"
+    rope: bool = False
+    expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
+    mtp: bool = False  # one multi-token prediction layer
+
+
+def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=len(case.layer_freq),
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=48,
+        num_moe_experts=2 * case.world,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=case.topk,
+        moe_router_pre_softmax=case.topk == 1,
+        moe_router_load_balancing_type="none",
+        moe_layer_freq=list(case.layer_freq),
+        expert_model_parallel_size=case.world,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bf16=case.bf16,
+        params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
+        delay_wgrad_compute=False,
+        overlap_moe_expert_parallel_comm=overlap_flag,  # Megatron-Core accepts it with bf16 only
+        moe_router_score_function="sigmoid" if case.expert_bias else "softmax",
+        moe_router_enable_expert_bias=case.expert_bias,
+        moe_router_bias_update_rate=0.05,
+        mtp_num_layers=1 if case.mtp else None,
+    )
+    torch.manual_seed(1234)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) if case.mtp else None
+    model = GPTModel(
+        config,
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
+        vocab_size=64,
+        max_sequence_length=8,
+        position_embedding_type="rope" if case.rope else "learned_absolute",
+        share_embeddings_and_output_weights=False,
+    )
+    model = model.to(case.device)
+    return model.bfloat16() if case.bf16 else model  # what Megatron's Float16Module does to the module
+
+
+def build_model(case: McoreCase, *, overlap_flag: bool = False):
+    """A ``GPTModel``, or a ``HybridModel`` for a ``HybridCase``."""
+    build = build_hybrid if isinstance(case, HybridCase) else build_gpt
+    return build(case, overlap_flag=overlap_flag)
+
+
+def expected_mlps(case: McoreCase) -> list[str]:
+    """Each decoder layer's MLP class: from ``layer_freq``, or from a hybrid pattern (attention layers have none)."""
+    if not isinstance(case, HybridCase):
+        return ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
+    kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "M": "NoneType"}  # a Mamba layer has no MLP
+    return [kinds[c] for c in case.pattern.replace("|", "")]
+
+
+@dataclass(frozen=True)
+class HybridCase(McoreCase):
+    """A hybrid stack's pattern (``|`` between pipeline segments) and the run's shape (``McoreCase``'s fields;
+    ``layer_freq`` is unused)."""
+
+    pattern: str = "*E*E"
+    te: bool = False  # Megatron-Core's Transformer Engine spec (GPU), which has Mamba and GDN layers
+
+
+def build_hybrid(
+    case: HybridCase,
+    *,
+    overlap_flag: bool = False,
+    pp: int = 1,
+    vpp: int | None = None,
+    vp_stage: int | None = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+):
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    experts = 2 * case.world
+    if case.te:  # Megatron-Core's own spec: Transformer Engine layers, Mamba (and GDN) with their CUDA kernels
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as stack_spec
+
+        mamba = dict(mamba_head_dim=16, mamba_num_groups=1, mamba_state_dim=16)
+    else:
+        dense, moe = get_gpt_layer_local_spec().submodules, get_gpt_layer_local_spec(num_experts=experts).submodules
+        hybrid_block.TENorm = dense.input_layernorm
+        layers = dict(
+            attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+                input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
+                self_attn_bda=dense.self_attn_bda)),
+            mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)),
+            moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
+        )  # fmt: skip
+        stack_spec = ModuleSpec(
+            module=hybrid_block.HybridStack, submodules=hybrid_block.HybridStackSubmodules(**layers)
+        )
+        mamba = {}
+    pattern = case.pattern if pp > 1 else case.pattern.replace("|", "")
+    config = TransformerConfig(
+        num_layers=sum(c not in "|/" for c in pattern), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
+        num_moe_experts=experts, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
+        moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
+        expert_model_parallel_size=case.world, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
+        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    model = HybridModel(
+        config,
+        hybrid_stack_spec=stack_spec,
+        vocab_size=64,
+        max_sequence_length=8,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope" if case.rope else "learned_absolute",
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
+    return model.to(case.device)
