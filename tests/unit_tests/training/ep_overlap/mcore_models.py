@@ -26,6 +26,7 @@ class McoreCase:
     rope: bool = False
     expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
     mtp: bool = False  # one multi-token prediction layer
+    tied: bool = False  # share_embeddings_and_output_weights
 
 
 def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
@@ -69,7 +70,7 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         vocab_size=64,
         max_sequence_length=8,
         position_embedding_type="rope" if case.rope else "learned_absolute",
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=case.tied,
     )
     model = model.to(case.device)
     return model.bfloat16() if case.bf16 else model  # what Megatron's Float16Module does to the module
@@ -160,6 +161,7 @@ def build_hybrid(
         max_sequence_length=8,
         hybrid_layer_pattern=pattern,
         position_embedding_type="rope" if case.rope else "learned_absolute",
+        share_embeddings_and_output_weights=case.tied,
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,

@@ -79,6 +79,9 @@ CASES = {
     "ep2-fp32-delayed-wgrad-local-linears": McoreCase(delay_wgrad=True),
     # The engine moves the routers' biases after each step as finalize_model_grads would; later steps use them.
     "ep2-fp32-top1-expert-bias": McoreCase(topk=1, expert_bias=True, steps=3),
+    # The output layer's and the embedding's gradients of a tied weight summed per microbatch, as autograd sums them.
+    "ep2-fp32-tied-embeddings": McoreCase(tied=True, steps=3),
+    "ep2-bf16-tied-embeddings": McoreCase(tied=True, bf16=True),
 }
 
 
@@ -89,6 +92,7 @@ def _hybrid_cases() -> dict:
         "hybrid-*-*E-": HybridCase(pattern="*-*E-"),  # a dense unit after the last MoE layer
         "hybrid-E*E--top1-rope": HybridCase(pattern="E*E--", topk=1, rope=True),  # first layer MoE
         "hybrid-*E*E-delayed-wgrad": HybridCase(pattern="*E*E", delay_wgrad=True),
+        "hybrid-*E-E-tied": HybridCase(pattern="*E-E", tied=True),
     }
 
 

@@ -89,6 +89,7 @@ CASES = {
     "ep2-bf16-top2-flag-at-build": McoreCase(bf16=True, microbatches=3),
     "ep2-fp32-top1-mixed-rope": McoreCase(topk=1, layer_freq=(1, 0), rope=True, microbatches=2),
     "ep2-fp32-one-microbatch": McoreCase(microbatches=1),
+    "ep2-fp32-tied-embeddings": McoreCase(tied=True, microbatches=4),
     # HybridModel: the hook gives it the same instance-level build_schedule_plan; units are MoE groups.
     "hybrid-*E*E": HybridCase(pattern="*E*E", microbatches=3),
     "hybrid-E-*E*-top1-rope": HybridCase(pattern="E-*E*-", topk=1, rope=True, microbatches=3),
@@ -159,6 +160,9 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 
     if kind == "mtp":
         model, plan = build_gpt(McoreCase(mtp=True)), plan_for
+    elif kind == "tied-pipeline-chunk":
+        model, plan = build_gpt(McoreCase(tied=True)), plan_for
+        model.post_process = False  # what the first stage's chunk of a pipelined model has
     elif kind == "other":
         model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), plan_for
     else:  # a HybridModel handed to the GPT plan by name
@@ -184,6 +188,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
             "mtp_num_layers=1: the EP-overlap plan does not run Megatron-Core's multi-token prediction layers yet",
         ),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
+        ("tied-pipeline-chunk", "share_embeddings_and_output_weights=True with pipeline stages"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
     ],
 )

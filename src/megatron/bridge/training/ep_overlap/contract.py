@@ -57,8 +57,9 @@ class ChunkModel(Protocol):
     ``post_process`` whether it holds the embedding / the head; ``sequence_length`` the one it takes (None: any);
     ``embed(tokens)`` and
     ``head_loss(x, labels, normalizer)`` where it does; ``hidden_shape(tokens)`` of the activation between chunks;
-    a whole model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``update_router_biases(groups)``,
-    called once per training step after the gradient sync."""
+    a whole model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``start_step()``, called before a
+    step's first op (to drop what a failed step left), and ``update_router_biases(groups)``, called once per
+    training step after the gradient sync."""
 
     config: Any
     vocab_size: int

@@ -12,7 +12,8 @@ Contract:
       step's synced gradient is then added to what ``.grad`` (or ``main_grad``) held before it, as autograd and
       Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. A chunk that
       offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
-      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases).
+      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases), and one that offers
+      ``start_step()`` gets it called before the step runs.
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
       finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
       parameters' gradients are then as they were before the step.
@@ -196,6 +197,10 @@ class Engine:
         split = {member.microbatch for s in steps for member in s.units if member.half is not None}
         normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
         held = None if forward_only else HeldGradients(self._named_parameters())
+        for chunk in self.chunks:
+            start_step = getattr(chunk, "start_step", None)
+            if start_step is not None:
+                start_step()
         failed = True
         try:
             with torch.no_grad() if forward_only else nullcontext():

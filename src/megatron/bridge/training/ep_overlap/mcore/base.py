@@ -3,10 +3,12 @@
 A plan is a Megatron-Core language model (or one pipeline chunk of it) as
 :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine` runs it (the ``ChunkModel`` contract). The model
 classes differ in their decoder stack and final norm; :class:`McorePlan` holds the rest. Everything the plan does
-not schedule is refused when it is built, so no step runs it half-way.
+not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
+output layer (PP = 1) gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`).
 """
 
 import logging
+from collections import deque
 
 import torch
 from megatron.core import parallel_state
@@ -19,6 +21,36 @@ from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 logger = logging.getLogger(__name__)
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
+
+
+class TiedWeight:
+    """A weight the embedding and the output layer share, with its two gradients summed as plain autograd sums them.
+
+    In one backward, autograd adds the output layer's and the embedding's gradient of a microbatch (``o + e``), then
+    accumulates that sum into ``.grad``. Cut into nodes, the head's backward and the embedding's run apart, with
+    other microbatches' in between, so adding each to ``.grad`` on its own would sum in another order. So the head
+    computes with an alias of the weight whose gradient is held here (in backward order), and the weight's own hook
+    adds the oldest held one to the embedding's gradient: ``e + o``, the same bits. With nothing held (the plain
+    path) the hook changes nothing.
+    """
+
+    def __init__(self, weight: torch.nn.Parameter):
+        self.weight = weight
+        self.held: deque[torch.Tensor] = deque()
+        weight.register_hook(self._embedding_grad)
+
+    def alias(self) -> torch.Tensor:
+        """The weight for one microbatch's head: same data, its gradient held instead of accumulated."""
+        alias = self.weight.detach().requires_grad_(self.weight.requires_grad)
+        alias.register_hook(self._hold)
+        return alias
+
+    def _hold(self, grad: torch.Tensor) -> torch.Tensor:
+        self.held.append(grad)
+        return grad
+
+    def _embedding_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return grad + self.held.popleft() if self.held else None
 
 
 class McorePlan:
@@ -38,13 +70,16 @@ class McorePlan:
                 f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap plan does not run Megatron-Core's "
                 f"multi-token prediction layers yet (they would get no gradient); fix: set mtp_num_layers=None, {_OFF}"
             )
-        if model.share_embeddings_and_output_weights:
-            raise ValueError(
-                "share_embeddings_and_output_weights=True: the EP-overlap plan needs untied embedding and output "
-                "weights (a tied weight gets its two gradient contributions summed in a different order when the "
-                f"graph is cut into nodes); fix: set share_embeddings_and_output_weights=False, {_OFF}"
-            )
         self.pre_process, self.post_process = model.pre_process, model.post_process
+        self._tied = None
+        if model.share_embeddings_and_output_weights:
+            if not (self.pre_process and self.post_process):
+                raise ValueError(
+                    "share_embeddings_and_output_weights=True with pipeline stages: the EP-overlap plan ties the two "
+                    "uses of the weight only where one chunk holds both (PP = 1); fix: set "
+                    f"share_embeddings_and_output_weights=False or PP = 1, {_OFF}"
+                )
+            self._tied = TiedWeight(model.shared_embedding_or_output_weight())
         if not self.pre_process and model.position_embedding_type in ("rope", "yarn"):
             raise ValueError(
                 f"position_embedding_type={model.position_embedding_type!r} with pipeline stages is not supported by "
@@ -124,9 +159,15 @@ class McorePlan:
         keep_BS = labels_BS != IGNORE_INDEX
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
+    def start_step(self) -> None:
+        """A new step: a tied weight's head gradients held by a step that failed are dropped."""
+        if self._tied is not None:
+            self._tied.held.clear()
+
     def per_token_losses(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Final norm, output layer and cross-entropy: what the model's forward returns when given labels."""
-        logits, _ = self.model.output_layer(self._final_norm(x_SBH), weight=None)
+        weight = None if self._tied is None else self._tied.alias()
+        logits, _ = self.model.output_layer(self._final_norm(x_SBH), weight=weight)
         return self.model.compute_language_model_loss(labels_BS, self.model._scale_logits(logits))
 
     def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:

@@ -4,8 +4,8 @@ Contract:
     * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
       pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
       ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
-      before it. It needs untied embedding/output weights, ``add_bias_linear=False`` and no MTP layers
-      (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
+      before it. It needs ``add_bias_linear=False``, no MTP layers, and tied embedding/output weights only at
+      PP = 1 (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
 """
 
 import torch

@@ -257,6 +257,7 @@ class EPOverlapPlanBuilder:
         lane = session.lane_for(device)
         if self._step != session.step:  # this chunk's first microbatch of the step
             self._step, self._next_microbatch = session.step, 0
+            self.plan.start_step()
         index = self._next_microbatch
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))

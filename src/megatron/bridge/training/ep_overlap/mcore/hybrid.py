@@ -12,7 +12,7 @@ Contract:
       Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
       own forward in the stack's order.
     * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): MTP
-      depths (``/`` in the pattern), tied embeddings, full recompute of the stack.
+      depths (``/`` in the pattern), tied embeddings with pipeline stages, full recompute of the stack.
 """
 
 import torch
