@@ -206,11 +206,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test file (default 300)")
     parser.add_argument("--jobs", type=int, default=2, help="test files run at once (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="where the copies and junit XML go (default: temp)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # files may follow the options
     if not (args.tree / "tests" / "unit_tests").is_dir() or not (args.tree / upstream.PACKAGE).is_dir():
         print(
             f"error: {args.tree}: not a Megatron-Bridge source checkout (src/ and tests/unit_tests/)", file=sys.stderr
         )
+        return 2
+    missing = [name for name in args.files if not (args.tree / "tests" / "unit_tests" / name).is_file()]
+    for name in missing:
+        print(f"error: {name}: no such file under {args.tree / 'tests' / 'unit_tests'}", file=sys.stderr)
+    if missing:
         return 2
     tests = args.files or select_tests(args.tree)
     with tempfile.TemporaryDirectory() as scratch:

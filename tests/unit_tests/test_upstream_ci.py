@@ -75,3 +75,11 @@ def test_transformer_engine_imports_for_megatron_bridge_only(tmp_path):
         "absent",
         "stand-in: Transformer Engine is not installed (import stand-in)",
     ]
+
+
+def test_files_may_follow_the_options_and_a_missing_one_is_named(tmp_path, capsys):
+    (tmp_path / "tests" / "unit_tests" / "training").mkdir(parents=True)
+    (tmp_path / "src" / "megatron" / "bridge").mkdir(parents=True)
+    argv = [str(tmp_path), "--python", sys.executable, "--jobs", "1", "training/test_gone.py"]
+    assert upstream_ci.main(argv) == 2
+    assert capsys.readouterr().err == f"error: training/test_gone.py: no such file under {tmp_path}/tests/unit_tests\n"
