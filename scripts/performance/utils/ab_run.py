@@ -354,6 +354,8 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     if args.ab:
         summary["numerics"] = bitwise_equal(results["baseline"], results["overlap"])
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
+        held = {arm: summary["arms"][arm]["activation_peak_bytes"] for arm in ("baseline", "overlap")}
+        summary["activation_peak_bytes"] = {**held, "ratio": held["overlap"] / held["baseline"]}
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
         summary["bound"] = pairing_bound(m, t.num_microbatches, EPOverlapOptions(**results["overlap"][0]["options"]))
         if args.predict:

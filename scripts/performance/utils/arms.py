@@ -132,6 +132,7 @@ class _Arm:
         self.step_times, self.losses, self.loss_bits, self.comm, self.exposed = [], [], [], [], []
         self.host_waited: list[float] = []  # per step: the host thread runnable but not on a core (Linux)
         self.peak_mb, self.timeline, self.records = 0.0, None, []
+        self.activation_peaks: list[int] = []  # per step: the most held for backward at once (bytes)
 
     def step(self, step: int) -> None:
         spec, device = self.spec, self.device
@@ -151,6 +152,7 @@ class _Arm:
         if waited_before is not None and waited_after is not None:
             self.host_waited.append(waited_after - waited_before)
         self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
+        self.activation_peaks.append(result.activation_peak_bytes)
         # Only the last pipeline stage has losses.
         loss = torch.stack(result.losses).sum().reshape(1) if result.losses else torch.zeros(1, device=device)
         self.loss_bits.append(loss.detach().cpu().clone())
@@ -186,6 +188,7 @@ class _Arm:
             "timeline": self.timeline,
             "records": self.records,
             "peak_memory_mb": self.peak_mb,
+            "activation_peak_bytes": self.activation_peaks,
             "param_digest": _digest(self.chunks),
             "delay_wgrad": self.spec.options.delay_wgrad,
             "attention_wgrad_window": self.engine.attention_wgrad_window,  # as run (auto: as chosen)

@@ -57,6 +57,8 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "exposed_comm_s": exposed_median,
         "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
+        # The most any rank held for backward at once, over the steady steps (exact: engine/saved.py).
+        "activation_peak_bytes": max(max(_steady(r["activation_peak_bytes"], warmup)) for r in per_rank),
         "host_waited_for_core_s": waited,  # None where the OS does not report it
         "attention_wgrad_window": per_rank[0].get("attention_wgrad_window"),  # as run (auto: as chosen)
         "launch_off_host": per_rank[0].get("launch_off_host"),  # as run (auto: whether it applied)
@@ -95,12 +97,15 @@ ROWS = (
     ("exposed comm / step (s)", "exposed_comm_s", "{:.3f}"),
     ("overlap fraction", "overlap_fraction", "{:.2f}"),
     ("peak memory (MB)", "peak_memory_mb", "{:,.0f}"),
+    ("activations held, peak (MB)", "activation_peak_bytes", lambda v: f"{v / 2**20:,.3f}"),
     ("host waited for a core (s)", "host_waited_for_core_s", "{:.3f}"),
 )
 
 
-def _cell(value, fmt: str) -> str:
-    return "n/a" if value is None else fmt.format(value)
+def _cell(value, fmt) -> str:
+    if value is None:
+        return "n/a"
+    return fmt(value) if callable(fmt) else fmt.format(value)
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -121,6 +126,12 @@ def format_table(summary: dict[str, Any]) -> str:
     if "placement" in summary:
         lines.append(f"placement: {summary['placement']}")
     lines += describe_exposed_by_phase(arms)
+    if "activation_peak_bytes" in summary:
+        held = summary["activation_peak_bytes"]
+        lines.append(
+            f"activations held for backward, peak per rank: overlap {held['ratio']:.2f}x the baseline's "
+            f"({held['overlap'] / 2**20:,.3f} MB vs {held['baseline'] / 2**20:,.3f} MB)"
+        )
     if "speedup" in summary:
         lines += describe_matched(summary, summary["bound"])
     if "prediction" in summary:
@@ -205,7 +216,8 @@ def draw_timeline(summary: dict[str, Any], path: str) -> None:
         ax.set_yticks([i + 0.4 for i in range(len(labels))], labels)
         ax.set_title(
             f"{name}: step {arm['step_times_s'][-1]:.3f} s, comm {arm['comm_s']:.3f} s, "
-            f"exposed {arm['exposed_comm_s']:.3f} s"
+            f"exposed {arm['exposed_comm_s']:.3f} s, activations held (peak) "
+            f"{arm['activation_peak_bytes'] / 2**20:,.3f} MB"
         )
         ax.set_xlabel("seconds from step start")
     fig.tight_layout()

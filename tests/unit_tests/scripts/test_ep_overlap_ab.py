@@ -197,6 +197,11 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
     assert "losses and final parameters bitwise equal: yes" in out
     assert "planner (fed the baseline's records): baseline" in out
     result = json.loads(json_path.read_text())
+    held = result["activation_peak_bytes"]  # exact bytes held for backward (engine/saved.py), per arm
+    assert held["baseline"] == result["arms"]["baseline"]["activation_peak_bytes"] > 0
+    assert held["overlap"] == result["arms"]["overlap"]["activation_peak_bytes"] > 0
+    assert held["ratio"] == held["overlap"] / held["baseline"]
+    assert f"activations held for backward, peak per rank: overlap {held['ratio']:.2f}x the baseline's" in out
     assert result["config"]["launch_off_host"] == "auto"
     assert result["arms"]["overlap"]["launch_off_host"] is True  # auto: the reference model on CPU
     assert result["arms"]["baseline"]["launch_off_host"] is False

@@ -101,7 +101,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         dw_GKN = None
         if ctx.needs_input_grad[1]:
             if ctx.owner.delay_wgrad:
-                ctx.owner._pending.push(functools.partial(ctx.owner._accumulate_wgrad, x_MK, grad_MN, sizes))
+                work = functools.partial(ctx.owner._accumulate_wgrad, x_MK, grad_MN, sizes)
+                ctx.owner._pending.push(work, held=(x_MK, grad_MN))
             else:
                 dw_GKN = grouped_wgrad(x_MK, grad_MN, sizes)
         return dx_MK, dw_GKN, None, None

@@ -93,25 +93,41 @@ class DelayableLinear(Protocol):
 
 
 class WeightGradStore:
-    """FIFO of deferred weight-gradient work: backward pushes, ``run_next`` computes the oldest."""
+    """FIFO of deferred weight-gradient work: backward pushes, ``run_next`` computes the oldest.
+
+    ``held`` names the tensors a work keeps alive until it runs; every object in the class-level ``observers``
+    hears of them (``hold(held)`` on push, ``release(held)`` when the work ran or was dropped): the engine counts
+    them as memory the schedule holds for backward.
+    """
+
+    observers: list = []
 
     def __init__(self, owner: str):
         self.owner = owner
-        self._queue: deque[Callable[[], None]] = deque()
+        self._queue: deque[tuple[Callable[[], None], tuple]] = deque()
 
-    def push(self, work: Callable[[], None]) -> None:
-        self._queue.append(work)
+    def push(self, work: Callable[[], None], held: tuple = ()) -> None:
+        self._queue.append((work, held))
+        for observer in WeightGradStore.observers:
+            observer.hold(held)
 
     def run_next(self) -> None:
         if not self._queue:
             raise RuntimeError(f"{self.owner}: backward_dw() called with no delayed wgrad queued")
-        self._queue.popleft()()
+        work, held = self._queue.popleft()
+        work()
+        self._released(held)
+
+    def _released(self, held: tuple) -> None:
+        for observer in WeightGradStore.observers:
+            observer.release(held)
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def clear(self) -> None:
-        self._queue.clear()
+        while self._queue:
+            self._released(self._queue.popleft()[1])
 
 
 def check_no_pending_wgrads(linears: Iterable[DelayableLinear]) -> None:

@@ -25,6 +25,8 @@ Contract:
       number of tokens that count (``inputs.py``); only the last pipeline stage has losses.
     * With delayed wgrad every deferred weight gradient runs once, within its own microbatch's backward, where the
       program puts it; one left queued at the end of a step is an error naming the module.
+    * ``StepResult.activation_peak_bytes`` is the most this rank held for backward at once during the step
+      (``saved.py``): what the schedule costs in activation memory, exact and deterministic.
 """
 
 import functools
@@ -42,6 +44,7 @@ from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, Microbatch
 from megatron.bridge.training.ep_overlap.engine.p2p import PipelineP2P
 from megatron.bridge.training.ep_overlap.engine.plain import PlainRun, PlainTimeline
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.steps import OPS, ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
@@ -56,6 +59,7 @@ class StepResult:
     losses: list[torch.Tensor]  # per microbatch: token-summed CE / (global tokens of the step)
     stats: StepStats
     recorder: StepRecorder
+    activation_peak_bytes: int = 0  # the most held for backward at once on this rank (``saved.SavedActivations``)
 
 
 def run_ops(ops, runners: dict) -> None:
@@ -202,8 +206,9 @@ class Engine:
             if start_step is not None:
                 start_step()
         failed = True
+        saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
         try:
-            with torch.no_grad() if forward_only else nullcontext():
+            with torch.no_grad() if forward_only else nullcontext(), saved:
                 losses = self._run(steps, microbatches, normalizer, lane, device, options, forward_only)
             if options.check_for_nan_in_loss_and_grad:
                 check_finite(losses, held.contributions() if held else [], self.groups, device)
@@ -223,7 +228,7 @@ class Engine:
                     update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder)
+        return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder, saved.peak_bytes)
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         prefix = len(self.chunks) > 1

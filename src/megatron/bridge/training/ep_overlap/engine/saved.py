@@ -1,0 +1,101 @@
+"""Bytes of activations held for backward over one step on this rank: what a schedule costs in memory.
+
+Contract:
+    * Autograd's saved-tensor hooks see every tensor an op saves for its backward; a delayed weight gradient's
+      queued work reports the tensors it keeps (``WeightGradStore.push(work, held=...)``). Each tensor counts by
+      its storage, once however many views of it are held, from when it is saved or queued until the last holder
+      lets it go (its backward ran, its graph was freed, or the queued wgrad ran).
+    * Parameters (and views of them) are not activations and do not count.
+    * ``peak_bytes`` is the most held at any moment of the step; the count is exact and deterministic for given
+      inputs, so tests may assert it. Transformer Engine's own delayed-wgrad buffers are not seen.
+"""
+
+import threading
+
+import torch
+
+from megatron.bridge.training.ep_overlap.contract import WeightGradStore
+
+
+class SavedActivations:
+    """Counts what is held for backward while active (a context manager around a step's ops).
+
+    Args:
+        parameters: The model's parameters, whose storages are never counted.
+    """
+
+    def __init__(self, parameters):
+        self._parameters = {self._key(p) for p in parameters}
+        self._lock = threading.Lock()
+        self._holders: dict[tuple, int] = {}  # storage -> how many saved/queued tensors hold it
+        self._sizes: dict[tuple, int] = {}
+        self.current_bytes = self.peak_bytes = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        WeightGradStore.observers.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        WeightGradStore.observers.remove(self)
+        self._hooks.__exit__(*exc)
+
+    # ---- WeightGradStore observer -------------------------------------------------------------------
+
+    def hold(self, tensors) -> None:
+        for t in tensors:
+            self._take(t)
+
+    def release(self, tensors) -> None:
+        for t in tensors:
+            key = self._key(t)
+            if key not in self._parameters and t.untyped_storage().nbytes():
+                self._drop(key)
+
+    # ---- saved-tensor hooks -------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        key = self._take(t)
+        return t if key is None else _Held(t, key, self)
+
+    @staticmethod
+    def _unpack(packed) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _take(self, t: torch.Tensor) -> tuple | None:
+        key, nbytes = self._key(t), t.untyped_storage().nbytes()
+        if key in self._parameters or not nbytes:
+            return None
+        with self._lock:
+            if not self._holders.get(key):
+                self._sizes[key] = nbytes
+                self.current_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            self._holders[key] = self._holders.get(key, 0) + 1
+        return key
+
+    def _drop(self, key: tuple) -> None:
+        with self._lock:
+            if key not in self._holders:  # taken before this count started
+                return
+            self._holders[key] -= 1
+            if not self._holders[key]:
+                del self._holders[key]
+                self.current_bytes -= self._sizes.pop(key)
+
+
+class _Held:
+    """A saved tensor as autograd keeps it: when autograd lets it go, the count does too."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple, owner: SavedActivations):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._drop(self.key)
