@@ -155,8 +155,9 @@ def hunks_needing_rebase(patch: str, tree: Path) -> dict[str, int]:
                 shutil.copy2(tree / relative, copy / relative)
         subprocess.run(["git", "apply", "--reject", "-"], cwd=copy, input=patch, text=True, capture_output=True)
         return {
-            str(rej.relative_to(copy).with_suffix("")): rej.read_text().count("\n@@ ")
-            + rej.read_text().startswith("@@ ")
+            str(rej.relative_to(copy).with_suffix("")): sum(
+                line.startswith("@@ ") for line in rej.read_text().splitlines()
+            )
             for rej in sorted(copy.rglob("*.rej"))
         }
 

@@ -25,7 +25,7 @@ from utils.quiet import quiet_third_party_imports  # noqa: E402
 
 with quiet_third_party_imports():
     from utils.ab_run import Progress, build_recipe, plan_arms, run_local, specs_for, summarize
-from utils.stats import TOO_FEW, median_ci, step_series  # noqa: E402
+from utils.stats import format_ci, median_ci, step_series  # noqa: E402
 
 
 def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -> dict:
@@ -64,19 +64,13 @@ HEADER = (
 )
 
 
-def _ci(figure: dict, fmt: str) -> str:
-    if figure["ci95"] is None:
-        return f"{fmt.format(figure['median'])} ({TOO_FEW})"
-    lo, hi = figure["ci95"]
-    return f"{fmt.format(figure['median'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
-
-
 def row(p: dict) -> str:
     predicted = p["predicted"]["overlap_step_s"]
     error = 100 * (predicted / p["t_overlap"]["median"] - 1)
     return (
-        f"| {p['link_gbps']:g} | {p['ratio']:.2f} | {p['t_baseline']['median']:.2f} | {_ci(p['t_overlap'], '{:.2f}')} "
-        f"| {predicted:.2f} | {error:+.1f}% | {_ci(p['speedup'], '{:.3f}x')} | {_ci(p['h'], '{:.2f}')} "
+        f"| {p['link_gbps']:g} | {p['ratio']:.2f} | {p['t_baseline']['median']:.2f} "
+        f"| {format_ci(p['t_overlap'], '{:.2f}')} "
+        f"| {predicted:.2f} | {error:+.1f}% | {format_ci(p['speedup'], '{:.3f}x')} | {format_ci(p['h'], '{:.2f}')} "
         f"| {p['predicted']['h']:.2f} | {p['bound']:.3f} | {_numerics(p['numerics'])} |"
     )
 

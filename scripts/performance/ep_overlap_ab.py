@@ -11,7 +11,6 @@ file parses the command line only; torch and Megatron are imported once the argu
 so ``--help`` answers at once.
 """
 
-import signal
 import sys
 from pathlib import Path
 
@@ -21,29 +20,17 @@ from argument_parser import parse_cli_args  # noqa: E402
 from utils.quiet import quiet_third_party_imports  # noqa: E402
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_cli_args(argv)
-    # Both signals stop the run from here on, also during the imports below, and whatever the launcher left them
-    # as (a shell's background job inherits SIGINT ignored).
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-        signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_on_sigterm),
-    }
-    try:
-        with quiet_third_party_imports(enabled=not args.verbose):
+    from utils.stopping import STOPPING, signal_handlers, stopped_by
+
+    try:  # the signals stop the run from here on, the imports below included
+        with signal_handlers(STOPPING), quiet_third_party_imports(enabled=not args.verbose):
             from utils.ab_run import run
     except (KeyboardInterrupt, SystemExit) as exc:
-        code = 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-        name = signal.Signals(code - 128).name if code > 128 else "an interrupt"
+        code, name = stopped_by(exc)
         print(f"stopped by {name} while starting up; no rank had started", file=sys.stderr)
         return code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     return run(args)
 
 

@@ -47,7 +47,7 @@ def _line(label: str, comparison) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from utils.plan_inputs import MODEL_DEFAULTS, PlanInputError, flag_problems, read_measured
+    from utils.plan_inputs import PlanInputError, flag_problems, model_layout, read_measured
     from utils.quiet import quiet_third_party_imports
 
     with quiet_third_party_imports():
@@ -79,15 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         n = run.num_microbatches
         print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
     else:
-        args.gpus, args.ep, args.global_batch = (
-            getattr(args, k) if getattr(args, k) is not None else v for k, v in MODEL_DEFAULTS.items()
-        )
-        layout = cost_model.Layout(args.gpus, args.ep, args.global_batch)
+        layout = cost_model.Layout(*model_layout(args))
         costs, link = cost_model.costs_from_model(
             cost_model.SHAPES[args.model], layout, cost_model.PROFILES[args.profile]
         )
         n = layout.num_microbatches
-        print(f"{args.model} on {args.gpus} x {args.profile}, EP {args.ep}, global batch {args.global_batch}")
+        print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
     print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
     for window in (1, 2):

@@ -148,3 +148,35 @@ def test_a_real_stall_is_still_caught_and_names_what_each_rank_last_finished():
     assert "no rank reported progress for 2 s (stall timeout 2 s); this rank last finished the last collective" in str(
         raised.value
     )
+
+
+def test_a_stopped_rank_ends_quietly_whatever_sigterm_handler_the_parent_has():
+    # A launcher that turns SIGTERM into an exception (the harness does) must not pass that on to its ranks: the
+    # rank would raise wherever it is, and inside a __del__ Python prints "Exception ignored" and goes on.
+    script = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from megatron.bridge.utils.multiprocess import run_local_ranks
+
+        class SlowToCollect:
+            def __del__(self):
+                time.sleep(0.05)  # where the signal lands
+
+        def fail_while_a_peer_collects(rank, world):
+            if rank == 1:
+                raise ValueError("rank 1 failed")
+            while True:
+                SlowToCollect()
+
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        outcomes = run_local_ranks(fail_while_a_peer_collects, 2, (), collective_timeout_s=1, raise_on_error=False)
+        print(outcomes[0].error)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.stdout == "rank 0: stopped when another rank failed\n"
+    assert run.stderr == ""

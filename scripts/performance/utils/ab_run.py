@@ -9,7 +9,6 @@ for the stall timeout; whatever steps finished are kept in the JSON.
 import contextlib
 import dataclasses
 import os
-import signal
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from megatron.bridge.utils.multiprocess import (
     run_local_ranks,
 )
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
-from utils.arms import ArmSpec, run_arms
+from utils.arms import ArmSpec, run_arms, step_line
 from utils.checks import (
     lift_model_overlap_flags,
     pipeline_dtype_auto,
@@ -40,6 +39,7 @@ from utils.overrides import apply_flag_overrides, apply_overrides
 from utils.recipe import RecipeConfig, small_moe_recipe
 from utils.report import bitwise_equal, draw_timeline, format_table, partial_summary, summarize_arm, write_json
 from utils.stats import matched_ab
+from utils.stopping import IGNORED, STOPPING, signal_handlers, stopped_by
 
 
 class ConfigError(Exception):
@@ -196,11 +196,7 @@ class Progress:
     def record(self, rank: int, report: dict) -> None:
         self.finished.setdefault(report["arm"], []).append(report)
         if self.echo and rank == 0:
-            print(
-                f"  [{report['arm']}] step {report['step']}/{self.max_steps}: {report['step_time_s']:.3f} s, "
-                f"loss {report['loss']:.4f}, exposed comm {report['exposed_comm_s']:.3f} s",
-                flush=True,
-            )
+            print(step_line(report, self.max_steps), flush=True)
 
     def all_done(self, arms: list[str], ranks: int) -> bool:
         """Every rank reported the last step of every arm: what is left is returning the results."""
@@ -389,80 +385,65 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     }
 
 
-def _stop_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through every cleanup (ranks, namespaces), like Ctrl-C
-
-
 def run(args) -> int:
     """The harness after argument parsing: check everything, run, report. Returns the exit status."""
     progress, recipe, partial_to = Progress(), None, None
-    # Both signals stop the run, whatever the launcher left them as: a shell's background job inherits SIGINT
-    # ignored, and Python then never raises KeyboardInterrupt.
-    previous = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_on_sigterm),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-    }
-    try:
-        recipe, problems = _recipe_with_problems(args)
-        torchrun = launched_by_torchrun()
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        pipeline = recipe.model.pipeline_model_parallel_size
-        problems += run_problems(
-            args, world, recipe.model.expert_model_parallel_size, torchrun, gpus, pipeline if pipeline else 1
-        )
-        if problems:
-            raise ConfigError(problems)
-        recipe = _finalized(recipe)
-        arms = plan_arms(recipe, args)
-        problems = options_problems(arms, recipe)
-        if problems:
-            raise ConfigError(problems)
-        device = pick_device(args)
-        if args.print_schedule:
-            print_schedules(recipe.model, recipe.train.num_microbatches, arms[-1]["options"])
-        if args.dryrun:
-            print(describe(recipe, arms, args, device, world))
-            return 0
-        partial_to = run_config(recipe, args, device, world)
-        specs = specs_for(arms, recipe, device, args.model_impl)
-        results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    except LinkUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    except RankFailure as exc:
-        for outcome in (exc.outcomes[rank] for rank in exc.first):  # a rank that died first is the cause
-            if outcome.error:
-                lines = outcome.error.strip().splitlines()
-                print(f"error: rank {outcome.rank}: {lines[-1]}", file=sys.stderr)
-                if args.verbose:
-                    print(outcome.error, file=sys.stderr)
-        _keep_partial(args, progress, partial_to, f"failed while running {progress.running}")
-        return 1
-    except (KeyboardInterrupt, SystemExit) as exc:
-        code = 130 if isinstance(exc, KeyboardInterrupt) else int(exc.code or 1)
-        name = signal.Signals(code - 128).name if code > 128 else "an interrupt"
-        where = f" while running {progress.running}" if progress.running else ""
-        steps = recipe.train.max_steps if recipe else 0
-        saved = _keep_partial(args, progress, partial_to, f"stopped by {name}")
-        print(
-            f"stopped by {name}{where}; every rank stopped; finished steps: {progress.describe(steps)}"
-            + (f"; partial results written to {saved}" if saved else ""),
-            file=sys.stderr,
-        )
-        return code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with signal_handlers(STOPPING):
+        try:
+            recipe, problems = _recipe_with_problems(args)
+            torchrun = launched_by_torchrun()
+            world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            pipeline = recipe.model.pipeline_model_parallel_size
+            problems += run_problems(
+                args, world, recipe.model.expert_model_parallel_size, torchrun, gpus, pipeline if pipeline else 1
+            )
+            if problems:
+                raise ConfigError(problems)
+            recipe = _finalized(recipe)
+            arms = plan_arms(recipe, args)
+            problems = options_problems(arms, recipe)
+            if problems:
+                raise ConfigError(problems)
+            device = pick_device(args)
+            if args.print_schedule:
+                print_schedules(recipe.model, recipe.train.num_microbatches, arms[-1]["options"])
+            if args.dryrun:
+                print(describe(recipe, arms, args, device, world))
+                return 0
+            partial_to = run_config(recipe, args, device, world)
+            specs = specs_for(arms, recipe, device, args.model_impl)
+            results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
+        except ConfigError as exc:
+            for problem in exc.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            return 2
+        except LinkUnavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 3
+        except RankFailure as exc:
+            for outcome in (exc.outcomes[rank] for rank in exc.first):  # a rank that died first is the cause
+                if outcome.error:
+                    lines = outcome.error.strip().splitlines()
+                    print(f"error: rank {outcome.rank}: {lines[-1]}", file=sys.stderr)
+                    if args.verbose:
+                        print(outcome.error, file=sys.stderr)
+            _keep_partial(args, progress, partial_to, f"failed while running {progress.running}")
+            return 1
+        except (KeyboardInterrupt, SystemExit) as exc:
+            code, name = stopped_by(exc)
+            where = f" while running {progress.running}" if progress.running else ""
+            steps = recipe.train.max_steps if recipe else 0
+            saved = _keep_partial(args, progress, partial_to, f"stopped by {name}")
+            print(
+                f"stopped by {name}{where}; every rank stopped; finished steps: {progress.describe(steps)}"
+                + (f"; partial results written to {saved}" if saved else ""),
+                file=sys.stderr,
+            )
+            return code
     if results is None:  # torchrun ranks other than 0
         return 0
-    # Every step ran: an interrupt now would only lose the report, so it waits until the report is written.
-    held = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signal_handlers(IGNORED):  # every step ran: an interrupt now would only lose the report
         summary = summarize(results, recipe, args, device, world)
         print(format_table(summary))
         if args.json_path:
@@ -471,9 +452,6 @@ def run(args) -> int:
         if args.timeline:
             draw_timeline(summary, args.timeline)
             print(f"timeline of one steady step per arm drawn to {args.timeline}")
-    finally:
-        for signum, handler in held.items():
-            signal.signal(signum, handler)
     return 0
 
 

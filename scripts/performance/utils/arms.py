@@ -99,6 +99,14 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     return plan_for(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
 
 
+def step_line(report: dict, max_steps: int) -> str:
+    """The console line of one finished step (a rank's progress report)."""
+    return (
+        f"  [{report['arm']}] step {report['step']}/{max_steps}: {report['step_time_s']:.3f} s, "
+        f"loss {report['loss']:.4f}, exposed comm {report['exposed_comm_s']:.3f} s"
+    )
+
+
 def arm_order(step: int, names: list[str]) -> list[str]:
     """The order the arms run in at ``step``: A B, then B A, and so on (ABBA), so a drift over time (thermal,
     other load) weighs on both arms alike instead of counting as a difference between them."""
@@ -164,16 +172,13 @@ class _Arm:
         comm_iv, compute_iv = result.recorder.intervals()
         self.timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
         self.records.append(result.recorder.as_dict())
-        report_progress(
-            {"arm": spec.name, "step": step + 1, "step_time_s": self.step_times[-1], "loss": self.losses[-1],
-             "comm_s": self.comm[-1], "exposed_comm_s": self.exposed[-1]}
-        )  # fmt: skip
+        report = {
+            "arm": spec.name, "step": step + 1, "step_time_s": self.step_times[-1], "loss": self.losses[-1],
+            "comm_s": self.comm[-1], "exposed_comm_s": self.exposed[-1],
+        }  # fmt: skip
+        report_progress(report)
         if spec.progress and self.rank == 0:
-            print(
-                f"  [{spec.name}] step {step + 1}/{spec.train.max_steps}: {self.step_times[-1]:.3f} s, "
-                f"loss {self.losses[-1]:.4f}, exposed comm {self.exposed[-1]:.3f} s",
-                flush=True,
-            )
+            print(step_line(report, spec.train.max_steps), flush=True)
 
     def result(self) -> dict:
         launches_off_host = self.engine.launches_off_host(self.device)

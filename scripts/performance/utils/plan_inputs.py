@@ -12,6 +12,12 @@ from pathlib import Path
 MODEL_DEFAULTS = {"gpus": 16, "ep": 16, "global_batch": 1024}
 
 
+def model_layout(args) -> tuple[int, int, int]:
+    """``(gpus, ep, global_batch)`` of a --model prediction: the flags, defaults where unset."""
+    gpus, ep, batch = (getattr(args, k) if getattr(args, k) is not None else v for k, v in MODEL_DEFAULTS.items())
+    return gpus, ep, batch
+
+
 def flag_problems(args, num_experts: int | None) -> list[str]:
     """Problems of the flags: each row is (broken, field, value, fix), checked in order, all reported."""
     positive = lambda v: v is not None and v <= 0  # noqa: E731
@@ -40,7 +46,7 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
         if args.table:
             rows.append((args.link_gbps is not None, "--link_gbps", args.link_gbps, "applies to --from_json: drop it"))
     else:
-        gpus, ep, batch = (getattr(args, k) if getattr(args, k) is not None else v for k, v in MODEL_DEFAULTS.items())
+        gpus, ep, batch = model_layout(args)
         rows += [
             (
                 args.link_gbps is not None,

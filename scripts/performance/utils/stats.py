@@ -16,6 +16,14 @@ MIN_STEPS_FOR_INTERVAL = 3  # a bootstrap of fewer values says nothing about the
 TOO_FEW = "too few steps for an interval"
 
 
+def format_ci(figure: dict[str, Any], fmt: str, label: str = "") -> str:
+    """``median [label lo, hi]`` of a :func:`median_ci` figure, or the median and why there is no interval."""
+    if figure["ci95"] is None:
+        return f"{fmt.format(figure['median'])} ({TOO_FEW})"
+    lo, hi = figure["ci95"]
+    return f"{fmt.format(figure['median'])} [{label}{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
 def median_ci(values: list[float], seed: int = 0) -> dict[str, Any]:
     """``{"median": m, "ci95": [lo, hi]}`` of ``values`` (a 95% percentile bootstrap of the median); ``ci95`` is
     None with fewer than :data:`MIN_STEPS_FOR_INTERVAL` values."""
@@ -106,10 +114,7 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
     """The report lines of :func:`matched_ab`."""
 
     def ci(figure: dict[str, Any], fmt: str) -> str:
-        if figure["ci95"] is None:
-            return f"{fmt.format(figure['median'])} ({TOO_FEW})"
-        lo, hi = figure["ci95"]
-        return f"{fmt.format(figure['median'])} [95% CI {fmt.format(lo)}, {fmt.format(hi)}]"
+        return format_ci(figure, fmt, label="95% CI ")
 
     speedup = matched["speedup"]
     if speedup["verdict"] == "no measurable difference":

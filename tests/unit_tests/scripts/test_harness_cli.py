@@ -121,11 +121,14 @@ def _alive(pid: int) -> bool:
         return False  # gone; a zombie ("Z") has exited too and only waits to be reaped
 
 
-def _start_long_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
-    """A run far too long to finish, started and waited for until its third step is done."""
+def _start_long_run(tmp_path: Path, *extra: str, seen: list | None = None) -> tuple[subprocess.Popen, list[int]]:
+    """A run far too long to finish, started and waited for until its third step is done (the lines it printed
+    until then go to ``seen``)."""
     cmd = [sys.executable, str(SCRIPT), *TINY, "--ab", "-ms", "100000", "--json", str(tmp_path / "ab.json"), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
+        if seen is not None:
+            seen.append(line)
         if "step 3/100000" in line:
             break
     return proc, _children(proc.pid)
@@ -182,13 +185,8 @@ def test_an_output_under_proc_is_refused_up_front_not_after_the_run():
 
 
 def test_the_partial_json_holds_every_step_the_console_printed(tmp_path):
-    cmd = [sys.executable, str(SCRIPT), *TINY, "--ab", "-ms", "100000", "--json", str(tmp_path / "ab.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "step 3/100000" in line:
-            break
+    proc, _ = _start_long_run(tmp_path, seen=lines)
     proc.send_signal(signal.SIGINT)
     lines += proc.communicate(timeout=30)[0].splitlines()
     printed = {

@@ -90,10 +90,10 @@ _INTERRUPT_GRACE_S = 0.3
 _last_heartbeat = 0.0
 
 
-def heartbeat(what: str) -> None:
-    """Tells the parent this rank is alive, having just finished ``what`` (a collective, a compute node): at most
-    every half second, so a long step of many short operations is never taken for a stall. A no-op outside a rank
-    started by :func:`run_local_ranks`."""
+def heartbeat(what: str, *args) -> None:
+    """Tells the parent this rank is alive, having just finished ``what % args`` (a collective, a compute node;
+    formatted only when sent): at most every half second, so a long step of many short operations is never taken
+    for a stall. A no-op outside a rank started by :func:`run_local_ranks`."""
     global _last_heartbeat
     if _PROGRESS is None:
         return
@@ -101,7 +101,7 @@ def heartbeat(what: str) -> None:
     if now - _last_heartbeat >= _HEARTBEAT_S:
         _last_heartbeat = now
         results, rank = _PROGRESS
-        results.put(("alive", rank, what))
+        results.put(("alive", rank, what % args if args else what))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -131,6 +131,9 @@ def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, ran
     global _PROGRESS
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt stops
+    # The parent stops a rank with SIGTERM: it must end the rank at once. A handler inherited through fork would
+    # raise wherever the rank is; inside a __del__ Python only prints that and the rank lives on until SIGKILL.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _PROGRESS = (results, rank)
     try:
         if rank_setup is not None:

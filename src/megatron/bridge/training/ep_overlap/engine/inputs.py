@@ -133,10 +133,10 @@ def check_finite(losses: list[torch.Tensor], params: list[tuple[str, torch.Tenso
         FloatingPointError: Naming every rank with a non-finite loss (and its first such microbatch) or gradient.
     """
     rank, world = _rank_and_world()
-    bad_loss = next((i for i, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())), None)
-    grads = [g for _, g in params]
-    finite = torch.stack([torch.isfinite(g).all() for g in grads]).tolist() if grads else []
-    bad_grad = next((name for (name, _), ok in zip(params, finite) if not ok), None)
+    checked = [*losses, *(g for _, g in params)]
+    finite = torch.stack([torch.isfinite(t).all() for t in checked]).tolist() if checked else []  # one host sync
+    bad_loss = next((i for i, ok in enumerate(finite[: len(losses)]) if not ok), None)
+    bad_grad = next((name for (name, _), ok in zip(params, finite[len(losses) :]) if not ok), None)
     flags = torch.zeros(2 * world, dtype=torch.float64, device=device)
     flags[2 * rank] = 0 if bad_loss is None else bad_loss + 1
     flags[2 * rank + 1] = bad_grad is not None

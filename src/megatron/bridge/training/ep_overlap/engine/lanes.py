@@ -104,7 +104,7 @@ class _Lane:
         record.end_host = time.perf_counter()
         self.recorder.compute.append(record)
         self._after_compute(microbatch)
-        heartbeat(f"{node} (layer {layer}, microbatch {microbatch})")
+        heartbeat("%s (layer %d, microbatch %d)", node, layer, microbatch)
 
     def _after_compute(self, microbatch: int) -> None:
         pass

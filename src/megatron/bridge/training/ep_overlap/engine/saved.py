@@ -53,9 +53,7 @@ class SavedActivations:
 
     def release(self, tensors) -> None:
         for t in tensors:
-            key = self._key(t)
-            if key not in self._parameters and t.untyped_storage().nbytes():
-                self._drop(key)
+            self._drop(self._key(t))
 
     # ---- saved-tensor hooks -------------------------------------------------------------------------
 
@@ -81,7 +79,7 @@ class SavedActivations:
 
     def _drop(self, key: tuple) -> None:
         with self._lock:
-            if key not in self._holders:  # taken before this count started
+            if key not in self._holders:  # never taken: a parameter, an empty storage, or before this count began
                 return
             self._holders[key] -= 1
             if not self._holders[key]:
