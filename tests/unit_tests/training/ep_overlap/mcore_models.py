@@ -3,7 +3,8 @@
 :class:`McoreCase` and :func:`build_gpt`: a ``GPTModel``. :class:`HybridCase` and :func:`build_hybrid`: a
 ``HybridModel``. Megatron-Core ships only a Transformer Engine spec for ``HybridModel`` (``hybrid_stack_spec``); this
 one takes the attention (``*``), MLP (``-``) and MoE (``E``) parts of ``get_gpt_layer_local_spec()``, and the stack's
-final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's norm. Left to the
+final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's norm; a pattern's
+MTP part (after ``/``) gets the MTP block with local norms and projection. Left to the
 GPU check: Mamba (``M``) and GDN (``G``) need their CUDA kernels, and Megatron-Core 0.19's local MLA spec (``+``)
 does not build (its ``DotProductAttention`` takes no ``k_channels``). Build after ``install_cpu_stubs`` (on CPU).
 """
@@ -87,7 +88,7 @@ def expected_mlps(case: McoreCase) -> list[str]:
     if not isinstance(case, HybridCase):
         return ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
     kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "M": "NoneType"}  # a Mamba layer has no MLP
-    return [kinds[c] for c in case.pattern.replace("|", "")]
+    return [kinds[c] for c in case.pattern.split("/")[0].replace("|", "")]  # the MTP layers are not the decoder's
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,15 @@ def build_hybrid(
                 pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
         )  # fmt: skip
         stack_spec = ModuleSpec(
-            module=hybrid_block.HybridStack, submodules=hybrid_block.HybridStackSubmodules(**layers)
+            module=hybrid_block.HybridStack,
+            submodules=hybrid_block.HybridStackSubmodules(**layers, mtp_block_spec=_local_hybrid_mtp_spec()),
         )
         mamba = {}
     pattern = case.pattern if pp > 1 else case.pattern.replace("|", "")
+    main, *depths = pattern.split("/")
     config = TransformerConfig(
-        num_layers=sum(c not in "|/" for c in pattern), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
+        num_layers=sum(c != "|" for c in main), mtp_num_layers=len(depths) or None,
+        hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         num_moe_experts=experts, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
         moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
         expert_model_parallel_size=case.world, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
@@ -167,3 +171,28 @@ def build_hybrid(
         vp_stage=vp_stage,
     )
     return model.to(case.device)
+
+
+def _local_hybrid_mtp_spec():
+    """Megatron-Core's hybrid MTP block spec (``hybrid_layer_specs``) with local modules in place of Transformer
+    Engine's: norms and the projection; the stack builds the layers inside from the pattern after ``/``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    norm = get_gpt_layer_local_spec().submodules.input_layernorm
+    layer = MultiTokenPredictionLayerSubmodules(
+        enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=norm
+    )
+    return ModuleSpec(
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(
+            layer_specs=[ModuleSpec(module=MultiTokenPredictionLayer, submodules=layer)]
+        ),
+    )

@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from megatron.bridge.training.ep_overlap.program.units import units
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .mcore_cpu import init_megatron, install_cpu_stubs
@@ -25,6 +26,8 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
     else:
         install_cpu_stubs()
     init_megatron(world)
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
 
@@ -66,6 +69,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "mlps": [type(getattr(layer, "mlp", None)).__name__ for layer in model.decoder.layers],  # Mamba: none
             "biases": {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")},
             "params": sorted(n for n, _ in model.named_parameters()),
+            "mtp_scale": float(MTPLossAutoScaler.main_loss_backward_scale),
         }
     return out
 
@@ -82,6 +86,11 @@ CASES = {
     # The output layer's and the embedding's gradients of a tied weight summed per microbatch, as autograd sums them.
     "ep2-fp32-tied-embeddings": McoreCase(tied=True, steps=3),
     "ep2-bf16-tied-embeddings": McoreCase(tied=True, bf16=True),
+    # One MTP layer (an MoE layer here) in the head, its loss included; its embedding's weights (word and learned
+    # positions) get their gradients summed with the embedding's per microbatch, as the tied weight does.
+    "ep2-fp32-mtp": McoreCase(mtp=True, steps=3),
+    "ep2-fp32-mtp-tied-rope": McoreCase(mtp=True, tied=True, rope=True),
+    "ep2-bf16-mtp-top1-mixed": McoreCase(mtp=True, bf16=True, topk=1, layer_freq=(1, 0)),
 }
 
 
@@ -93,6 +102,7 @@ def _hybrid_cases() -> dict:
         "hybrid-E*E--top1-rope": HybridCase(pattern="E*E--", topk=1, rope=True),  # first layer MoE
         "hybrid-*E*E-delayed-wgrad": HybridCase(pattern="*E*E", delay_wgrad=True),
         "hybrid-*E-E-tied": HybridCase(pattern="*E-E", tied=True),
+        "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", steps=3),  # one MTP depth: attention and MoE
     }
 
 
@@ -118,6 +128,14 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert len(plain["biases"]) == expected_mlps(case).count("MoELayer")
             assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+        if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit as Megatron-Core's forward_step does
+            assert any(n.startswith("mtp.") and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+            assert plain["mtp_scale"] == pytest.approx(1 / case.microbatches)
+            assert outcome.result["plain_units"]["mtp_scale"] == pytest.approx(1 / len(units(case.microbatches, 2)))
+
+
+def has_mtp(case: McoreCase) -> bool:
+    return case.mtp or (isinstance(case, HybridCase) and "/" in case.pattern)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -40,7 +40,9 @@ def bridge_style_forward_step(data_iterator, model, return_schedule_plan: bool =
     if return_schedule_plan:
         plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
         return plan, loss_func
-    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
+    output = model(
+        input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, labels=labels, loss_mask=loss_mask
+    )
     return output, loss_func
 
 
@@ -90,9 +92,13 @@ CASES = {
     "ep2-fp32-top1-mixed-rope": McoreCase(topk=1, layer_freq=(1, 0), rope=True, microbatches=2),
     "ep2-fp32-one-microbatch": McoreCase(microbatches=1),
     "ep2-fp32-tied-embeddings": McoreCase(tied=True, microbatches=4),
+    # One MTP layer in the head; Megatron-Core's forward_step sets its loss scale in both arms.
+    "ep2-fp32-mtp": McoreCase(mtp=True, microbatches=3),
+    "ep2-bf16-mtp-tied-rope": McoreCase(mtp=True, tied=True, rope=True, bf16=True, microbatches=3),
     # HybridModel: the hook gives it the same instance-level build_schedule_plan; units are MoE groups.
     "hybrid-*E*E": HybridCase(pattern="*E*E", microbatches=3),
     "hybrid-E-*E*-top1-rope": HybridCase(pattern="E-*E*-", topk=1, rope=True, microbatches=3),
+    "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", microbatches=3),
 }
 
 
@@ -158,8 +164,12 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 
     from .mcore_models import build_hybrid
 
-    if kind == "mtp":
+    if kind == "mtp-pipeline-chunk":
         model, plan = build_gpt(McoreCase(mtp=True)), plan_for
+        model.pre_process = False  # what the last stage's chunk (the one with the MTP layer) has
+    elif kind == "hybrid-mtp-depths-unset":
+        model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), plan_for
+        model.config.mtp_num_layers = None
     elif kind == "tied-pipeline-chunk":
         model, plan = build_gpt(McoreCase(tied=True)), plan_for
         model.post_process = False  # what the first stage's chunk of a pipelined model has
@@ -183,17 +193,15 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 @pytest.mark.parametrize(
     "kind, line",
     [
-        (
-            "mtp",
-            "mtp_num_layers=1: the EP-overlap plan does not run Megatron-Core's multi-token prediction layers yet",
-        ),
+        ("mtp-pipeline-chunk", "mtp_num_layers=1 with pipeline stages: the last stage's copy of the embedding"),
+        ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("tied-pipeline-chunk", "share_embeddings_and_output_weights=True with pipeline stages"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
     ],
 )
 def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):
-    # Before, an MTP GPTModel ran under both: its losses matched while every MTP parameter got no gradient.
+    # Before MTP ran in the head, an MTP GPTModel ran under both with every MTP parameter getting no gradient.
     for outcome in run_local_ranks(refuse_model, 2, (kind,)):
         assert outcome.result, outcome.result
         for result in outcome.result.values():

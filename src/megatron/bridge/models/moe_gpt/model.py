@@ -393,8 +393,11 @@ class MoEGPTModel(torch.nn.Module):
         x_BSD = self.word_embeddings(tokens_BS) + self.position_embeddings(positions_S)
         return x_BSD.reshape(B * S, -1)
 
-    def head_loss(self, x_TD: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """Final norm, LM head, cross-entropy summed over tokens and divided by ``normalizer``.
+    def head_loss(
+        self, x_TD: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, tokens_BS: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final norm, LM head, cross-entropy summed over tokens and divided by ``normalizer`` (``tokens_BS`` is not
+        read: this head predicts one token).
 
         Labels of -100 (``F.cross_entropy``'s default ``ignore_index``) add nothing to the sum.
         """

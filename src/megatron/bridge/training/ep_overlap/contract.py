@@ -56,9 +56,11 @@ class ChunkModel(Protocol):
     """A whole model or one pipeline chunk: ``layers`` with their global ``layer_numbers``; ``pre_process`` /
     ``post_process`` whether it holds the embedding / the head; ``sequence_length`` the one it takes (None: any);
     ``embed(tokens)`` and
-    ``head_loss(x, labels, normalizer)`` where it does; ``hidden_shape(tokens)`` of the activation between chunks;
-    a whole model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``start_step()``, called before a
-    step's first op (to drop what a failed step left), and ``update_router_biases(groups)``, called once per
+    ``head_loss(x, labels, normalizer, tokens)`` where it does (``tokens``: the microbatch's input, for a head that
+    reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation between chunks; a whole
+    model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``start_step(num_units)``, called before a
+    step's first op with the number of microbatches that carry a loss (a chunked one's halves count two), to drop
+    what a failed step left; and ``update_router_biases(groups)``, called once per
     training step after the gradient sync."""
 
     config: Any
@@ -73,7 +75,7 @@ class ChunkModel(Protocol):
 
     def embed(self, tokens: Any) -> Any: ...
 
-    def head_loss(self, x: Any, labels: Any, normalizer: float | None) -> Any: ...
+    def head_loss(self, x: Any, labels: Any, normalizer: float | None, tokens: Any) -> Any: ...
 
 
 class DelayableLinear(Protocol):

@@ -13,7 +13,8 @@ Contract:
       Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. A chunk that
       offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
       Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases), and one that offers
-      ``start_step()`` gets it called before the step runs.
+      ``start_step(num_units)`` gets it called before the step runs (the step's microbatches, a chunked one
+      counted as its two halves).
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
       finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
       parameters' gradients are then as they were before the step.
@@ -204,7 +205,7 @@ class Engine:
         for chunk in self.chunks:
             start_step = getattr(chunk, "start_step", None)
             if start_step is not None:
-                start_step()
+                start_step(len(microbatches) + len(split))  # the loss-carrying units: halves count
         failed = True
         saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
         try:

@@ -248,7 +248,7 @@ class MicrobatchNodes:
         with self.lane.compute("head", len(self.layers), self.mb):
             self.head_in = _leaf(x_in)
             with torch.set_grad_enabled(self.grad):
-                self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer)
+                self.loss = self.model.head_loss(self.head_in, self.labels, self.normalizer, self.tokens)
 
     def launch_send_activation(self, x: torch.Tensor) -> None:
         self.io.send_output(x)

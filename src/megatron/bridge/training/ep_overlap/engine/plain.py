@@ -81,7 +81,7 @@ class PlainRun:
             for layer in self.chunk.layers:
                 x = layer(x)
             if self.last:
-                self.loss = self.chunk.head_loss(x, self.labels, self.normalizer)
+                self.loss = self.chunk.head_loss(x, self.labels, self.normalizer, self.tokens)
             else:
                 self.output = x
                 self.io.send_output(x)

@@ -5,6 +5,11 @@ A plan is a Megatron-Core language model (or one pipeline chunk of it) as
 classes differ in their decoder stack and final norm; :class:`McorePlan` holds the rest. Everything the plan does
 not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
 output layer (PP = 1) gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`).
+
+Multi-token prediction (one MTP layer, PP = 1) runs in the head, as the model's ``_postprocess`` runs it: the MTP
+block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the model's embedding,
+so those weights are :class:`TiedWeight` s too. An MoE layer inside the MTP block runs its all-to-alls inside the
+head, not overlapped (Megatron-Core's own overlap gives the MTP layer its own nodes).
 """
 
 import logging
@@ -12,6 +17,7 @@ from collections import deque
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
@@ -65,21 +71,32 @@ class McorePlan:
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         config = model.config
-        if config.mtp_num_layers:
-            raise ValueError(
-                f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap plan does not run Megatron-Core's "
-                f"multi-token prediction layers yet (they would get no gradient); fix: set mtp_num_layers=None, {_OFF}"
-            )
         self.pre_process, self.post_process = model.pre_process, model.post_process
-        self._tied = None
-        if model.share_embeddings_and_output_weights:
-            if not (self.pre_process and self.post_process):
-                raise ValueError(
-                    "share_embeddings_and_output_weights=True with pipeline stages: the EP-overlap plan ties the two "
-                    "uses of the weight only where one chunk holds both (PP = 1); fix: set "
-                    f"share_embeddings_and_output_weights=False or PP = 1, {_OFF}"
-                )
-            self._tied = TiedWeight(model.shared_embedding_or_output_weight())
+        whole = self.pre_process and self.post_process
+        self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
+        if config.mtp_num_layers and config.mtp_num_layers > 1:
+            raise ValueError(
+                f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
+                f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
+            )
+        if config.mtp_num_layers and not whole:
+            raise ValueError(
+                f"mtp_num_layers={config.mtp_num_layers} with pipeline stages: the last stage's copy of the embedding "
+                "(its MTP layer reads it) would need its gradient summed with the first stage's, which the EP-overlap "
+                f"plan does not do yet; fix: use PP = 1 or set mtp_num_layers=None, {_OFF}"
+            )
+        if model.share_embeddings_and_output_weights and not whole:
+            raise ValueError(
+                "share_embeddings_and_output_weights=True with pipeline stages: the EP-overlap plan ties the two "
+                "uses of the weight only where one chunk holds both (PP = 1); fix: set "
+                f"share_embeddings_and_output_weights=False or PP = 1, {_OFF}"
+            )
+        # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
+        # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order.
+        shared = {"word_embeddings.weight"} if model.share_embeddings_and_output_weights else set()
+        if self.mtp:
+            shared |= {name for name, _ in model.embedding.named_parameters()}
+        self._tied = {name: TiedWeight(model.embedding.get_parameter(name)) for name in sorted(shared)}
         if not self.pre_process and model.position_embedding_type in ("rope", "yarn"):
             raise ValueError(
                 f"position_embedding_type={model.position_embedding_type!r} with pipeline stages is not supported by "
@@ -159,20 +176,67 @@ class McorePlan:
         keep_BS = labels_BS != IGNORE_INDEX
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
-    def start_step(self) -> None:
-        """A new step: a tied weight's head gradients held by a step that failed are dropped."""
-        if self._tied is not None:
-            self._tied.held.clear()
+    def start_step(self, num_units: int | None = None) -> None:
+        """A new step: head gradients a failed step held for tied weights are dropped. ``num_units`` (the engine's
+        steps: microbatches, a chunked one's halves counted apart, each with its own MTP loss) sets the MTP loss's
+        backward scale to ``1 / num_units``, as Megatron-Core's ``forward_step`` sets it per microbatch without a
+        grad scaler; under Megatron-Core's driver (None) its ``forward_step`` does."""
+        for tied in self._tied.values():
+            tied.held.clear()
+        if self.mtp and num_units is not None:
+            MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_units))
 
-    def per_token_losses(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """Final norm, output layer and cross-entropy: what the model's forward returns when given labels."""
-        weight = None if self._tied is None else self._tied.alias()
-        logits, _ = self.model.output_layer(self._final_norm(x_SBH), weight=weight)
-        return self.model.compute_language_model_loss(labels_BS, self.model._scale_logits(logits))
+    def per_token_losses(
+        self,
+        x_SBH: torch.Tensor,
+        labels_BS: torch.Tensor,
+        tokens_BS: torch.Tensor | None = None,
+        loss_mask_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final norm, the MTP layer and its loss (given ``tokens_BS``), output layer and cross-entropy: what the
+        model's forward returns when given labels."""
+        model = self.model
+        aliases = {name: tied.alias() for name, tied in self._tied.items()}
+        weight = aliases["word_embeddings.weight"] if model.share_embeddings_and_output_weights else None
+        x_SBH = self._final_norm(x_SBH)
+        if self.mtp:
+            if tokens_BS is None:
+                raise ValueError("the multi-token prediction layer needs the microbatch's input tokens on this chunk")
+            positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
+            x_SBH = model.mtp(
+                input_ids=tokens_BS,
+                position_ids=positions,
+                hidden_states=x_SBH,
+                attention_mask=self.attention_mask if attention_mask is None else attention_mask,
+                rotary_pos_emb=self.rotary_pos_emb,
+                embedding=lambda **inputs: torch.func.functional_call(model.embedding, aliases, (), inputs),
+            )
+            x_SBH = process_mtp_loss(
+                hidden_states=x_SBH,
+                labels=labels_BS,
+                loss_mask=loss_mask_BS,
+                output_layer=model.output_layer,
+                output_weight=weight,
+                runtime_gather_output=None,
+                is_training=model.training,
+                compute_language_model_loss=model.compute_language_model_loss,
+                config=self.config,
+                cp_group=model.pg_collection.cp,
+                tp_group=model.tp_group,
+                scale_logits_fn=model._scale_logits if self.config.use_mup else None,
+                input_ids=tokens_BS,
+            )
+        logits, _ = model.output_layer(x_SBH, weight=weight)
+        return model.compute_language_model_loss(labels_BS, model._scale_logits(logits))
 
-    def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
+    def head_loss(
+        self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, tokens_BS: torch.Tensor | None = None
+    ) -> torch.Tensor:
         labels_BS, keep_BS = self._masked(labels_BS)
-        return (self.per_token_losses(x_SBH, labels_BS) * keep_BS).sum() / normalizer
+        losses = self.per_token_losses(x_SBH, labels_BS, tokens_BS, keep_BS.float())
+        return (losses * keep_BS).sum() / normalizer
 
     def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         """The plain path: the model's own forward returns per-token losses."""
@@ -182,6 +246,7 @@ class McorePlan:
             position_ids=self._positions(tokens_BS),
             attention_mask=self.attention_mask,
             labels=labels_BS,
+            loss_mask=keep_BS.float(),
         )
         return (losses * keep_BS).sum() / normalizer
 

@@ -4,7 +4,7 @@ Contract:
     * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
       pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
       ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
-      before it. It needs ``add_bias_linear=False``, no MTP layers, and tied embedding/output weights only at
+      before it. It needs ``add_bias_linear=False``; one MTP layer and tied embedding/output weights run only at
       PP = 1 (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
 """
 

@@ -68,8 +68,15 @@ class _HostEvent:
 class _MicrobatchModel:
     """One microbatch's view of a plan: its position ids, attention mask and rotary embedding."""
 
-    def __init__(self, plan: McorePlan, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
+    def __init__(
+        self,
+        plan: McorePlan,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        loss_mask: torch.Tensor | None = None,
+    ):
         self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
+        self.loss_mask = loss_mask
         self.pre_process, self.post_process = plan.pre_process, plan.post_process
         self.layer_numbers = plan.layer_numbers
         self.rotary_pos_emb = None
@@ -80,9 +87,13 @@ class _MicrobatchModel:
         self.rotary_pos_emb = self.plan.rotary_pos_emb
         return x_SBH
 
-    def head_loss(self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None) -> torch.Tensor:
+    def head_loss(
+        self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None, tokens_BS: torch.Tensor | None
+    ) -> torch.Tensor:
         """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
-        return self.plan.per_token_losses(x_SBH, labels_BS)
+        return self.plan.per_token_losses(
+            x_SBH, labels_BS, tokens_BS, self.loss_mask, self.position_ids, self.attention_mask
+        )
 
 
 class _RankSession:
@@ -249,6 +260,8 @@ class EPOverlapPlanBuilder:
             missing.append("input_ids are required on the first chunk")
         if self.plan.post_process and labels is None:
             missing.append("labels are required on the last chunk (its output is per-token losses)")
+        if self.plan.mtp and input_ids is None:
+            missing.append("input_ids are required on the chunk with the multi-token prediction layer")
         if missing or given:
             problems = missing + [f"{name} is not supported; pass None" for name in given]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
@@ -261,7 +274,7 @@ class EPOverlapPlanBuilder:
         index = self._next_microbatch
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
-        view = _MicrobatchModel(self.plan, position_ids, attention_mask)
+        view = _MicrobatchModel(self.plan, position_ids, attention_mask, loss_mask)
         nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor

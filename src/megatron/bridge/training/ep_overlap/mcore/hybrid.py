@@ -11,8 +11,9 @@ Contract:
       stages as Megatron-Core selects them): embedding, the units, the stack's final norm, output layer, loss.
       Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
       own forward in the stack's order.
-    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): MTP
-      depths (``/`` in the pattern), tied embeddings with pipeline stages, full recompute of the stack.
+    * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
+    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): more than
+      one MTP depth, MTP or tied embeddings with pipeline stages, full recompute of the stack.
 """
 
 import torch
@@ -38,11 +39,11 @@ class McoreHybridPlan(McorePlan):
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         if not isinstance(model, HybridModel):
             raise ValueError(f"{type(model).__name__}: McoreHybridPlan runs Megatron-Core's HybridModel")
-        if model.mtp_pattern is not None and model.mtp_num_depths > 0:
+        if model.mtp_num_depths > 0 and model.config.mtp_num_layers != model.mtp_num_depths:
             raise ValueError(
-                f"hybrid_layer_pattern={model.hybrid_layer_pattern!r}: the EP-overlap plan does not run multi-token "
-                "prediction depths ('/' in the pattern) yet; fix: drop the MTP part of the pattern, or turn "
-                "overlap_moe_expert_parallel_comm off for this model"
+                f"hybrid_layer_pattern={model.hybrid_layer_pattern!r} has {model.mtp_num_depths} multi-token "
+                f"prediction depth(s) and mtp_num_layers={model.config.mtp_num_layers}: the model would not compute "
+                f"their loss; fix: set mtp_num_layers={model.mtp_num_depths}"
             )
         if model.config.recompute_granularity == "full":
             raise ValueError(
