@@ -24,6 +24,15 @@ elif "$py" -c "import omegaconf" 2>/dev/null; then
         timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --predict --device cuda --dist_backend gloo \
             --model_impl "$impl" --precision bf16 -ms 8 || status=1
     done
+    echo "== A/B of a GPTModel with one MTP layer, and of a HybridModel (Transformer Engine spec) where TE is here"
+    timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --device cuda --dist_backend gloo \
+        --model_impl mcore --mtp_num_layers 1 --precision bf16 -ms 5 || status=1
+    if "$py" -c "import transformer_engine.pytorch" 2>/dev/null; then
+        timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --device cuda --dist_backend gloo \
+            --model_impl mcore --hybrid_layer_pattern '*E-E/*E' --precision bf16 -ms 5 || status=1
+    else
+        echo "   HybridModel A/B skipped: Transformer Engine is not installed"
+    fi
 else
     echo "== A/B skipped: 1 GPU and no omegaconf here (the harness's dependency; carry it to run this part)"
 fi

@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name in MODEL_INT_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
     model.add_argument("--precision", choices=["fp32", "bf16"], default=None)
+    model.add_argument(
+        "--hybrid_layer_pattern",
+        default=None,
+        help="--model_impl mcore: a Megatron-Core HybridModel of this layer pattern (* attention, - MLP, E MoE, "
+        "M Mamba, G GDN, + MLA, D DSA; '/' then one MTP depth, e.g. '*E*E/*E'); it sets num_layers. Needs CUDA and "
+        "Transformer Engine",
+    )
+    model.add_argument(
+        "--mtp_num_layers",
+        type=int,
+        default=None,
+        help="multi-token prediction layers of the Megatron-Core model (--model_impl mcore); at most 1 with overlap",
+    )
     for name in PIPELINE_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
 

@@ -30,6 +30,7 @@ from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from utils.arms import ArmSpec, run_arms, step_line
 from utils.checks import (
     lift_model_overlap_flags,
+    model_impl_problems,
     pipeline_dtype_auto,
     recipe_problems,
     run_problems,
@@ -71,7 +72,14 @@ def _recipe_with_problems(args) -> tuple[RecipeConfig, list[str]]:
     recipe = small_moe_recipe()
     apply_flag_overrides(recipe, args)
     problems = apply_overrides(recipe, args.overrides)
+    # Fields the model config derived from the recipe's own shape: derived again from the final one (finalize),
+    # unless an override set them. Kept, they would give a Megatron-Core model the recipe's head size.
+    given = {item.partition("=")[0].strip() for item in args.overrides}
+    for name in ("kv_channels", "num_query_groups"):
+        if f"model.{name}" not in given:
+            setattr(recipe.model, name, None)
     problems += lift_model_overlap_flags(recipe)
+    problems += model_impl_problems(recipe.model, args.model_impl, args.num_layers)
     problems += recipe_problems(recipe)
     if not problems:
         pipeline_dtype_auto(recipe.model)

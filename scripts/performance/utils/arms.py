@@ -72,11 +72,46 @@ def host_waited_for_core_s() -> float | None:
     return int(waiting_ns) / 1e9
 
 
+def build_mcore_model(config, device: torch.device | str) -> torch.nn.Module:
+    """The Megatron-Core model of the recipe's config: a ``HybridModel`` of ``config.hybrid_layer_pattern`` (Megatron-
+    Core's Transformer Engine spec, the only one it ships), else a ``GPTModel`` from local specs, with
+    ``config.mtp_num_layers`` MTP layers like its last decoder layer. Seed the RNGs first."""
+    if config.hybrid_layer_pattern is not None:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        model = HybridModel(
+            config,
+            hybrid_stack_spec=hybrid_stack_spec,
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.seq_length,
+            hybrid_layer_pattern=config.hybrid_layer_pattern,
+            position_embedding_type="learned_absolute",
+        )
+    else:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+
+        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        mtp = None
+        if config.mtp_num_layers:
+            mtp = get_gpt_mtp_block_spec(config, layers.layer_specs[-1], use_transformer_engine=False)
+        model = GPTModel(
+            config,
+            transformer_layer_spec=layers,
+            mtp_block_spec=mtp,
+            vocab_size=config.vocab_size,
+            max_sequence_length=config.seq_length,
+            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=False,
+        )
+    model = model.to(device)
+    return model.bfloat16() if config.bf16 else model
+
+
 def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
-    """A Megatron-Core GPTModel (local specs) from the recipe's config, on this rank's GPU, and its EP groups."""
+    """:func:`build_mcore_model` on this rank's GPU, its plan, and its EP groups."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
@@ -86,16 +121,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
         parallel_state.initialize_model_parallel(expert_model_parallel_size=config.expert_model_parallel_size)
     torch.manual_seed(spec.train.seed)
     model_parallel_cuda_manual_seed(spec.train.seed)
-    model = GPTModel(
-        config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=config.vocab_size,
-        max_sequence_length=config.seq_length,
-        position_embedding_type="learned_absolute",
-        share_embeddings_and_output_weights=False,
-    ).cuda()
-    if config.bf16:
-        model = model.bfloat16()
+    model = build_mcore_model(config, torch.device("cuda", torch.cuda.current_device()))
     return plan_for(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
 
 

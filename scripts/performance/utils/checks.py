@@ -1,13 +1,14 @@
 """Everything the harness checks before any rank starts. Each problem is one line: the field, its value, the fix."""
 
 import dataclasses
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
-from megatron.bridge.models.moe_gpt.config import router_problems
+from megatron.bridge.models.moe_gpt.config import model_feature_problems, router_problems
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
@@ -16,6 +17,52 @@ TIMELINE_FORMATS = (".png", ".pdf", ".svg")
 def _at_least(problems: list[str], name: str, value: Any, minimum: int | float, why: str = "") -> None:
     if value is None or value < minimum:
         problems.append(f"{name}={value!r}: must be at least {minimum}{why}")
+
+
+# HybridModel's layer symbols (Megatron-Core's hybrid_layer_allocation): attention, MLA, DSA, MLP, Mamba, GDN, MoE.
+_HYBRID_SYMBOLS = {"*": "attention", "+": "MLA", "D": "DSA", "-": "MLP", "M": "Mamba", "G": "GDN", "E": "MoE"}
+
+
+def model_impl_problems(model: Any, model_impl: str, num_layers_flag: int | None) -> list[str]:
+    """What ``model_impl`` cannot build from ``model``. A good hybrid pattern then sets ``num_layers``,
+    ``moe_layer_freq`` (its MoE layers) and ``mtp_num_layers`` (its depths after ``/``)."""
+    if model_impl == "reference":
+        return [f"model.{problem}" for problem in model_feature_problems(model)]
+    problems: list[str] = []
+    if model.mtp_num_layers is not None and model.mtp_num_layers < 0:
+        problems.append(f"--mtp_num_layers={model.mtp_num_layers}: must be 0 or more")
+    pattern = model.hybrid_layer_pattern
+    if pattern is None:
+        return problems
+    flag = f"--hybrid_layer_pattern={pattern!r}"
+    main, *depths = pattern.split("/")
+    unknown = sorted(set(pattern) - set(_HYBRID_SYMBOLS) - {"/", "|"})
+    if unknown:
+        symbols = ", ".join(f"{symbol} {kind}" for symbol, kind in _HYBRID_SYMBOLS.items())
+        problems.append(f"{flag}: unknown layer symbol(s) {''.join(unknown)!r}; use {symbols}; / before an MTP depth")
+    if "|" in pattern:
+        problems.append(f"{flag}: pipeline segments ('|'): the harness builds Megatron-Core models at PP 1; drop '|'")
+    if "E" not in main:
+        problems.append(f"{flag}: no MoE layer (E) before '/', so there is no all-to-all to overlap; add one")
+    if depths and (not depths[0] or any(depth != depths[0] for depth in depths)):
+        problems.append(f"{flag}: every MTP depth after '/' needs the same, non-empty pattern")
+    layers = len(main.replace("|", ""))
+    if num_layers_flag is not None and num_layers_flag != layers:
+        problems.append(f"--num_layers={num_layers_flag}: the pattern has {layers} layers before '/'; drop the flag")
+    if depths and model.mtp_num_layers not in (None, len(depths)):
+        problems.append(
+            f"--mtp_num_layers={model.mtp_num_layers}: the pattern has {len(depths)} MTP depth(s); drop the flag"
+        )
+    if importlib.util.find_spec("transformer_engine") is None:
+        problems.append(
+            f"{flag}: Megatron-Core ships HybridModel's layers as a Transformer Engine spec only, and Transformer "
+            "Engine is not installed here; install it (the project's [te] extra, on a GPU host), or drop the pattern "
+            "for a GPTModel"
+        )
+    if not problems:
+        model.num_layers, model.moe_layer_freq = layers, [int(symbol == "E") for symbol in main]
+        model.mtp_num_layers = len(depths) or model.mtp_num_layers
+    return problems
 
 
 def lift_model_overlap_flags(recipe: Any) -> list[str]:

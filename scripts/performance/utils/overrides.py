@@ -17,6 +17,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
+import yaml
 from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -59,8 +60,11 @@ def apply_overrides(recipe: Any, overrides: list[str]) -> list[str]:
                 continue
             try:
                 value = parse_value(raw)
-            except OmegaConfBaseException as exc:
-                problems.append(f"override {item!r}: cannot parse the value ({str(exc).splitlines()[0]})")
+            except (OmegaConfBaseException, yaml.YAMLError) as exc:
+                problems.append(
+                    f"override {item!r}: cannot parse the value ({str(exc).splitlines()[0]}); a value that starts "
+                    f"with YAML syntax (* & ! %) needs quotes: {key}='\"{raw}\"' in the shell"
+                )
                 continue
             if not _matches(value, hints[name]):
                 problems.append(f"override {key}={raw!r}: expected {_describe(hints[name])}, got {value!r}")
@@ -152,6 +156,10 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
     if args.precision is not None:
         model.bf16 = args.precision == "bf16"
         model.fp16 = False
+    for name in ("hybrid_layer_pattern", "mtp_num_layers"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(model, name, value)
     for name in (*MODEL_INT_FLAGS, *PIPELINE_FLAGS):
         value = getattr(args, name)
         if value is not None:

@@ -10,9 +10,10 @@ import sys
 import ep_overlap_ab
 import ep_overlap_plan
 import pytest
+import torch
 from argument_parser import parse_cli_args
 from utils import ab_run, netns
-from utils.arms import arm_order
+from utils.arms import arm_order, build_mcore_model
 from utils.checks import run_problems
 from utils.overrides import (
     _set_delay_wgrad_overrides,
@@ -23,6 +24,8 @@ from utils.overrides import (
 )
 from utils.recipe import small_moe_recipe
 from utils.stats import describe_matched, matched_ab
+
+from megatron.bridge.utils.multiprocess import run_local_ranks
 
 TINY = [
     "--num_layers", "2", "--hidden_size", "32", "--num_attention_heads", "2", "--ffn_hidden_size", "64",
@@ -180,6 +183,33 @@ def test_mcore_model_impl_needs_cuda(monkeypatch, capsys):
     monkeypatch.setattr(ab_run.torch.cuda, "is_available", lambda: False)
     assert ep_overlap_ab.main(TINY + ["--ab", "--model_impl", "mcore"]) == 2
     assert "--model_impl=mcore runs Megatron-Core layers, which need CUDA" in capsys.readouterr().err
+
+
+def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
+    from datetime import timedelta
+
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+
+    from ..training.ep_overlap.mcore_cpu import init_megatron, install_cpu_stubs
+
+    install_cpu_stubs()
+    init_megatron(world)
+    torch.manual_seed(0)
+    model = build_mcore_model(config, "cpu")
+    engine = EPOverlapEngine(plan_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
+    gen = torch.Generator().manual_seed(rank)
+    data = [tuple(torch.randint(0, config.vocab_size, (2, 2, config.seq_length), generator=gen)) for _ in range(3)]
+    engine.step(data)
+    return {"untrained": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]}
+
+
+def test_the_harness_builds_a_megatron_core_model_with_one_mtp_layer_that_trains():
+    # What --model_impl mcore --mtp_num_layers 1 builds on a GPU, here on CPU ranks under the test fixture.
+    recipe = recipe_from(TINY + ["--model_impl", "mcore", "--mtp_num_layers", "1", "--moe_a2a_overlap", "true"])
+    assert recipe.model.mtp_num_layers == 1
+    for outcome in run_local_ranks(_train_the_harness_mcore_model, 2, (recipe.model,)):
+        assert outcome.result["untrained"] == []  # the MTP layer's parameters included
 
 
 def test_link_without_root_says_so_and_fails(monkeypatch, capsys):

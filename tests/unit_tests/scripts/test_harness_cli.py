@@ -1,5 +1,6 @@
 """The harness as a user runs it: quiet, bad input refused before any rank starts, signals stop everything."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "performance" / "ep_overlap_ab.py"
 TINY = [
@@ -66,6 +68,68 @@ def test_every_bad_value_is_one_line_before_any_rank_starts(tmp_path, dryrun):
         f"error: --timeline={str(tmp_path / 't.jpg')!r}: use a file ending in one of .png, .pdf, .svg",
     ]
     assert "running arm" not in run.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, lines",
+    [
+        # The reference model has neither: refused, not silently run without them.
+        (
+            ["--mtp_num_layers", "1"],
+            [
+                "error: model.mtp_num_layers=1: the reference MoE GPT has no multi-token prediction layers; drop it, "
+                "or run a Megatron-Core model (the harness's --model_impl mcore)"
+            ],
+        ),
+        (
+            ['model.hybrid_layer_pattern="*E"'],
+            [
+                "error: model.hybrid_layer_pattern='*E': the reference MoE GPT is not a hybrid model; drop it, or run "
+                "a Megatron-Core HybridModel (the harness's --model_impl mcore)"
+            ],
+        ),
+        (
+            ["model.hybrid_layer_pattern=*E"],  # YAML reads *E as an alias
+            [
+                "error: override 'model.hybrid_layer_pattern=*E': cannot parse the value (found undefined alias); a "
+                "value that starts with YAML syntax (* & ! %) needs quotes: model.hybrid_layer_pattern='\"*E\"' in "
+                "the shell"
+            ],
+        ),
+        # On this CPU host: every reason a hybrid pattern cannot run, then the one for Megatron-Core models.
+        (
+            ["--model_impl", "mcore", "--hybrid_layer_pattern", "*X|-/*E/*", "--num_layers", "4"],
+            [
+                "error: --hybrid_layer_pattern='*X|-/*E/*': unknown layer symbol(s) 'X'; use * attention, + MLA, "
+                "D DSA, - MLP, M Mamba, G GDN, E MoE; / before an MTP depth",
+                "error: --hybrid_layer_pattern='*X|-/*E/*': pipeline segments ('|'): the harness builds Megatron-Core "
+                "models at PP 1; drop '|'",
+                "error: --hybrid_layer_pattern='*X|-/*E/*': no MoE layer (E) before '/', so there is no all-to-all to "
+                "overlap; add one",
+                "error: --hybrid_layer_pattern='*X|-/*E/*': every MTP depth after '/' needs the same, non-empty "
+                "pattern",
+                "error: --num_layers=4: the pattern has 3 layers before '/'; drop the flag",
+            ],
+        ),
+    ],
+)
+def test_a_model_feature_the_chosen_model_does_not_have_is_refused(argv, lines):
+    run = harness(*TINY[2:], "-d", *argv)
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[: len(lines)] == lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only host's answer")
+def test_a_megatron_core_hybrid_model_on_a_cpu_host_says_what_it_cannot_run():
+    run = harness(*TINY[2:], "-d", "--model_impl", "mcore", "--hybrid_layer_pattern", "*E*E/*E")
+    assert run.returncode == 2
+    cuda = "error: --model_impl=mcore runs Megatron-Core layers, which need CUDA"
+    assert run.stderr.splitlines()[-1].startswith(cuda)
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert run.stderr.splitlines()[0].startswith(
+            "error: --hybrid_layer_pattern='*E*E/*E': Megatron-Core ships HybridModel's layers as a Transformer "
+            "Engine spec only"
+        )
 
 
 def test_predict_without_an_ab_is_refused():

@@ -99,6 +99,9 @@ def test_wrong_hidden_size_names_the_layer():
         ({"moe_token_dispatcher_type": "flex"}, "implements the alltoall token dispatcher only"),
         ({"add_bias_linear": True}, "has no biases"),
         ({"moe_layer_freq": [1, 0]}, "moe_layer_freq has 2 entries but num_layers=3"),
+        # Features it does not have are refused, not ignored:
+        ({"mtp_num_layers": 1}, "mtp_num_layers=1: the reference MoE GPT has no multi-token prediction layers"),
+        ({"hybrid_layer_pattern": "*E"}, "hybrid_layer_pattern='\\*E': the reference MoE GPT is not a hybrid model"),
     ],
 )
 def test_unsupported_layer_config_is_a_clear_error(overrides, message):

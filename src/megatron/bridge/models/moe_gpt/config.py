@@ -29,6 +29,9 @@ class MoEGPTConfig(TransformerConfig):
     attention_dropout: float = 0.0
     # Which EP-overlap schedule runs this model; the rules differ (see training/moe_overlap_rules.py).
     ep_overlap_schedule: str = "bridge"
+    # For a Megatron-Core HybridModel built from this config (the harness's --model_impl mcore); the reference
+    # model refuses it (model_feature_problems).
+    hybrid_layer_pattern: str | None = None
 
     def activation_dtype(self) -> torch.dtype:
         """Dtype of parameters and activations: bf16, fp16, else fp32."""
@@ -75,6 +78,32 @@ _ROUTER_RULES = (
         "set it to a positive number, e.g. 1e-3",
     ),
 )
+
+
+# Model features the reference model does not have: (field, is it asked for, why, fix). Refused rather than ignored.
+_FEATURE_RULES = (
+    (
+        "mtp_num_layers",
+        lambda c: bool(c.mtp_num_layers),
+        "the reference MoE GPT has no multi-token prediction layers",
+        "drop it, or run a Megatron-Core model (the harness's --model_impl mcore)",
+    ),
+    (
+        "hybrid_layer_pattern",
+        lambda c: c.hybrid_layer_pattern is not None,
+        "the reference MoE GPT is not a hybrid model",
+        "drop it, or run a Megatron-Core HybridModel (the harness's --model_impl mcore)",
+    ),
+)
+
+
+def model_feature_problems(config: MoEGPTConfig) -> list[str]:
+    """One line per model feature ``config`` asks for that the reference model does not have (field, value, fix)."""
+    return [
+        f"{field}={getattr(config, field)!r}: {why}; {fix}"
+        for field, wanted, why, fix in _FEATURE_RULES
+        if wanted(config)
+    ]
 
 
 def router_problems(config: MoEGPTConfig) -> list[str]:

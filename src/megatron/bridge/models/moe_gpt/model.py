@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, router_problems
+from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, model_feature_problems, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
     CommObserver,
@@ -295,6 +295,9 @@ class MoEGPTModel(torch.nn.Module):
             )
         if config.add_bias_linear:
             raise ValueError("the reference MoE GPT has no biases; set add_bias_linear=False")
+        problems = model_feature_problems(config)
+        if problems:
+            raise ValueError("; ".join(problems))
         if config.num_moe_experts and config.moe_token_dispatcher_type != "alltoall":
             raise ValueError(
                 f"the reference MoE GPT implements the alltoall token dispatcher only, not "
