@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         n = layout.num_microbatches
         print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
+        from utils.plan_table import activation_peaks_gib
+
+        plain, overlap, delayed, edges = activation_peaks_gib(cost_model.SHAPES[args.model], layout)
+        print(
+            f"activations held per rank (all layers, balanced routing; an estimate): plain {plain:.1f} GiB, "
+            f"overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge pairing {edges:.1f}"
+        )
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
     print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
     for window in (1, 2):

@@ -19,6 +19,7 @@ from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
+from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, predicted_peak
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, format_program, program
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.multiprocess import (
@@ -360,6 +361,12 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
         held = {arm: summary["arms"][arm]["activation_peak_bytes"] for arm in ("baseline", "overlap")}
         summary["activation_peak_bytes"] = {**held, "ratio": held["overlap"] / held["baseline"]}
+        if P == 1 and args.model_impl == "reference":  # the planner's accounting is the reference model's
+            shape = ActivationShape.of_reference_model(m, t.micro_batch_size)
+            summary["activation_peak_bytes"]["planned_balanced_routing"] = {
+                arm: predicted_peak(shape, EPOverlapOptions(**results[arm][0]["options"]), t.num_microbatches)
+                for arm in ("baseline", "overlap")
+            }
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
         summary["bound"] = pairing_bound(m, t.num_microbatches, EPOverlapOptions(**results["overlap"][0]["options"]))
         if args.predict:

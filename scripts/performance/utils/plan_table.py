@@ -8,8 +8,11 @@ from megatron.bridge.training.ep_overlap.planner.cost_model import (
     PROFILES,
     QWEN3_30B_A3B,
     Layout,
+    MoEShape,
+    activation_shape,
     costs_from_model,
 )
+from megatron.bridge.training.ep_overlap.planner.memory import predicted_peak
 
 # (shape, global batch in sequences, [(GPUs, EP)]); TP = PP = 1, micro-batch 1, sequence length 4096.
 SWEEPS = [
@@ -20,8 +23,25 @@ SWEEPS = [
 
 HEADER = (
     "| model | GPUs | EP | microbatches N | T_comm / T_compute | speedup, overlap | speedup, overlap + delayed wgrad "
-    "| h |\n|---|---|---|---|---|---|---|---|"
+    "| h | activations held, GiB: plain / overlap / + delayed wgrad / edge pairing |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
+GIB = 2**30
+PEAK_MICROBATCHES = 4
+MEMORY_OPTIONS = (
+    EPOverlapOptions(overlap=False),
+    EPOverlapOptions(overlap=True),
+    EPOverlapOptions(overlap=True, delay_wgrad=True),
+    EPOverlapOptions(overlap=True, edge_pairing=True),
+)
+
+
+def activation_peaks_gib(shape: MoEShape, layout: Layout) -> list[float]:
+    """The activations one rank holds (GiB) with each of :data:`MEMORY_OPTIONS` (planner/memory.py's estimate)."""
+    held = activation_shape(shape, layout)
+    # A PP = 1 step reaches its peak by its second microbatch; more only repeat it (and cost time here).
+    n = min(layout.num_microbatches, PEAK_MICROBATCHES)
+    return [predicted_peak(held, options, n) / GIB for options in MEMORY_OPTIONS]
 
 
 def cluster_table(profile: str = "H100") -> str:
@@ -33,8 +53,11 @@ def cluster_table(profile: str = "H100") -> str:
             n = layout.num_microbatches
             plain, delayed = predict(costs, link, n), predict(costs, link, n, EPOverlapOptions(delay_wgrad=True))
             comm = plain.baseline.exposed_total_s
+            peaks = activation_peaks_gib(shape, layout)
             rows.append(
                 f"| {shape.name} | {gpus} | {ep} | {n} | {comm / (plain.baseline.step_s - comm):.2f} "
-                f"| {plain.speedup:.3f}x | {delayed.speedup:.3f}x | {plain.h:.2f} |"
+                f"| {plain.speedup:.3f}x | {delayed.speedup:.3f}x | {plain.h:.2f} | "
+                + " / ".join(f"{peak:.1f}" for peak in peaks)
+                + " |"
             )
     return "\n".join(rows)

@@ -128,9 +128,16 @@ def format_table(summary: dict[str, Any]) -> str:
     lines += describe_exposed_by_phase(arms)
     if "activation_peak_bytes" in summary:
         held = summary["activation_peak_bytes"]
+        planned = held.get("planned_balanced_routing")
         lines.append(
             f"activations held for backward, peak per rank: overlap {held['ratio']:.2f}x the baseline's "
             f"({held['overlap'] / 2**20:,.3f} MB vs {held['baseline'] / 2**20:,.3f} MB)"
+            + (
+                f"; the planner's count with balanced routing: {planned['overlap'] / 2**20:,.3f} MB vs "
+                f"{planned['baseline'] / 2**20:,.3f} MB"
+                if planned
+                else ""
+            )
         )
     if "speedup" in summary:
         lines += describe_matched(summary, summary["bound"])

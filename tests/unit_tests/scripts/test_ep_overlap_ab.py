@@ -232,6 +232,11 @@ def test_ab_smoke_on_loopback(tmp_path, capsys):
     assert held["overlap"] == result["arms"]["overlap"]["activation_peak_bytes"] > 0
     assert held["ratio"] == held["overlap"] / held["baseline"]
     assert f"activations held for backward, peak per rank: overlap {held['ratio']:.2f}x the baseline's" in out
+    # The planner's count beside it (exact where routing is balanced: test_saved_activations.py); here routing decides
+    # how many rows each rank receives, so only its order of size is checked.
+    planned = held["planned_balanced_routing"]
+    assert 0.5 < planned["baseline"] / held["baseline"] < 2 and 0.5 < planned["overlap"] / held["overlap"] < 2
+    assert "the planner's count with balanced routing" in out
     assert result["config"]["launch_off_host"] == "auto"
     assert result["arms"]["overlap"]["launch_off_host"] is True  # auto: the reference model on CPU
     assert result["arms"]["baseline"]["launch_off_host"] is False

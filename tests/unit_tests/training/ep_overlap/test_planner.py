@@ -170,3 +170,28 @@ def test_costs_are_read_from_the_plain_paths_segments():
     assert link.bandwidth_Bps == pytest.approx(4000)
     assert link.latency_s == pytest.approx(0.5 - 1200 / 4000)  # what the 0.5 s all-to-alls took beyond the bytes
     assert link.meta_s == 0.125  # the split-size round trip, recorded on its own
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_published_shapes_activation_peak_is_reached_by_the_second_microbatch(model):
+    # What lets the table count 4 microbatches for any N; and what each option holds at PP = 1: a paired step
+    # holds F's finished layers and B's unfinished ones, about one microbatch's stack, so overlap and delayed wgrad
+    # add less than one layer's bytes to the plain path's peak (its first forward and head); edge pairing holds a
+    # second forward.
+    from megatron.bridge.training.ep_overlap.planner.cost_model import SHAPES, Layout, activation_shape
+    from megatron.bridge.training.ep_overlap.planner.memory import predicted_peak
+
+    shape = activation_shape(SHAPES[model], Layout(gpus=8, ep=8, global_batch=1024))
+    options = {
+        "plain": EPOverlapOptions(overlap=False),
+        "overlap": EPOverlapOptions(overlap=True),
+        "delayed": EPOverlapOptions(overlap=True, delay_wgrad=True),
+        "edges": EPOverlapOptions(overlap=True, edge_pairing=True),
+    }
+    peaks = {}
+    for name, option in options.items():
+        peaks[name] = predicted_peak(shape, option, 4)
+        assert predicted_peak(shape, option, 2) == peaks[name] == predicted_peak(shape, option, 12), name
+    layer = sum(b for node in ("pre_dispatch", "experts", "combine") for _, b in shape.saved(node, -1, 1))
+    assert peaks["plain"] <= peaks["overlap"] <= peaks["delayed"] < peaks["plain"] + layer
+    assert peaks["edges"] > 1.9 * peaks["plain"]

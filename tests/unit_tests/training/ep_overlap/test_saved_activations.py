@@ -2,6 +2,7 @@
 
 from datetime import timedelta
 
+import pytest
 import torch
 
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
@@ -68,3 +69,77 @@ def test_plain_1f1b_holds_one_microbatch_and_a_paired_step_holds_two_at_most():
     assert four["overlap"][0] == four["overlap"][1]
     # A paired step holds the forward microbatch while the backward one is still alive, never a third.
     assert per_microbatch < four["overlap"][0] <= 2 * per_microbatch
+
+
+# Every schedule option the engine runs at PP = 1 (EPOverlapEngine's keywords; None: the plain path).
+OPTIONS = {
+    "plain": None,
+    "overlap": {},
+    "delayed-window1": {"delay_wgrad": True, "attention_wgrad_window": 1},
+    "delayed-window2": {"delay_wgrad": True, "attention_wgrad_window": 2},
+    "edge-pairing": {"edge_pairing": True},
+    "chunks": {"moe_ep_overlap_chunks": 2},
+    "delayed-chunks": {"delay_wgrad": True, "moe_ep_overlap_chunks": 2},
+    "delayed-edges": {"delay_wgrad": True, "edge_pairing": True},
+}
+
+
+def _measured_and_planned(rank: int, world: int, config, microbatches: int) -> dict:
+    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, activation_peak
+    from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
+
+    groups = init_ep_groups(world, timedelta(seconds=30))
+    shape = ActivationShape.of_reference_model(config, micro_batch_size=2)
+    out = {}
+    for name, options in OPTIONS.items():
+        model = MoEGPTModel(config, groups)
+        engine = EPOverlapEngine(model, groups, overlap=options is not None, **(options or {}))
+        gen = torch.Generator().manual_seed(rank)
+        # Token ids and labels in storages of their own (as a data loader gives them; views of one tensor would be
+        # counted once).
+        shape_BS = (2, config.seq_length)
+        data = [
+            (torch.randint(0, 64, shape_BS, generator=gen), torch.randint(0, 64, shape_BS, generator=gen))
+            for _ in range(microbatches)
+        ]
+        measured = engine.step(data).activation_peak_bytes
+        steps = engine.schedule(microbatches)
+        planned = activation_peak(shape, steps, ChunkShape.of(model), delay_wgrad=engine.options.delay_wgrad)
+        out[name] = (measured, planned)
+    return out
+
+
+def _config(**fields):
+    from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
+
+    base = dict(
+        num_layers=3, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, num_moe_experts=4,
+        moe_ffn_hidden_size=16, moe_layer_freq=[1, 0, 1], moe_router_topk=4, expert_model_parallel_size=2,
+        seq_length=8, vocab_size=64, add_bias_linear=False,
+    )  # fmt: skip
+    return MoEGPTConfig(**{**base, **fields})
+
+
+# Top-k = all experts: every rank receives exactly top-k rows per token, so routing decides no byte.
+SHAPES = {
+    "fp32-gelu-softmax": _config(),
+    "bf16-swiglu-sigmoid-bias": _config(
+        bf16=True, gated_linear_unit=True, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+    ),
+    "fp32-swiglu-softmax-first": _config(gated_linear_unit=True, moe_router_pre_softmax=True),
+    "bf16-gelu-softmax-dense-first": _config(bf16=True, moe_layer_freq=[0, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_planner_predicts_the_measured_activation_peak_of_every_schedule_option_exactly(name):
+    # The planner's accounting (planner/memory.py: each node's saved tensors from the shape, walked through the
+    # schedule program) against the engine's count (engine/saved.py), byte for byte, on each rank.
+    for outcome in run_local_ranks(_measured_and_planned, 2, (SHAPES[name], 4)):
+        for option, (measured, planned) in outcome.result.items():
+            assert planned == measured, f"rank {outcome.rank} {option}: planned {planned}, measured {measured}"
+        peaks = {option: measured for option, (measured, _) in outcome.result.items()}
+        # What the options cost: a paired step holds more than one microbatch, delayed wgrad keeps gradients until
+        # their wgrad runs (longer in window 2), edge pairing holds a third microbatch's forward.
+        assert peaks["plain"] <= peaks["overlap"] <= peaks["delayed-window1"] <= peaks["delayed-window2"]
+        assert peaks["edge-pairing"] > 1.5 * peaks["overlap"]

@@ -9,12 +9,14 @@ Contract:
       marked as such; efficiencies and latency are this project's assumptions, chosen before comparing with any
       published step time and not tuned to one.
     * Left out (the same in both arms, so they shift step time, not what overlap hides): data-parallel gradient
-      sync, the optimizer, memory limits. Pipeline parallelism is not modelled (PP = 1): the figures are those of
+      sync, the optimizer, memory limits. (:func:`activation_shape` gives ``planner/memory.py`` a published shape,
+      for the activations each option holds.) Pipeline parallelism is not modelled (PP = 1): the figures are those of
       a rank holding all layers, i.e. of its layer steps.
 """
 
 from dataclasses import dataclass, field
 
+from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
 from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts
 
 BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
@@ -73,6 +75,7 @@ class MoEShape:
     dense_ffn: int = 0
     shared_expert_ffn: int = 0
     mla: tuple[int, int, int, int, int] | None = None
+    router: str = "softmax"  # how experts are scored (planner/memory.py): softmax, softmax_pre or sigmoid
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,38 @@ def costs_from_model(shape: MoEShape, layout: Layout, profile: HardwareProfile) 
     return costs, Link(_effective_bandwidth(layout.ep, profile), profile.latency_s, meta_s=2 * profile.latency_s)
 
 
+def activation_shape(shape: MoEShape, layout: Layout) -> ActivationShape:
+    """The memory accounting's view of a published shape, bf16, SwiGLU, balanced routing (an estimate: see
+    planner/memory.py). Latent attention keeps its per-head queries, keys and values, and its down-projections'
+    outputs and their norms."""
+    if shape.mla:
+        q_lora, kv_lora, nope, rope, v = shape.mla
+        qkv, out = shape.num_heads * (2 * (nope + rope) + v), shape.num_heads * v
+        extra = 2 * q_lora + 2 * kv_lora + rope
+    else:
+        groups = shape.num_query_groups or shape.num_heads
+        qkv, out, extra = (shape.num_heads + 2 * groups) * shape.head_dim, shape.num_heads * shape.head_dim, 0
+    return ActivationShape(
+        moe=tuple(index >= shape.dense_layers for index in range(shape.num_layers)),
+        hidden=shape.hidden,
+        heads=shape.num_heads,
+        seq_length=shape.seq_length,
+        sequences=layout.micro_batch,
+        vocab=shape.vocab,
+        dense_ffn=shape.dense_ffn,
+        moe_ffn=shape.moe_ffn,
+        experts=shape.num_experts,
+        topk=shape.topk,
+        element_bytes=BYTES_PER_ELEMENT,
+        gated=True,
+        router=shape.router,
+        qkv_width=qkv,
+        attention_out_width=out,
+        extra_attention_width=extra,
+        shared_ffn=shape.shared_expert_ffn,
+    )
+
+
 def _effective_bandwidth(ep: int, profile: HardwareProfile) -> float:
     """Bytes/s at which a rank's all-to-all traffic leaves it, NVLink for peers in its node, network beyond."""
     if ep <= 1:
@@ -150,12 +185,12 @@ def _effective_bandwidth(ep: int, profile: HardwareProfile) -> float:
 # Published shapes (model cards / configs); sequence length 4096 for all.
 QWEN3_30B_A3B = MoEShape(
     "Qwen3-30B-A3B", num_layers=48, hidden=2048, num_heads=32, head_dim=128, num_query_groups=4, num_experts=128,
-    topk=8, moe_ffn=768, vocab=151936, seq_length=4096,
+    topk=8, moe_ffn=768, vocab=151936, seq_length=4096, router="softmax_pre",
 )  # fmt: skip
 DEEPSEEK_V3 = MoEShape(
     "DeepSeek-V3-like", num_layers=61, hidden=7168, num_heads=128, head_dim=128, num_experts=256, topk=8,
     moe_ffn=2048, vocab=129280, seq_length=4096, dense_layers=3, dense_ffn=18432, shared_expert_ffn=2048,
-    mla=(1536, 512, 128, 64, 128),
+    mla=(1536, 512, 128, 64, 128), router="sigmoid",
 )  # fmt: skip
 MIXTRAL_8X7B = MoEShape(
     "Mixtral-8x7B-like", num_layers=32, hidden=4096, num_heads=32, head_dim=128, num_query_groups=8, num_experts=8,

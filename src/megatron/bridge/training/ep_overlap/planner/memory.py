@@ -1,0 +1,289 @@
+"""Bytes held for backward, node by node, from a model's shape, and the peak a schedule program holds.
+
+Contract:
+    * :class:`ActivationShape` is a MoE transformer as the reference MoE GPT builds it (``models/moe_gpt``):
+      attention, a dense or MoE MLP per layer, a router scoring experts by ``softmax`` (top-k, then softmax),
+      ``softmax_pre`` (softmax, then top-k) or ``sigmoid``. :meth:`ActivationShape.saved` lists, for one unit of
+      ``sequences`` sequences, each tensor a forward node saves for backward: a name (one storage, however many ops
+      save it) and its bytes. Tensors saved by two nodes of a unit carry one name in both.
+    * :func:`activation_peak` (and :func:`predicted_peak`, which builds the PP = 1 program) walks one rank's
+      schedule program (``program/steps.py``) and counts those storages
+      as ``engine/saved.py`` counts them: from the first node that saves one until the last holder lets it go
+      (its node's backward, or a delayed weight gradient that keeps its input and output gradient until its
+      ``wgrad`` op). The result is the peak, in bytes, over the step.
+    * Exact for the reference model on CPU: the tests compare both against ``StepResult.activation_peak_bytes`` for
+      every schedule option. Other shapes (the planner's published ones, with grouped-query or latent attention
+      and shared experts) use the same accounting with their widths: an estimate of what Megatron-Core keeps, which
+      also depends on its kernels (fused attention, Transformer Engine).
+
+Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x top-k slots, R received rows.
+"""
+
+from dataclasses import dataclass
+
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
+
+INDEX_BYTES = 8  # int64 routing indices, token ids and labels
+FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32
+
+_LAYER_NODES = ("pre_dispatch", "experts", "combine")
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What decides the bytes a unit saves. Widths are per token, in elements.
+
+    Args:
+        moe: Per layer, whether it is an MoE layer.
+        hidden: Hidden size.
+        heads: Attention heads (the softmax statistics kept per head and token).
+        seq_length: Tokens per sequence.
+        sequences: Sequences per microbatch.
+        vocab: Vocabulary size.
+        dense_ffn: FFN width of dense layers.
+        moe_ffn: FFN width of one expert.
+        experts: Number of experts.
+        topk: Experts per token.
+        element_bytes: Bytes of one activation element (4 fp32, 2 bf16).
+        gated: SwiGLU (else GELU).
+        router: "softmax", "softmax_pre" or "sigmoid".
+        qkv_width: Width of the fused query/key/value projection's output (default 3 x hidden).
+        attention_out_width: Width of the attention's output before its projection (default hidden).
+        extra_attention_width: Widths an attention kernel keeps beyond those (latent attention's projections).
+        shared_ffn: FFN width of the shared experts (0: none).
+        received_rows_factor: Rows an MoE layer receives per token of the unit (top-k when routing is balanced).
+    """
+
+    moe: tuple[bool, ...]
+    hidden: int
+    heads: int
+    seq_length: int
+    sequences: int
+    vocab: int
+    dense_ffn: int
+    moe_ffn: int
+    experts: int
+    topk: int
+    element_bytes: int = 4
+    gated: bool = False
+    router: str = "softmax"
+    qkv_width: int | None = None
+    attention_out_width: int | None = None
+    extra_attention_width: int = 0
+    shared_ffn: int = 0
+    received_rows_factor: float | None = None
+
+    def __post_init__(self):
+        if self.router not in ("softmax", "softmax_pre", "sigmoid"):
+            raise ValueError(f"router={self.router!r}: use 'softmax', 'softmax_pre' or 'sigmoid'")
+
+    @classmethod
+    def of_reference_model(cls, config, micro_batch_size: int) -> "ActivationShape":
+        """The reference MoE GPT of ``config`` (a ``MoEGPTConfig``, read by field name), for microbatches of
+        ``micro_batch_size`` sequences; MoE layers receive top-k rows per token (balanced routing)."""
+        router = "sigmoid" if config.moe_router_score_function == "sigmoid" else "softmax"
+        if router == "softmax" and config.moe_router_pre_softmax:
+            router = "softmax_pre"
+        return cls(
+            moe=tuple(config.is_moe_layer(i) for i in range(config.num_layers)),
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            seq_length=config.seq_length,
+            sequences=micro_batch_size,
+            vocab=config.vocab_size,
+            dense_ffn=config.ffn_hidden_size,
+            moe_ffn=config.moe_ffn_hidden_size or config.ffn_hidden_size,
+            experts=config.num_moe_experts or 0,
+            topk=config.moe_router_topk,
+            element_bytes=2 if (config.bf16 or config.fp16) else 4,
+            gated=config.gated_linear_unit,
+            router=router,
+        )
+
+    def saved(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
+        """(name, bytes) of what ``node`` (of ``layer``; None at the chunk's ends) saves for a unit of ``sequences``
+        sequences. Names are local to the unit and layer; ``tokens`` and ``labels`` belong to the microbatch."""
+        T, D, es = sequences * self.seq_length, self.hidden, self.element_bytes
+        if node == "embedding":  # the token ids (the microbatch's storage, a half's rows are a view) and positions
+            return [("tokens", self.sequences * self.seq_length * INDEX_BYTES), ("positions", self.seq_length * 8)]
+        if node == "head":  # final norm, output layer input, log-probabilities, target ids, the loss's weight
+            return [
+                ("head_x", T * D * es), ("head_norm_stats", 2 * T * es), ("head_norm", T * D * es),
+                ("log_probs", T * self.vocab * FP32), ("labels", self.sequences * self.seq_length * INDEX_BYTES),
+                ("total_weight", FP32),
+            ]  # fmt: skip
+        moe = self.moe[layer]
+        return getattr(self, f"_{node}")(T, D, es, moe)
+
+    def _pre_dispatch(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
+        qkv = self.qkv_width or 3 * D
+        out = self.attention_out_width or D
+        saved = [
+            ("x", T * D * es), ("ln1_stats", 2 * T * es), ("ln1_out", T * D * es), ("qkv", T * qkv * es),
+            ("lse", T * self.heads * FP32), ("o", T * out * es), ("h", T * D * es), ("ln2_stats", 2 * T * es),
+        ]  # fmt: skip
+        if self.extra_attention_width:
+            saved.append(("attention_extra", T * self.extra_attention_width * es))
+        if self.shared_ffn:
+            saved += self._mlp("shared", T, self.shared_ffn, es)
+        if not moe:
+            return saved
+        K, E, P = self.topk, self.experts, T * self.topk
+        saved += [("n", T * D * es), ("route_index", T * K * INDEX_BYTES)]
+        if self.router == "softmax":
+            saved.append(("probs", T * K * FP32))
+        else:
+            saved.append(("scores", T * E * FP32))
+            if self.router == "sigmoid" and K > 1:  # normalized over the top-k: the sum and the top-k scores
+                saved += [("score_sum", T * FP32), ("top_scores", T * K * FP32)]
+        return saved + [("permute_index", P * INDEX_BYTES)]
+
+    def _experts(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
+        if not moe:
+            return [("n", T * D * es)] + self._mlp("mlp", T, self.dense_ffn, es)
+        R = round(T * (self.received_rows_factor or self.topk))
+        saved = [("sort_index", R * INDEX_BYTES), ("expert_x", R * D * es)]
+        return saved + self._mlp("expert", R, self.moe_ffn, es) + [("unsort_index", R * INDEX_BYTES)]
+
+    def _mlp(self, prefix: str, rows: int, ffn: int, es: int) -> list[tuple[str, int]]:
+        """fc1's output kept by the activation, and fc2's input; SwiGLU also keeps SiLU's output."""
+        if self.gated:
+            return [(f"{prefix}_fc1_out", rows * 2 * ffn * es), (f"{prefix}_silu", rows * ffn * es),
+                    (f"{prefix}_act", rows * ffn * es)]  # fmt: skip
+        return [(f"{prefix}_fc1_out", rows * ffn * es), (f"{prefix}_act", rows * ffn * es)]
+
+    def _combine(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
+        if not moe:
+            return []
+        P, K = T * self.topk, self.topk
+        # The weights unpermute multiplies by: the router's own softmax output in fp32 (top-k first), else a tensor
+        # of their own (the top-k of a softmax, sigmoid weights, or a cast to the activation dtype).
+        probs = ("probs", T * K * FP32) if self.router == "softmax" and es == FP32 else ("combine_probs", T * K * es)
+        return [("inverse_index", P * INDEX_BYTES), ("expert_back", P * D * es), probs]
+
+    def wgrad_held(self, node: str, T: int) -> list[tuple[str, int]]:
+        """What a delayed wgrad of ``node`` ("experts" or "attention") keeps that the node did not save: its
+        linears' output gradients (their inputs are the node's own saved tensors, kept too)."""
+        D, es = self.hidden, self.element_bytes
+        if node == "attention":
+            return [("dy_proj", T * D * es), ("dy_qkv", T * (self.qkv_width or 3 * D) * es)]
+        R = round(T * (self.received_rows_factor or self.topk))
+        return [("dy_fc2", R * D * es), ("dy_fc1", R * (2 if self.gated else 1) * self.moe_ffn * es)]
+
+
+class _Count:
+    """Storages and their holders, as engine/saved.py counts them."""
+
+    def __init__(self):
+        self.holders: dict[tuple, int] = {}
+        self.sizes: dict[tuple, int] = {}
+        self.current = self.peak = 0
+
+    def hold(self, key: tuple, nbytes: int) -> None:
+        if not self.holders.get(key):
+            self.sizes[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        self.holders[key] = self.holders.get(key, 0) + 1
+
+    def release(self, key: tuple) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.current -= self.sizes.pop(key)
+
+
+def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape, *, delay_wgrad: bool) -> int:
+    """The most bytes held for backward at any moment of one rank's step (``steps``, a PP = 1 program over
+    ``chunk``); ``delay_wgrad`` as the overlapped steps run (plain steps never delay)."""
+    count = _Count()
+    sequences = {}  # unit -> (microbatch, sequences of the unit)
+    for step in steps:
+        for member in step.units:
+            half = shape.sequences if member.half is None else _half_rows(shape.sequences, member.half)
+            sequences[member.unit] = (member.microbatch, half)
+    saved: dict[tuple, list[tuple[tuple, int]]] = {}  # (unit, layer, node) -> the keys it holds
+    wgrad: dict[tuple, list[tuple]] = {}  # (unit, layer, "experts"/"attention") -> keys a delayed wgrad holds
+
+    def key(unit: int, layer: int | None, name: str) -> tuple:
+        return ("microbatch", sequences[unit][0], name) if name in ("tokens", "labels") else (unit, layer, name)
+
+    def forward(unit: int, layer: int | None, node: str) -> None:
+        held = [(key(unit, layer, name), nbytes) for name, nbytes in shape.saved(node, layer, sequences[unit][1])]
+        saved[(unit, layer, node)] = held
+        for k, nbytes in held:
+            count.hold(k, nbytes)
+
+    def backward(unit: int, layer: int | None, node: str, keep: tuple[str, ...] = ()) -> None:
+        for k, _ in saved.pop((unit, layer, node)):
+            if k[-1] not in keep:
+                count.release(k)
+
+    def experts_bwd_delayed(unit: int, layer: int) -> None:
+        # Expert backward in autograd's order: unsort, fc2 (its input and output gradient go to the wgrad queue),
+        # the activation, fc1 (likewise), sort. Only the output gradients are new bytes.
+        T = sequences[unit][1] * shape.seq_length
+        (dy2, dy2_bytes), (dy1, dy1_bytes) = [((unit, layer, n), b) for n, b in shape.wgrad_held("experts", T)]
+        held = dict(saved.pop((unit, layer, "experts")))
+        names = {k[-1]: k for k in held}
+        count.release(names["unsort_index"])
+        count.hold(names["expert_act"], 0)
+        count.hold(dy2, dy2_bytes)
+        count.release(names["expert_act"])
+        for name in ("expert_silu", "expert_fc1_out"):
+            if name in names:
+                count.release(names[name])
+        count.hold(names["expert_x"], 0)
+        count.hold(dy1, dy1_bytes)
+        count.release(names["expert_x"])
+        count.release(names["sort_index"])
+        wgrad[(unit, layer, "experts")] = [names["expert_act"], dy2, names["expert_x"], dy1]
+
+    def pre_dispatch_bwd_delayed(unit: int, layer: int) -> None:
+        # The attention's linears keep their inputs (the norm's output, the attention's output) and output gradients
+        # for the delayed wgrad; everything released before them is larger, so no new peak arises inside the node.
+        T = sequences[unit][1] * shape.seq_length
+        held = saved[(unit, layer, "pre_dispatch")]
+        names = {k[-1]: k for k, _ in held}
+        backward(unit, layer, "pre_dispatch", keep=("ln1_out", "o"))
+        grads = [((unit, layer, n), b) for n, b in shape.wgrad_held("attention", T)]
+        for k, nbytes in grads:
+            count.hold(k, nbytes)
+        wgrad[(unit, layer, "attention")] = [names["ln1_out"], names["o"], *(k for k, _ in grads)]
+
+    for step in steps:
+        delay = delay_wgrad and not step.plain
+        for op in step.ops:
+            u, j = op.unit, op.layer
+            if op.kind == "plain":
+                nodes = [("embedding", None)] if chunk.first else []
+                nodes += [(node, layer) for layer in range(len(chunk.moe)) for node in _LAYER_NODES]
+                nodes += [("head", None)] if chunk.last else []
+                for node, layer in nodes if op.name == "forward" else reversed(nodes):
+                    (forward if op.name == "forward" else backward)(u, layer, node)
+            elif op.kind == "compute" and op.name in ("embedding", "head", *_LAYER_NODES):
+                forward(u, j, op.name)
+            elif op.kind == "compute" and op.name == "experts_bwd" and delay and chunk.moe[j]:
+                experts_bwd_delayed(u, j)
+            elif op.kind == "compute" and op.name == "pre_dispatch_bwd" and delay:
+                pre_dispatch_bwd_delayed(u, j)
+            elif op.kind == "compute" and op.name.endswith("_bwd"):
+                backward(u, j, op.name[: -len("_bwd")])
+            elif op.kind == "wgrad":
+                for k in wgrad.pop((u, j, op.name)):
+                    count.release(k)
+    return count.peak
+
+
+def predicted_peak(shape: ActivationShape, options, num_microbatches: int) -> int:
+    """:func:`activation_peak` of the PP = 1 step of ``num_microbatches`` that ``options`` (``EPOverlapOptions``;
+    ``overlap=False``: the plain path) run."""
+    chunk = ChunkShape(True, True, shape.moe)
+    steps = list(program(options, [chunk], num_microbatches))
+    return activation_peak(shape, steps, chunk, delay_wgrad=options.overlap and options.delay_wgrad)
+
+
+def _half_rows(sequences: int, half: int) -> int:
+    """Sequences of a chunked microbatch's half (``program/units.py``: the first ``ceil(B / 2)``, then the rest)."""
+    cut = (sequences + 1) // 2
+    return cut if half == 0 else sequences - cut
