@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Transformer Engine",
     )
     model.add_argument(
+        "--recompute_modules",
+        nargs="+",
+        default=None,
+        metavar="MODULE",
+        help="selective recompute in both arms (Megatron-LM's list): layernorm core_attn moe_act mlp moe; the "
+        "reference model recomputes them in each node's backward",
+    )
+    model.add_argument(
         "--mtp_num_layers",
         type=int,
         default=None,
@@ -183,4 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_cli_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.recompute_modules:  # the list stops at the first key=value override, which argparse would take as a module
+        modules = [m for m in args.recompute_modules if "=" not in m]
+        args.overrides = [m for m in args.recompute_modules if "=" in m] + args.overrides
+        args.recompute_modules = modules
+    return args

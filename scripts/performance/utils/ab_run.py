@@ -171,6 +171,10 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         "bf16",
     ):
         lines.append(f"  model.{key} = {getattr(m, key)!r}")
+    for key in ("recompute_granularity", "recompute_modules", "mtp_num_layers", "hybrid_layer_pattern"):
+        if m.recompute_granularity is not None or not key.startswith("recompute"):
+            if getattr(m, key) is not None:
+                lines.append(f"  model.{key} = {getattr(m, key)!r}")
     for key, value in vars(t).items():
         lines.append(f"  train.{key} = {value!r}")
     for arm in arms:
@@ -361,7 +365,8 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
         held = {arm: summary["arms"][arm]["activation_peak_bytes"] for arm in ("baseline", "overlap")}
         summary["activation_peak_bytes"] = {**held, "ratio": held["overlap"] / held["baseline"]}
-        if P == 1 and args.model_impl == "reference":  # the planner's accounting is the reference model's
+        # The planner's accounting is the reference model's, without recompute.
+        if P == 1 and args.model_impl == "reference" and m.recompute_granularity is None:
             shape = ActivationShape.of_reference_model(m, t.micro_batch_size)
             summary["activation_peak_bytes"]["planned_balanced_routing"] = {
                 arm: predicted_peak(shape, EPOverlapOptions(**results[arm][0]["options"]), t.num_microbatches)

@@ -126,6 +126,12 @@ def recipe_problems(recipe: Any) -> list[str]:
         if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
             problems.append(f"train.{name}={value!r}: must be a positive number")
     problems += [f"model.{problem}" for problem in router_problems(model)]
+    if model.recompute_granularity == "selective" and "moe_act" in (model.recompute_modules or ()):
+        if not model.moe_grouped_gemm:
+            problems.append(
+                "--recompute_modules moe_act: Megatron-Core's config accepts it only with moe_grouped_gemm; add "
+                "model.moe_grouped_gemm=true (with Transformer Engine on a GPU that also picks its grouped GEMM)"
+            )
     problems += _pipeline_problems(model, train)
     if model.moe_token_dispatcher_type == "flex":
         problems.append(

@@ -160,6 +160,8 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
         value = getattr(args, name)
         if value is not None:
             setattr(model, name, value)
+    if args.recompute_modules is not None:
+        model.recompute_granularity, model.recompute_modules = "selective", list(args.recompute_modules)
     for name in (*MODEL_INT_FLAGS, *PIPELINE_FLAGS):
         value = getattr(args, name)
         if value is not None:

@@ -148,12 +148,13 @@ def test_dryrun_prints_resolved_config(capsys):
 
 
 def test_config_errors_are_the_rules_errors_without_traceback(capsys):
-    bad = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=1"]
+    bad = ["model.moe_shared_expert_overlap=true"]
     code = ep_overlap_ab.main(TINY + ["--ab", "--expert_model_parallel_size", "1", "-d", *bad])
     err = capsys.readouterr().err
     assert code == 2
     lines = err.splitlines()
-    assert len(lines) == 4 and all(line.startswith("error: overlap arm: [") for line in lines)
+    assert len(lines) == 2 and all(line.startswith("error: overlap arm: [") for line in lines)
+    assert "[no_shared_expert_overlap] model.moe_shared_expert_overlap=True" in err
     assert "[expert_parallel] model.expert_model_parallel_size=1" in err and "Fix: " in err
     assert "Traceback" not in err
 
@@ -536,3 +537,24 @@ def test_auto_placement_misuse_is_one_line(capsys):
     err = capsys.readouterr().err
     assert "ep_overlap.attention_wgrad_window=None" in err and "the planner that chooses simulates PP = 1" in err
     assert "Traceback" not in err
+
+
+def test_recompute_modules_take_megatron_lms_list_and_stop_at_an_override():
+    recipe = recipe_from(TINY + ["--recompute_modules", "moe", "layernorm", "model.moe_router_topk=1"])
+    assert recipe.model.recompute_granularity == "selective"
+    assert recipe.model.recompute_modules == ["moe", "layernorm"]
+    assert recipe.model.moe_router_topk == 1  # the override after the list was applied, not taken as a module
+
+
+@pytest.mark.parametrize(
+    "modules, line",
+    [
+        (["shared_experts"], "model.recompute_modules=['shared_experts']: the reference MoE GPT recomputes layernorm, "
+         "core_attn, moe_act, mlp, moe only; drop the others"),
+        (["moe_act"], "--recompute_modules moe_act: Megatron-Core's config accepts it only with moe_grouped_gemm; add "
+         "model.moe_grouped_gemm=true"),
+    ],
+)  # fmt: skip
+def test_recompute_the_reference_model_cannot_run_is_one_line(modules, line, capsys):
+    assert ep_overlap_ab.main(TINY + ["-d", "--recompute_modules", *modules]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {line}")

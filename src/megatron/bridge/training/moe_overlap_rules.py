@@ -321,8 +321,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "no_moe_recompute",
-        ("model.recompute_modules",),
-        _overlap_on,
+        ("model.recompute_modules", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: "moe" not in (f["model.recompute_modules"] or ()),
         "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules.",
         "remove 'moe' from recompute_modules.",

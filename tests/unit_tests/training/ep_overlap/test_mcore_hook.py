@@ -173,13 +173,16 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     elif kind == "tied-pipeline-chunk":
         model, plan = build_gpt(McoreCase(tied=True)), plan_for
         model.post_process = False  # what the first stage's chunk of a pipelined model has
+    elif kind == "recompute-moe":
+        model, plan = build_gpt(McoreCase()), plan_for
+        model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
     elif kind == "other":
         model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), plan_for
     else:  # a HybridModel handed to the GPT plan by name
         model, plan = build_hybrid(HybridCase()), McoreGPTPlan
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
-    if kind == "hybrid-as-gpt":
-        del builds["hook"]  # the hook picks the plan by class, so it takes the HybridModel
+    if kind in ("hybrid-as-gpt", "recompute-moe"):
+        del builds["hook"]  # it picks the plan by class; its rules refuse 'moe' recompute first for Megatron-Core
     refused = {}
     for name, build in builds.items():
         try:
@@ -194,6 +197,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     "kind, line",
     [
         ("mtp-pipeline-chunk", "mtp_num_layers=1 with pipeline stages: the last stage's copy of the embedding"),
+        ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes ['moe'] from the MoE"),
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("tied-pipeline-chunk", "share_embeddings_and_output_weights=True with pipeline stages"),

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.bridge.models.moe_gpt.recompute import RECOMPUTABLE
+
 
 @dataclass
 class MoEGPTConfig(TransformerConfig):
@@ -93,6 +95,30 @@ _FEATURE_RULES = (
         lambda c: c.hybrid_layer_pattern is not None,
         "the reference MoE GPT is not a hybrid model",
         "drop it, or run a Megatron-Core HybridModel (the harness's --model_impl mcore)",
+    ),
+    (
+        "recompute_granularity",
+        lambda c: c.recompute_granularity not in (None, "selective"),
+        "the reference MoE GPT recomputes selected modules, not whole layers",
+        "set recompute_granularity='selective' and choose recompute_modules, or None",
+    ),
+    (
+        "recompute_method",
+        lambda c: c.recompute_method is not None,
+        "layer recompute is not implemented by the reference MoE GPT",
+        "set recompute_method=None (selective recompute: recompute_granularity='selective')",
+    ),
+    (
+        "recompute_num_layers",
+        lambda c: c.recompute_num_layers is not None,
+        "layer recompute is not implemented by the reference MoE GPT",
+        "set recompute_num_layers=None",
+    ),
+    (
+        "recompute_modules",
+        lambda c: c.recompute_granularity == "selective" and set(c.recompute_modules or ()) - set(RECOMPUTABLE),
+        f"the reference MoE GPT recomputes {', '.join(RECOMPUTABLE)} only",
+        "drop the others",
     ),
 )
 

@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron.bridge.models.moe_gpt import recompute
 from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, model_feature_problems, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
@@ -82,13 +83,18 @@ class Attention(torch.nn.Module):
         self.heads, self.seq_length = H, config.seq_length
         self.qkv = Linear(D, 3 * D, name=f"{name}.qkv")
         self.proj = Linear(D, D, name=f"{name}.proj")
+        self.recompute_core = "core_attn" in recompute.recompute_modules(config)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         T, D = x_TD.shape
         S, H = self.seq_length, self.heads
         q_BHSd, k_BHSd, v_BHSd = self.qkv(x_TD).view(T // S, S, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        o_BHSd = recompute.run(self.recompute_core, _causal_attention, q_BHSd, k_BHSd, v_BHSd)
         return self.proj(o_BHSd.transpose(1, 2).reshape(T, D))
+
+
+def _causal_attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
 
 
 class TransformerLayer(torch.nn.Module):
@@ -106,6 +112,7 @@ class TransformerLayer(torch.nn.Module):
         # Set by the engine while it runs the plain path, to time the blocking all-to-alls.
         self.comm_observer: CommObserver | None = None
         self.gated = config.gated_linear_unit
+        self.recompute = recompute.recompute_modules(config)
         self.ln1 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
         self.attention = Attention(config, f"{name}.attention")
         self.ln2 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
@@ -164,8 +171,9 @@ class TransformerLayer(torch.nn.Module):
                 f"{self.name}: expected hidden states [tokens, {self.ln1.normalized_shape[0]}], "
                 f"got {tuple(x_TD.shape)}"
             )
-        h_TD = x_TD + self.attention(self.ln1(x_TD))
-        n_TD = self.ln2(h_TD)
+        norms = "layernorm" in self.recompute
+        h_TD = x_TD + self.attention(recompute.run(norms, self.ln1, x_TD))
+        n_TD = recompute.run(norms, self.ln2, h_TD)
         if not self.is_moe:
             return h_TD, (n_TD,), None, None
         probs_TK, experts_TK = self._route(self.router(n_TD))
@@ -205,10 +213,18 @@ class TransformerLayer(torch.nn.Module):
         """Local experts (grouped GEMMs) on the received rows; the dense MLP for dense layers."""
         (received_RD,) = received
         if routing is None:
-            return self.fc2(_activation(self.fc1(received_RD), self.gated))
+            return recompute.run("mlp" in self.recompute, self._dense_mlp, received_RD)
+        return recompute.run("moe" in self.recompute, functools.partial(self._experts, routing), received_RD)
+
+    def _dense_mlp(self, n_TD: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_activation(self.fc1(n_TD), self.gated))
+
+    def _experts(self, routing: Routing, received_RD: torch.Tensor) -> torch.Tensor:
         sizes = routing.local_group_sizes
         x_RD = received_RD.index_select(0, routing.sort_R)
-        y_RD = self.fc2(_activation(self.fc1(x_RD, sizes), self.gated), sizes)
+        activation = functools.partial(_activation, gated=self.gated)
+        a_RF = recompute.run("moe_act" in self.recompute, activation, self.fc1(x_RD, sizes))
+        y_RD = self.fc2(a_RF, sizes)
         return y_RD.index_select(0, routing.unsort_R)
 
     def combine(

@@ -85,6 +85,13 @@ class McorePlan:
                 "(its MTP layer reads it) would need its gradient summed with the first stage's, which the EP-overlap "
                 f"plan does not do yet; fix: use PP = 1 or set mtp_num_layers=None, {_OFF}"
             )
+        stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
+        if config.recompute_granularity == "selective" and stepped:
+            raise ValueError(
+                f"recompute_modules={config.recompute_modules}: Megatron-Core recomputes {sorted(stepped)} from "
+                "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
+                f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
+            )
         if model.share_embeddings_and_output_weights and not whole:
             raise ValueError(
                 "share_embeddings_and_output_weights=True with pipeline stages: the EP-overlap plan ties the two "
