@@ -23,6 +23,16 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         pytest.fail(f"{what} differs (max abs diff {diff:g})")
 
 
+def assert_same_training(expected: dict, got: dict, steps: int, where: str) -> None:
+    """Two runs' per-step losses and gradients and final parameters (``train_arms``' arm dicts), bit for bit."""
+    for step in range(steps):
+        assert_bitwise(expected["losses"][step], got["losses"][step], f"{where} step {step} losses")
+        for param, grad in expected["grads"][step].items():
+            assert_bitwise(grad, got["grads"][step][param], f"{where} step {step} grad {param}")
+    for param, value in expected["params"].items():
+        assert_bitwise(value, got["params"][param], f"{where} final {param}")
+
+
 EXPERT_BIAS = {
     "moe_router_score_function": "sigmoid",
     "moe_router_enable_expert_bias": True,
@@ -67,12 +77,7 @@ def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_plain(name):
         plain = arms["plain"]
         for arm in case.arms[1:]:
             other = arms[arm]
-            for step in range(case.steps):
-                assert_bitwise(plain["losses"][step], other["losses"][step], f"rank {rank} {arm} step {step} losses")
-                for param, grad in plain["grads"][step].items():
-                    assert_bitwise(grad, other["grads"][step][param], f"rank {rank} {arm} step {step} grad {param}")
-            for param, value in plain["params"].items():
-                assert_bitwise(value, other["params"][param], f"rank {rank} {arm} final {param}")
+            assert_same_training(plain, other, case.steps, f"rank {rank} {arm}")
             for name, bias in plain["biases"].items():
                 assert_bitwise(bias, other["biases"][name], f"rank {rank} {arm} final {name}")
         if case.extra.get("moe_router_enable_expert_bias"):  # the biases moved, and identically on every rank

@@ -143,3 +143,25 @@ def test_the_planner_predicts_the_measured_activation_peak_of_every_schedule_opt
         # their wgrad runs (longer in window 2), edge pairing holds a third microbatch's forward.
         assert peaks["plain"] <= peaks["overlap"] <= peaks["delayed-window1"] <= peaks["delayed-window2"]
         assert peaks["edge-pairing"] > 1.5 * peaks["overlap"]
+
+
+def _frees(rank: int, world: int, recompute_moe: bool) -> dict:
+    from megatron.bridge.training.ep_overlap.engine import nodes
+
+    freed = []
+    free = nodes._free
+    nodes._free = lambda t: (freed.append(tuple(t.shape)), free(t))  # this forked rank only
+    extra = {"recompute_granularity": "selective", "recompute_modules": ["moe"]} if recompute_moe else {}
+    case = Case(layer_freq=(1, 0, 1), topk=4, extra=extra)  # every token to every expert: R = P = 4 x 16 rows
+    groups = init_ep_groups(world, timedelta(seconds=30))
+    engine = EPOverlapEngine(MoEGPTModel(case.config(), groups), groups, overlap=True)
+    engine.step([(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)])
+    return {shape: freed.count(shape) for shape in set(freed)}
+
+
+def test_the_all_to_alls_outputs_are_freed_once_used_unless_backward_reads_them():
+    # Each MoE layer of each microbatch frees what it sent (dispatch, combine) and, once consumed, what it received:
+    # 4 buffers of 64 rows x 32; with the experts recomputed, the received rows are their saved input and stay.
+    layers_x_microbatches = 2 * 3
+    assert run_local_ranks(_frees, 2, (False,))[0].result == {(64, 32): 4 * layers_x_microbatches}
+    assert run_local_ranks(_frees, 2, (True,))[0].result == {(64, 32): 3 * layers_x_microbatches}

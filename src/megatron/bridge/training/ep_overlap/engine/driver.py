@@ -208,6 +208,7 @@ class Engine:
                 start_step(len(microbatches) + len(split))  # the loss-carrying units: halves count
         failed = True
         saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
+        lane.saved = saved
         try:
             with torch.no_grad() if forward_only else nullcontext(), saved:
                 losses = self._run(steps, microbatches, normalizer, lane, device, options, forward_only)

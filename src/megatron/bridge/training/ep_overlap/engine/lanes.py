@@ -89,6 +89,9 @@ def done(tensor: torch.Tensor) -> Pending:
 
 class _Lane:
     launches_off_host = False
+    # The step's count of what is saved for backward (engine/saved.py), where the engine keeps one: nodes free a
+    # buffer early only when no saved tensor shares its storage.
+    saved = None
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder):
         self.groups = groups

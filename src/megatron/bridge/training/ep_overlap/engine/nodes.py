@@ -46,6 +46,13 @@ def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+def _release_early(t: torch.Tensor, lane) -> None:
+    """Frees an all-to-all's output once its consumer ran, unless a tensor saved for backward shares its storage
+    (then backward reads it); only its ``.grad`` is read later. Needs the step's count of saved tensors."""
+    if lane.saved is not None and not lane.saved.holds(t):
+        _free(t)
+
+
 class LayerNodes:
     """The nodes of ``layer`` (:class:`~megatron.bridge.training.ep_overlap.contract.LayerFunctions`) for one
     microbatch. With ``grad`` False (a forward-only step) they build no autograd graph."""
@@ -120,6 +127,9 @@ class LayerNodes:
                     got.requires_grad_(sent.requires_grad)
             with torch.set_grad_enabled(self.grad):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
+            if self.routing is not None:
+                for got in received:
+                    _release_early(got, self.lane)
 
     def launch_combine(self) -> None:
         routing = self.routing
@@ -143,6 +153,8 @@ class LayerNodes:
             self.h_in, self.keep_in = _leaf(self.h), _leaf(self.keep)
             with torch.set_grad_enabled(self.grad):
                 self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
+            if self.routing is not None:
+                _release_early(back, self.lane)
         return self.out
 
     # ---- backward -----------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ class SavedActivations:
         WeightGradStore.observers.remove(self)
         self._hooks.__exit__(*exc)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether a tensor saved for backward (or queued for a wgrad) shares ``t``'s storage."""
+        with self._lock:
+            return bool(self._holders.get(self._key(t)))
+
     # ---- WeightGradStore observer -------------------------------------------------------------------
 
     def hold(self, tensors) -> None:
