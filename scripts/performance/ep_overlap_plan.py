@@ -32,6 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--global_batch", type=int, default=None, help="with --model: sequences (default 1024)")
     parser.add_argument("--link_gbps", type=float, default=None, help="with --from_json: predict for this link")
     parser.add_argument("--microbatches", type=int, nargs="+", default=None, help="microbatch counts to search")
+    parser.add_argument(
+        "--recompute_modules",
+        nargs="+",
+        default=None,
+        choices=["layernorm", "core_attn", "moe_act", "mlp", "moe"],
+        help="with --model: charge these recomputed forwards to the backward nodes that run them",
+    )
     return parser
 
 
@@ -80,17 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
     else:
         layout = cost_model.Layout(*model_layout(args))
-        costs, link = cost_model.costs_from_model(
-            cost_model.SHAPES[args.model], layout, cost_model.PROFILES[args.profile]
-        )
+        recompute = frozenset(args.recompute_modules or ())
+        shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
+        costs, link = cost_model.costs_from_model(shape, layout, profile, recompute)
         n = layout.num_microbatches
         print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
         from utils.plan_table import activation_peaks_gib
 
-        plain, overlap, delayed, edges = activation_peaks_gib(cost_model.SHAPES[args.model], layout)
+        plain, overlap, delayed, edges = activation_peaks_gib(shape, layout)
         print(
-            f"activations held per rank (all layers, balanced routing; an estimate): plain {plain:.1f} GiB, "
-            f"overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge pairing {edges:.1f}"
+            "activations held per rank (all layers, balanced routing; an estimate"
+            + (", keeping everything: recompute is not modelled" if recompute else "")
+            + f"): plain {plain:.1f} GiB, overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge "
+            f"pairing {edges:.1f}"
         )
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
     print(_line(f"{n} microbatches", planner.predict(costs, link, n)))

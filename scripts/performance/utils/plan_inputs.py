@@ -45,6 +45,16 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
             )
         if args.table:
             rows.append((args.link_gbps is not None, "--link_gbps", args.link_gbps, "applies to --from_json: drop it"))
+        rows.append(
+            (
+                args.recompute_modules is not None,
+                "--recompute_modules",
+                args.recompute_modules,
+                f"applies to --model ({source}: "
+                + ("the measured records include it" if args.from_json else "the table is without recompute")
+                + "): drop it",
+            )
+        )
     else:
         gpus, ep, batch = model_layout(args)
         rows += [

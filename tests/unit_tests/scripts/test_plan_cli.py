@@ -82,6 +82,18 @@ def test_a_flag_the_source_ignores_is_refused_not_dropped(tmp_path):
     )
     (line,) = refused(plan("--model", "qwen3-30b-a3b", "--link_gbps", "100"))
     assert line.startswith("error: --link_gbps=100.0: applies to --from_json")
+    (line,) = refused(plan("--from_json", str(path), "--recompute_modules", "moe"))
+    assert line == (
+        "error: --recompute_modules=['moe']: applies to --model (--from_json: the measured records include it): "
+        "drop it"
+    )
+
+
+def test_recompute_is_charged_with_a_published_shape():
+    run = plan("--model", "qwen3-30b-a3b", "--recompute_modules", "moe")
+    assert run.returncode == 0, run.stderr
+    assert "keeping everything: recompute is not modelled" in run.stdout
+    assert "64 microbatches: plain 41.810 s, overlapped 26.541 s" in run.stdout  # 39.409 s / 25.210 s without
 
 
 def test_the_minimal_summary_is_accepted(tmp_path):

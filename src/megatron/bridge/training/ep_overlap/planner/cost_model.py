@@ -14,7 +14,7 @@ Contract:
       a rank holding all layers, i.e. of its layer steps.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
 from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts
@@ -107,11 +107,19 @@ def _attention_flops(s: MoEShape, tokens: int) -> float:
     return 2 * tokens * projections + tokens * core
 
 
-def costs_from_model(shape: MoEShape, layout: Layout, profile: HardwareProfile) -> tuple[StepCosts, Link]:
-    """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link."""
+def costs_from_model(
+    shape: MoEShape, layout: Layout, profile: HardwareProfile, recompute: frozenset[str] = frozenset()
+) -> tuple[StepCosts, Link]:
+    """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link.
+
+    ``recompute`` (``recompute_modules``) charges each recomputed forward to the backward node that runs it: ``moe``
+    the experts' GEMMs to the experts' backward, ``mlp`` a dense layer's MLP and ``core_attn`` the attention core to
+    the attention's backward; ``layernorm`` and ``moe_act`` are elementwise and cost no FLOPs here."""
     tokens = layout.micro_batch * shape.seq_length
     rate = profile.peak_flops * profile.compute_efficiency
     attention = _attention_flops(shape, tokens)
+    core = attention - _attention_flops(replace(shape, seq_length=0), tokens)  # QK^T and PV, without projections
+    again = core if "core_attn" in recompute else 0.0
     router = 2 * tokens * shape.hidden * shape.num_experts
     shared = 2 * tokens * shape.hidden * shape.shared_expert_ffn * 3
     experts = 2 * tokens * shape.topk * shape.hidden * shape.moe_ffn * 3  # SwiGLU: gate, up and down projections
@@ -120,17 +128,16 @@ def costs_from_model(shape: MoEShape, layout: Layout, profile: HardwareProfile) 
     for index in range(shape.num_layers):
         if index < shape.dense_layers:
             mlp = 2 * tokens * shape.hidden * shape.dense_ffn * 3
-            layers.append(
-                LayerCosts(f_pre=(attention + mlp) / rate, f_exp=0.0, b_exp=0.0, b_pre=2 * (attention + mlp) / rate)
-            )
+            b_pre = 2 * (attention + mlp) + again + (mlp if "mlp" in recompute else 0.0)
+            layers.append(LayerCosts(f_pre=(attention + mlp) / rate, f_exp=0.0, b_exp=0.0, b_pre=b_pre / rate))
         else:
             pre = (attention + router + shared) / rate
             layers.append(
                 LayerCosts(
                     f_pre=pre,
                     f_exp=experts / rate,
-                    b_exp=2 * experts / rate,
-                    b_pre=2 * pre,
+                    b_exp=(3 if "moe" in recompute else 2) * experts / rate,
+                    b_pre=2 * pre + again / rate,
                     dispatch_bytes=a2a_bytes,
                     combine_bytes=a2a_bytes,
                 )
