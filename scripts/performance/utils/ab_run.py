@@ -171,10 +171,10 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         "bf16",
     ):
         lines.append(f"  model.{key} = {getattr(m, key)!r}")
-    for key in ("recompute_granularity", "recompute_modules", "mtp_num_layers", "hybrid_layer_pattern"):
-        if m.recompute_granularity is not None or not key.startswith("recompute"):
-            if getattr(m, key) is not None:
-                lines.append(f"  model.{key} = {getattr(m, key)!r}")
+    recompute = ("recompute_granularity", "recompute_modules") if m.recompute_granularity is not None else ()
+    for key in (*recompute, "mtp_num_layers", "hybrid_layer_pattern"):
+        if getattr(m, key) is not None:
+            lines.append(f"  model.{key} = {getattr(m, key)!r}")
     for key, value in vars(t).items():
         lines.append(f"  train.{key} = {value!r}")
     for arm in arms:

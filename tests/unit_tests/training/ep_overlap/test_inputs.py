@@ -55,20 +55,35 @@ def test_loss_is_the_mean_over_counted_tokens_of_every_rank(ignore):
         torch.testing.assert_close(plain, expected, rtol=1e-6, atol=0)
 
 
-def _step_with(rank: int, world: int, bad_rank: int, corrupt: str) -> str:
-    groups = init_ep_groups(2, timedelta(seconds=30))
-    data = _data(rank, ignore=False)
-    if rank == bad_rank:
-        tokens, labels = data[2]
-        if corrupt == "token":
-            tokens[0, 1] = 64
-        elif corrupt == "label":
-            labels[0, 0] = -5
-        else:
-            labels.fill_(IGNORE_INDEX)
-    if corrupt == "all_ignored":
+def _changed(rank: int, data: list, what: str) -> list:
+    """The step's input changed as ``what`` says: rank 1's, but for "all_ignored" (every rank's labels)."""
+    if what == "all_ignored":
         for _, labels in data:
             labels.fill_(IGNORE_INDEX)
+        return data
+    if rank != 1:
+        return data
+    tokens, labels = data[0]
+    if what == "token":
+        data[2][0][0, 1] = 64
+    elif what == "label":
+        data[2][1][0, 0] = -5
+    elif what == "count":
+        data = data[:2]
+    elif what == "dtype":
+        data = [(t.to(torch.int32), labels_) for t, labels_ in data]
+    else:
+        data[0] = {
+            "bool tokens": (tokens > 30, labels),
+            "uint8 tokens": (tokens.to(torch.uint8), labels),
+            "sequence length": (tokens[:, :-2], labels[:, :-2]),
+        }[what]
+    return data
+
+
+def _step_with(rank: int, world: int, what: str) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=60))  # a hang would wait this long; the checks answer at once
+    data = _changed(rank, _data(rank, ignore=False), what)
     EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
     return "ran"
 
@@ -81,7 +96,7 @@ def _step_with(rank: int, world: int, bad_rank: int, corrupt: str) -> str:
     ],
 )
 def test_out_of_range_ids_fail_every_rank_at_once_naming_rank_and_microbatch(corrupt, detail):
-    outcomes = run_local_ranks(_step_with, 2, (1, corrupt), raise_on_error=False, collective_timeout_s=30)
+    outcomes = run_local_ranks(_step_with, 2, (corrupt,), raise_on_error=False, collective_timeout_s=30)
     assert "bad microbatch input on rank(s) [1]" in outcomes[0].error
     assert "this rank's input is fine" in outcomes[0].error
     assert detail in outcomes[1].error
@@ -90,20 +105,9 @@ def test_out_of_range_ids_fail_every_rank_at_once_naming_rank_and_microbatch(cor
 
 
 def test_a_step_with_every_label_ignored_is_refused():
-    outcomes = run_local_ranks(_step_with, 2, (-1, "all_ignored"), raise_on_error=False)
+    outcomes = run_local_ranks(_step_with, 2, ("all_ignored",), raise_on_error=False)
     for outcome in outcomes:
         assert "every label of this step is IGNORE_INDEX (-100)" in outcome.error
-
-
-def _disagreeing(rank: int, world: int, what: str) -> str:
-    groups = init_ep_groups(2, timedelta(seconds=60))  # a hang would wait this long; the check answers at once
-    data = _data(rank, ignore=False)
-    if rank == 1 and what == "count":
-        data = data[:2]
-    if rank == 1 and what == "dtype":
-        data = [(tokens.to(torch.int32), labels) for tokens, labels in data]
-    EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
-    return "ran"
 
 
 @pytest.mark.parametrize(
@@ -115,25 +119,11 @@ def _disagreeing(rank: int, world: int, what: str) -> str:
 )
 def test_ranks_that_disagree_fail_together_before_any_all_to_all(what, line):
     start = time.monotonic()
-    outcomes = run_local_ranks(_disagreeing, 2, (what,), raise_on_error=False, collective_timeout_s=60)
+    outcomes = run_local_ranks(_step_with, 2, (what,), raise_on_error=False, collective_timeout_s=60)
     assert time.monotonic() - start < 30  # not the collective timeout
     for outcome in outcomes:
         assert "the ranks disagree on the step's shape" in outcome.error and line in outcome.error
         assert "CollectiveError" not in outcome.error
-
-
-def _malformed(rank: int, world: int, what: str) -> str:
-    groups = init_ep_groups(2, timedelta(seconds=60))
-    data = _data(rank, ignore=False)
-    if rank == 1:
-        tokens, labels = data[0]
-        data[0] = {
-            "bool tokens": (tokens > 30, labels),
-            "uint8 tokens": (tokens.to(torch.uint8), labels),
-            "sequence length": (tokens[:, :-2], labels[:, :-2]),
-        }[what]
-    EPOverlapEngine(MoEGPTModel(CASE.config(), groups), groups, overlap=True).step(data)
-    return "ran"
 
 
 @pytest.mark.parametrize(
@@ -145,7 +135,7 @@ def _malformed(rank: int, world: int, what: str) -> str:
     ],
 )
 def test_malformed_tokens_are_refused_up_front_on_every_rank(what, detail):
-    outcomes = run_local_ranks(_malformed, 2, (what,), raise_on_error=False)
+    outcomes = run_local_ranks(_step_with, 2, (what,), raise_on_error=False)
     for outcome in outcomes:
         assert "bad microbatch input on rank(s) [1]" in outcome.error and "ValueError" in outcome.error
     assert f"rank 1: microbatch 0: {detail}" in outcomes[1].error

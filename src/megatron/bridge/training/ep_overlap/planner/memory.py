@@ -100,6 +100,14 @@ class ActivationShape:
             router=router,
         )
 
+    def received_rows(self, T: int) -> int:
+        """Rows an MoE layer's experts get for ``T`` tokens of the unit."""
+        return round(T * (self.received_rows_factor or self.topk))
+
+    @property
+    def qkv(self) -> int:
+        return self.qkv_width or 3 * self.hidden
+
     def saved(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
         """(name, bytes) of what ``node`` (of ``layer``; None at the chunk's ends) saves for a unit of ``sequences``
         sequences. Names are local to the unit and layer; ``tokens`` and ``labels`` belong to the microbatch."""
@@ -116,10 +124,9 @@ class ActivationShape:
         return getattr(self, f"_{node}")(T, D, es, moe)
 
     def _pre_dispatch(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
-        qkv = self.qkv_width or 3 * D
         out = self.attention_out_width or D
         saved = [
-            ("x", T * D * es), ("ln1_stats", 2 * T * es), ("ln1_out", T * D * es), ("qkv", T * qkv * es),
+            ("x", T * D * es), ("ln1_stats", 2 * T * es), ("ln1_out", T * D * es), ("qkv", T * self.qkv * es),
             ("lse", T * self.heads * FP32), ("o", T * out * es), ("h", T * D * es), ("ln2_stats", 2 * T * es),
         ]  # fmt: skip
         if self.extra_attention_width:
@@ -141,7 +148,7 @@ class ActivationShape:
     def _experts(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
         if not moe:
             return [("n", T * D * es)] + self._mlp("mlp", T, self.dense_ffn, es)
-        R = round(T * (self.received_rows_factor or self.topk))
+        R = self.received_rows(T)
         saved = [("sort_index", R * INDEX_BYTES), ("expert_x", R * D * es)]
         return saved + self._mlp("expert", R, self.moe_ffn, es) + [("unsort_index", R * INDEX_BYTES)]
 
@@ -166,8 +173,8 @@ class ActivationShape:
         linears' output gradients (their inputs are the node's own saved tensors, kept too)."""
         D, es = self.hidden, self.element_bytes
         if node == "attention":
-            return [("dy_proj", T * D * es), ("dy_qkv", T * (self.qkv_width or 3 * D) * es)]
-        R = round(T * (self.received_rows_factor or self.topk))
+            return [("dy_proj", T * D * es), ("dy_qkv", T * self.qkv * es)]
+        R = self.received_rows(T)
         return [("dy_fc2", R * D * es), ("dy_fc1", R * (2 if self.gated else 1) * self.moe_ffn * es)]
 
 
