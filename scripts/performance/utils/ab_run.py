@@ -418,6 +418,11 @@ def run(args) -> int:
             problems += run_problems(
                 args, world, recipe.model.expert_model_parallel_size, torchrun, gpus, pipeline if pipeline else 1
             )
+            if args.predict and recipe.model.moe_token_dispatcher_type == "flex":
+                problems.append(
+                    "--predict: the planner prices each all-to-all by the bytes it moves, which a flex backend's "
+                    "fused kernels do not report; drop --predict or the flex backend"
+                )
             if problems:
                 raise ConfigError(problems)
             recipe = _finalized(recipe)

@@ -23,12 +23,29 @@ def _at_least(problems: list[str], name: str, value: Any, minimum: int | float, 
 _HYBRID_SYMBOLS = {"*": "attention", "+": "MLA", "D": "DSA", "-": "MLP", "M": "Mamba", "G": "GDN", "E": "MoE"}
 
 
+# The package each flex backend's kernels come from (Megatron-Core imports them lazily and fails at model build).
+_FLEX_PACKAGES = {"deepep": "deep_ep", "hybridep": "deep_ep", "ncclep": "transformer_engine"}
+
+
 def model_impl_problems(model: Any, model_impl: str, num_layers_flag: int | None) -> list[str]:
     """What ``model_impl`` cannot build from ``model``. A good hybrid pattern then sets ``num_layers``,
     ``moe_layer_freq`` (its MoE layers) and ``mtp_num_layers`` (its depths after ``/``)."""
+    flex = f"--moe_flex_dispatcher_backend={model.moe_flex_dispatcher_backend!r}"
     if model_impl == "reference":
-        return [f"model.{problem}" for problem in model_feature_problems(model)]
+        problems = [f"model.{problem}" for problem in model_feature_problems(model)]
+        if model.moe_token_dispatcher_type == "flex":
+            problems.append(
+                f"{flex}: the reference model runs the alltoall dispatcher only; use --model_impl mcore (with the "
+                "backend installed) or drop the flag"
+            )
+        return problems
     problems: list[str] = []
+    package = _FLEX_PACKAGES.get(model.moe_flex_dispatcher_backend)
+    if model.moe_token_dispatcher_type == "flex" and package and importlib.util.find_spec(package) is None:
+        problems.append(
+            f"{flex}: its package {package} is not installed here; install it (a GPU host with the backend's "
+            "requirements), or drop the flag"
+        )
     if model.mtp_num_layers is not None and model.mtp_num_layers < 0:
         problems.append(f"--mtp_num_layers={model.mtp_num_layers}: must be 0 or more")
     pattern = model.hybrid_layer_pattern
@@ -133,11 +150,6 @@ def recipe_problems(recipe: Any) -> list[str]:
                 "model.moe_grouped_gemm=true (with Transformer Engine on a GPU that also picks its grouped GEMM)"
             )
     problems += _pipeline_problems(model, train)
-    if model.moe_token_dispatcher_type == "flex":
-        problems.append(
-            f"--moe_flex_dispatcher_backend={model.moe_flex_dispatcher_backend!r}: the harness's models run the "
-            "alltoall dispatcher only; drop the flag"
-        )
     if model.cuda_graph_impl != "none":
         problems.append(
             f"--cuda_graph_impl={model.cuda_graph_impl!r}: the harness's models do not capture CUDA graphs; use none"

@@ -12,7 +12,7 @@ import ep_overlap_plan
 import pytest
 import torch
 from argument_parser import parse_cli_args
-from utils import ab_run, netns
+from utils import ab_run, checks, netns
 from utils.arms import arm_order, build_mcore_model
 from utils.checks import run_problems
 from utils.overrides import (
@@ -116,9 +116,20 @@ def test_flags_map_onto_the_model():
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
-def test_flex_backend_is_refused_by_the_harness_models(capsys, backend):
+def test_flex_backend_is_refused_by_the_reference_model(capsys, backend):
     assert ep_overlap_ab.main(TINY + ["--moe_flex_dispatcher_backend", backend, "-d"]) == 2
-    assert "the harness's models run the alltoall dispatcher only" in capsys.readouterr().err
+    assert "the reference model runs the alltoall dispatcher only; use --model_impl mcore" in capsys.readouterr().err
+
+
+def test_flex_backend_on_megatron_core_needs_its_package(capsys):
+    # Megatron-Core's flex dispatcher runs under our schedule (tests' fake_deepep on CPU); the harness needs the real
+    # backend. Here (no deep_ep, no CUDA) both reasons come as one line each, before any rank starts.
+    flags = ["--model_impl", "mcore", "--moe_flex_dispatcher_backend", "deepep", "--ab", "--predict", "-d"]
+    assert ep_overlap_ab.main(TINY + flags) == 2
+    err = capsys.readouterr().err
+    assert "--predict: the planner prices each all-to-all by the bytes it moves" in err
+    assert "--moe_flex_dispatcher_backend='deepep': its package deep_ep is not installed here" in err
+    assert "--model_impl=mcore runs Megatron-Core layers, which need CUDA" in err
 
 
 def test_upstream_named_overlap_helper_fixes_its_gotchas():
@@ -192,9 +203,12 @@ def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
 
+    from ..training.ep_overlap.fake_deepep import dispatcher_names, install_fake_deepep
     from ..training.ep_overlap.mcore_cpu import init_megatron, install_cpu_stubs
 
     install_cpu_stubs()
+    if config.moe_token_dispatcher_type == "flex":
+        install_fake_deepep()
     init_megatron(world)
     torch.manual_seed(0)
     model = build_mcore_model(config, "cpu")
@@ -202,15 +216,27 @@ def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
     gen = torch.Generator().manual_seed(rank)
     data = [tuple(torch.randint(0, config.vocab_size, (2, 2, config.seq_length), generator=gen)) for _ in range(3)]
     engine.step(data)
-    return {"untrained": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]}
+    return {
+        "untrained": [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()],
+        "dispatchers": dispatcher_names(model),
+    }
 
 
-def test_the_harness_builds_a_megatron_core_model_with_one_mtp_layer_that_trains():
-    # What --model_impl mcore --mtp_num_layers 1 builds on a GPU, here on CPU ranks under the test fixture.
-    recipe = recipe_from(TINY + ["--model_impl", "mcore", "--mtp_num_layers", "1", "--moe_a2a_overlap", "true"])
-    assert recipe.model.mtp_num_layers == 1
+@pytest.mark.parametrize(
+    "flags, dispatcher",
+    [
+        (["--mtp_num_layers", "1"], "MoEAlltoAllTokenDispatcher"),
+        (["--moe_flex_dispatcher_backend", "deepep"], "MoEFlexTokenDispatcher"),  # tests' fake_deepep on CPU
+    ],
+)
+def test_the_harness_builds_a_megatron_core_model_that_trains(flags, dispatcher, monkeypatch):
+    # What --model_impl mcore builds on a GPU (with one MTP layer; with the flex dispatcher), here on CPU ranks under
+    # the test fixture. fake_deepep stands in for deep_ep, whose presence the harness checks.
+    monkeypatch.setitem(checks._FLEX_PACKAGES, "deepep", "torch")
+    recipe = recipe_from(TINY + ["--model_impl", "mcore", "--moe_a2a_overlap", "true", *flags])
     for outcome in run_local_ranks(_train_the_harness_mcore_model, 2, (recipe.model,)):
         assert outcome.result["untrained"] == []  # the MTP layer's parameters included
+        assert outcome.result["dispatchers"] == {dispatcher}
 
 
 def test_link_without_root_says_so_and_fails(monkeypatch, capsys):

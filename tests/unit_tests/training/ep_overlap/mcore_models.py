@@ -28,6 +28,7 @@ class McoreCase:
     expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
     mtp: bool = False  # one multi-token prediction layer
     tied: bool = False  # share_embeddings_and_output_weights
+    dispatcher: str = "alltoall"  # "flex": Megatron-Core's flex dispatcher, on CPU over fake_deepep's gloo functions
 
 
 def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
@@ -47,7 +48,7 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         moe_router_load_balancing_type="none",
         moe_layer_freq=list(case.layer_freq),
         expert_model_parallel_size=case.world,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=case.dispatcher,
         use_cpu_initialization=True,
         add_bias_linear=False,
         attention_dropout=0.0,
@@ -152,7 +153,7 @@ def build_hybrid(
         hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         num_moe_experts=experts, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
         moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
-        expert_model_parallel_size=case.world, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
+        expert_model_parallel_size=case.world, moe_token_dispatcher_type=case.dispatcher, use_cpu_initialization=True,
         add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,

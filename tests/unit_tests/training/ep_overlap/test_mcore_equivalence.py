@@ -13,6 +13,8 @@ import torch
 from megatron.bridge.training.ep_overlap.program.units import units
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
+from .fake_deepep import CALLS as FUSED_CALLS
+from .fake_deepep import dispatcher_names, install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_gpt, build_model, expected_mlps
 from .test_numerics import assert_bitwise
@@ -25,6 +27,8 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         torch.use_deterministic_algorithms(True)
     else:
         install_cpu_stubs()
+    if case.dispatcher == "flex":
+        install_fake_deepep()
     init_megatron(world)
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -49,6 +53,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads = [], []
+        FUSED_CALLS.clear()
         for step in range(case.steps):
             gen = torch.Generator().manual_seed(100 * step + rank)
             data = [
@@ -70,6 +75,8 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "biases": {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")},
             "params": sorted(n for n, _ in model.named_parameters()),
             "mtp_scale": float(MTPLossAutoScaler.main_loss_backward_scale),
+            "dispatchers": dispatcher_names(model),
+            "fused_calls": dict(FUSED_CALLS),  # each runs once per MoE layer and microbatch, in the comm nodes only
         }
     return out
 
@@ -91,6 +98,11 @@ CASES = {
     "ep2-fp32-mtp": McoreCase(mtp=True, steps=3),
     "ep2-fp32-mtp-tied-rope": McoreCase(mtp=True, tied=True, rope=True),
     "ep2-bf16-mtp-top1-mixed": McoreCase(mtp=True, bf16=True, topk=1, layer_freq=(1, 0)),
+    # The flex dispatcher (DeepEP's contract, on gloo): the backend's fused dispatch and combine and their backward
+    # run as the comm nodes; routing state of two microbatches kept apart in the backend's manager too.
+    "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
+    "ep2-bf16-top1-mixed-flex": McoreCase(dispatcher="flex", bf16=True, topk=1, layer_freq=(1, 0)),
+    "ep4-fp32-top2-flex-mtp": McoreCase(dispatcher="flex", world=4, microbatches=2, mtp=True),
 }
 
 
@@ -103,6 +115,7 @@ def _hybrid_cases() -> dict:
         "hybrid-*E*E-delayed-wgrad": HybridCase(pattern="*E*E", delay_wgrad=True),
         "hybrid-*E-E-tied": HybridCase(pattern="*E-E", tied=True),
         "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", steps=3),  # one MTP depth: attention and MoE
+        "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex"),
     }
 
 
@@ -128,6 +141,11 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert len(plain["biases"]) == expected_mlps(case).count("MoELayer")
             assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+        if case.dispatcher == "flex":
+            assert plain["dispatchers"] == {"MoEFlexTokenDispatcher"}
+            assert set(plain["fused_calls"]) == {"dispatch", "dispatch_bwd", "combine", "combine_bwd"}
+            for arm in ("overlap", "overlap_edges"):
+                assert outcome.result[arm]["fused_calls"] == plain["fused_calls"], arm
         if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit as Megatron-Core's forward_step does
             assert any(n.startswith("mtp.") and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
             assert plain["mtp_scale"] == pytest.approx(1 / case.microbatches)
@@ -145,11 +163,13 @@ def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_mcore_on_one_gpu_with_two_gloo_ranks(bf16):
-    # CUDA streams and events for real; gloo stages the all-to-all through host memory.
+def test_mcore_on_one_gpu_with_two_gloo_ranks(bf16, dispatcher):
+    # CUDA streams and events for real; gloo stages the all-to-all through host memory. flex: tests' fake_deepep's
+    # fused functions and their backward run on the lane's comm stream.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    case = McoreCase(bf16=bf16, device="cuda")
+    case = McoreCase(bf16=bf16, device="cuda", dispatcher=dispatcher)
     check_equal(case, run_local_ranks(train_mcore, 2, (case,), start_method="spawn"))
 
 

@@ -15,6 +15,8 @@ import torch
 
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
+from .fake_deepep import CALLS as FUSED_CALLS
+from .fake_deepep import install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_gpt, build_model
 from .test_numerics import assert_bitwise
@@ -48,6 +50,8 @@ def bridge_style_forward_step(data_iterator, model, return_schedule_plan: bool =
 
 def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
     install_cpu_stubs()
+    if case.dispatcher == "flex":
+        install_fake_deepep()
     init_megatron(world)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -61,6 +65,7 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
             use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads, phases = [], [], []
+        FUSED_CALLS.clear()
         for step in range(case.steps):
             gen = torch.Generator().manual_seed(100 * step + rank)
             data = [
@@ -82,7 +87,7 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
                 phases.append(sorted({(r.phase, r.microbatch) for r in recorder.comm if r.op == "dispatch"}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        out[arm] = {"losses": losses, "grads": grads, "phases": phases}
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases, "fused_calls": dict(FUSED_CALLS)}
     return out
 
 
@@ -99,6 +104,9 @@ CASES = {
     "hybrid-*E*E": HybridCase(pattern="*E*E", microbatches=3),
     "hybrid-E-*E*-top1-rope": HybridCase(pattern="E-*E*-", topk=1, rope=True, microbatches=3),
     "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", microbatches=3),
+    # The flex dispatcher (DeepEP's contract on gloo, tests' fake_deepep): the backend's fused comm in our comm nodes.
+    "ep2-bf16-top2-flex-flag-at-build": McoreCase(dispatcher="flex", bf16=True, microbatches=3),
+    "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex", microbatches=3),
 }
 
 
@@ -117,6 +125,9 @@ def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
             n = case.microbatches
             assert overlap["phases"][step] == sorted([("warmup", 0), *(("paired", i) for i in range(1, n))])
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+        # A flex backend's fused functions ran as often as in the plain path (once per layer and microbatch each).
+        assert overlap["fused_calls"] == plain["fused_calls"]
+        assert bool(plain["fused_calls"]) == (case.dispatcher == "flex")
 
 
 def refuse(rank: int, world: int, change: dict) -> str:
@@ -176,6 +187,10 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     elif kind == "recompute-moe":
         model, plan = build_gpt(McoreCase()), plan_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
+    elif kind == "ncclep-zero-copy":
+        install_fake_deepep()
+        model, plan = build_gpt(McoreCase(dispatcher="flex")), plan_for
+        model.config.moe_flex_dispatcher_backend, model.config.moe_ncclep_zero_copy = "ncclep", True
     elif kind == "other":
         model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), plan_for
     else:  # a HybridModel handed to the GPT plan by name
@@ -201,6 +216,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("tied-pipeline-chunk", "share_embeddings_and_output_weights=True with pipeline stages"),
+        ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
     ],
 )
@@ -215,6 +231,8 @@ def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_run
 def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: bool) -> dict:
     """Megatron-Core's interleaved schedule (PP 2 x VPP 2 x EP 2): plain, and combined 1F1B running our plan."""
     install_cpu_stubs()
+    if case.dispatcher == "flex":
+        install_fake_deepep()
     init_megatron(case.world, 2, 2)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -263,6 +281,7 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
 INTERLEAVED = {  # Megatron-Core refuses N = 5 here
     "gpt": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2),
     "hybrid": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2),
+    "hybrid-flex": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2, dispatcher="flex"),
 }
 
 

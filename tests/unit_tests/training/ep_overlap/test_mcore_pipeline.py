@@ -15,6 +15,7 @@ import torch
 
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
+from .fake_deepep import install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
 from .test_pipeline import assert_matches_reference, train_recording
@@ -81,7 +82,7 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
         num_moe_experts=2 * case.world, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
         moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
         moe_layer_freq=list(case.layer_freq), expert_model_parallel_size=case.world,
-        moe_token_dispatcher_type="alltoall", use_cpu_initialization=True, add_bias_linear=False,
+        moe_token_dispatcher_type=case.dispatcher, use_cpu_initialization=True, add_bias_linear=False,
         attention_dropout=0.0, hidden_dropout=0.0, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
         pipeline_dtype=torch.float32 if pp > 1 else None,
@@ -107,6 +108,8 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
 
 def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple) -> dict:
     install_cpu_stubs()
+    if case.dispatcher == "flex":
+        install_fake_deepep()
     init_megatron(case.world, pp, vpp if pp > 1 else None)
     from megatron.core import parallel_state
 
@@ -139,6 +142,7 @@ CASES = {
     "pp2-vpp2-ep2-N5-top1": McoreCase(layer_freq=(1, 1, 0, 1), topk=1, microbatches=5, steps=3),
     # HybridModel: '|' splits the pattern into PP x VPP segments; a segment may start with MoE or end dense.
     "hybrid-pp2-vpp2-ep2-N3": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2),
+    "pp2-vpp2-ep2-N3-flex": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, dispatcher="flex"),
 }
 
 

@@ -30,6 +30,11 @@ class LayerFunctions(Protocol):
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``: unpermute and residual add.
     ``exchange_splits_off_host`` True lets a CPU lane finish the split exchange on its helper thread (it must then
     touch only the routing and the EP metadata group).
+
+    A layer that moves its own tokens (a backend's fused permute and all-to-all) sets ``owns_comm`` True and gives
+    ``dispatch_comm(send, routing) -> received`` and ``combine_comm(expert_out, routing) -> back``, differentiable,
+    whose autograd backward is the reverse communication; the engine runs them, and their backward, on its comm
+    lane, and its split-size ops do nothing for that layer.
     """
 
     name: str

@@ -2,7 +2,9 @@
 
 ``lane.compute(node, layer, microbatch)`` wraps a compute node; ``lane.all_to_all(...)`` launches an all-to-all
 and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer; ``lane.launch(splits, tensors,
-...)`` launches all-to-alls whose split sizes ``splits()`` first has to find out.
+...)`` launches all-to-alls whose split sizes ``splits()`` first has to find out; ``lane.run_comm(fn, ...)`` runs a
+unit's own communication (a backend's fused dispatch or combine, or its autograd backward) where the lane's
+all-to-alls run.
 
 * CPU (gloo): compute runs on the host thread; an all-to-all is gloo async work, which progresses on gloo's
   own threads, so it overlaps whatever the host computes until ``wait()``. With ``launch_off_host`` every
@@ -12,10 +14,12 @@ and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer
   which is what matches collectives across ranks. An all-to-all with known split sizes asked for while the
   helper has nothing queued or running goes out from the host at once: the order is the same, and the helper
   is not woken (a wake-up preempts compute on a CPU with no spare core).
-* CUDA: compute runs on the current stream; all-to-alls run on one dedicated comm stream (optionally high
-  priority). Each microbatch has one event chain: a compute node records the microbatch's event when it
-  ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's end
-  event. Different microbatches share no event, so the host issue order is the schedule.
+  A unit's own communication runs on the host, after every launch asked for before it (the program order), so
+  it overlaps nothing on CPU: the CPU lane checks its mapping, not its speed.
+* CUDA: compute runs on the current stream; all-to-alls and a unit's own communication run on one dedicated comm
+  stream (optionally high priority). Each microbatch has one event chain: a compute node records the microbatch's
+  event when it ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's
+  end event. Different microbatches share no event, so the host issue order is the schedule.
 
 Both lanes record every node and all-to-all in the step's :class:`StepRecorder`, and every wait runs under
 the process groups' timeout.
@@ -117,6 +121,13 @@ class _Lane:
         out_splits, in_splits = splits()
         return [self.all_to_all(t, out_splits, in_splits, op=op, layer=layer, microbatch=microbatch) for t in tensors]
 
+    def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
+        """Runs ``fn`` (a unit's own communication: it returns a tensor or a list of them) now, on the host."""
+        record = self.record_comm(op, layer, microbatch)
+        out = fn()
+        record.done = self.recorder.clock.mark()
+        return Pending(out)
+
     def close(self, *, failed: bool = False) -> None:
         """Ends the step's lane (a no-op unless it has a helper thread); ``failed``: the step raised, wait for
         nothing."""
@@ -179,6 +190,14 @@ class CpuLane(_Lane):
         except BaseException:
             self._failed = name
             raise
+
+    def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
+        if self._last_job is not None:  # what the helper was asked to launch first goes out first, on every rank
+            try:
+                self._last_job.result(timeout=self.groups.timeout.total_seconds())
+            except FutureTimeout:
+                raise wait_error(f"the launches before layer{layer} {op}", self.groups.timeout, None) from None
+        return super().run_comm(fn, op=op, layer=layer, microbatch=microbatch)
 
     def close(self, *, failed: bool = False) -> None:
         if self._launcher is not None:
@@ -261,6 +280,25 @@ class CudaLane(_Lane):
         # The caching allocator must not reuse these blocks while the other stream still uses them.
         x.record_stream(self.comm_stream)
         out.record_stream(compute_stream)
+        end = record.done
+        return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
+
+    def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
+        """``fn`` on the comm stream, after the microbatch's last compute node; its autograd backward, which a
+        later ``run_comm`` runs, stays on the stream its forward ran on."""
+        compute_stream = torch.cuda.current_stream()
+        ready = self._events.get(microbatch)
+        if ready is not None:
+            self.comm_stream.wait_event(ready)
+        else:
+            self.comm_stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self.comm_stream):
+            record = self.record_comm(op, layer, microbatch, self.comm_stream)
+            out = fn()
+            record.done = self.recorder.clock.mark(self.comm_stream)
+        for tensor in out if isinstance(out, list | tuple) else [out]:
+            if tensor is not None:
+                tensor.record_stream(compute_stream)
         end = record.done
         return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
 

@@ -10,6 +10,11 @@ hands the gradients of its detached inputs to the node before it.
     experts       compute  sort by local expert, grouped GEMMs       dgrad (+ expert wgrad, deferred if delayed)
     combine       comm     all-to-all back, unpermute, residual add  unpermute backward, reverse all-to-all
 
+A unit that moves its own tokens (``owns_comm``: a backend's fused permute and all-to-all, Megatron-Core's flex
+dispatcher) gives ``dispatch_comm``/``combine_comm`` instead of split sizes. The comm nodes then run those on the
+comm lane, between detached inputs and outputs like any node, and their backward runs the functions' own autograd
+backward there (a fused dispatch's backward is a combine, and the other way round).
+
 Each op of the schedule program (``program/steps.py``, ``(kind, name)``) is the method ``<kind>_<name>``: a comm
 node is a ``launch_`` (issue the all-to-all) and a ``wait_`` (in front of its consumer), so the program can put
 the other microbatch's compute in between. Dense layers run the same ops with no communication.
@@ -60,6 +65,10 @@ class LayerNodes:
     def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
         self.routing = None
+        self.owns_comm = getattr(layer, "owns_comm", False)
+
+    def _run_comm(self, fn, op: str) -> Pending:
+        return self.lane.run_comm(fn, op=op, layer=self.index, microbatch=self.mb)
 
     def _compute(self, node: str):
         return self.lane.compute(node, self.index, self.mb)
@@ -82,14 +91,14 @@ class LayerNodes:
     def launch_split(self) -> None:
         """Sends the split sizes ahead without blocking the host, so they travel (and a slower peer catches up)
         while the host computes something else."""
-        if self.routing is not None and self._exchange is None:
+        if self.routing is not None and not self.owns_comm and self._exchange is None:
             self._exchange = self.lane.record_comm("split_exchange", self.index, self.mb)
             self.layer.start_split_exchange(self.routing)
 
     def wait_split(self) -> None:
         """Finishes the split-size exchange (a host sync), once. On a lane that launches off the host it is left
         to the dispatch's launch, on the helper thread."""
-        if self.routing is None or self._splits_known or self.lane.launches_off_host:
+        if self.routing is None or self.owns_comm or self._splits_known or self.lane.launches_off_host:
             return
         self.launch_split()
         self._finish_exchange()
@@ -109,6 +118,16 @@ class LayerNodes:
         if self.routing is None:
             self._dispatched = [done(_leaf(t)) for t in self.send]
             return
+        if self.owns_comm:
+            self._sent = [_leaf(t) for t in self.send]
+            routing, sent = self.routing, self._sent
+
+            def dispatch() -> list[torch.Tensor]:
+                with torch.set_grad_enabled(self.grad):
+                    return list(self.layer.dispatch_comm(tuple(sent), routing))
+
+            self._dispatched = self._run_comm(dispatch, "dispatch")
+            return
         self.launch_split()  # on the host thread, so every rank starts its exchanges in program order
         sent = [t.detach() for t in self.send]
         self._dispatched = self.lane.launch(
@@ -116,12 +135,16 @@ class LayerNodes:
         )
 
     def wait_dispatch(self) -> None:
+        if self.routing is not None and self.owns_comm:
+            self._dispatch_out = self._dispatched.wait()
+            self.received = [_leaf(t) for t in self._dispatch_out]
+            return
         self.received = [pending.wait() for pending in self._dispatched]
 
     def compute_experts(self) -> None:
         received = self.received
         with self._compute("experts"):
-            if self.routing is not None:
+            if self.routing is not None and not self.owns_comm:  # a fused dispatch's input may be saved elsewhere
                 for sent, got in zip(self.send, received):
                     _free(sent)
                     got.requires_grad_(sent.requires_grad)
@@ -136,18 +159,31 @@ class LayerNodes:
         if routing is None:
             self._combined = done(_leaf(self.expert_out))
             return
+        if self.owns_comm:
+            self._expert_out_in = expert_out = _leaf(self.expert_out)
+
+            def combine() -> torch.Tensor:
+                with torch.set_grad_enabled(self.grad):
+                    return self.layer.combine_comm(expert_out, routing)
+
+            self._combined = self._run_comm(combine, "combine")
+            return
         (self._combined,) = self._all_to_all(
             [self.expert_out.detach()], routing.in_splits, routing.out_splits, "combine"
         )
 
     def wait_combine(self) -> None:
         self.back = self._combined.wait()
+        if self.routing is not None and self.owns_comm:
+            self._combine_out, self.back = self.back, _leaf(self.back)
 
     def compute_combine(self) -> torch.Tensor:
         """Unpermute and add the residual. Returns the layer output."""
         back = self.back
         with self._compute("combine"):
-            if self.routing is not None:
+            if self.routing is not None and self.owns_comm:
+                _release_early(self.expert_out, self.lane)  # a backend may hand the experts' output on as it is
+            elif self.routing is not None:
                 _free(self.expert_out)
                 back.requires_grad_(self.grad)
             self.h_in, self.keep_in = _leaf(self.h), _leaf(self.keep)
@@ -169,6 +205,16 @@ class LayerNodes:
         if routing is None:
             self._combine_grad = done(grad_back)
             return
+        if self.owns_comm:
+            combined, expert_out = self._combine_out, self._expert_out_in
+            self._combine_out = self._expert_out_in = None
+
+            def combine_bwd() -> torch.Tensor:
+                _backward([combined], [grad_back])
+                return expert_out.grad
+
+            self._combine_grad = self._run_comm(combine_bwd, "combine_bwd")
+            return
         (self._combine_grad,) = self._all_to_all([grad_back], routing.out_splits, routing.in_splits, "combine_bwd")
 
     def wait_combine_bwd(self) -> None:
@@ -188,6 +234,16 @@ class LayerNodes:
         if routing is None:
             self._dispatch_grads = [done(g) for g in grads]
             return
+        if self.owns_comm:
+            dispatched, sent = self._dispatch_out, self._sent
+            self._dispatch_out = self._sent = None
+
+            def dispatch_bwd() -> list[torch.Tensor | None]:
+                _backward(dispatched, grads)
+                return [_grad(t) for t in sent]
+
+            self._dispatch_grads = self._run_comm(dispatch_bwd, "dispatch_bwd")
+            return
         present = [g for g in grads if g is not None]
         launched = iter(self._all_to_all(present, routing.in_splits, routing.out_splits, "dispatch_bwd"))
         self._dispatch_grads = [None if g is None else next(launched) for g in grads]
@@ -198,6 +254,9 @@ class LayerNodes:
             self.layer.expert_backward_dw()
 
     def wait_dispatch_bwd(self) -> None:
+        if isinstance(self._dispatch_grads, Pending):  # a unit's own dispatch: one backward for all its inputs
+            self._grad_send = self._dispatch_grads.wait()
+            return
         self._grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
 
     def compute_pre_dispatch_bwd(self) -> torch.Tensor:

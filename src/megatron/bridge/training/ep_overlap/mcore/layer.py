@@ -2,9 +2,9 @@
 that run before it.
 
 Contract:
-    * :class:`McoreLayer` gives a Megatron-Core ``TransformerLayer`` (``MoELayer`` with the ``alltoall`` token
-      dispatcher, or a dense MLP) the node functions the schedule drives, built from Megatron-Core's own
-      sub-steps (supported: the installed 0.19.x line):
+    * :class:`McoreLayer` gives a Megatron-Core ``TransformerLayer`` (``MoELayer`` with the ``alltoall`` or the
+      ``flex`` token dispatcher, or a dense MLP) the node functions the schedule drives, built from Megatron-Core's
+      own sub-steps (supported: the installed 0.19.x line):
           pre_dispatch  the ``before`` layers whole, then ``_forward_attention``, ``_forward_pre_mlp_layernorm``,
                         ``mlp.shared_experts_compute``, ``mlp.route``, ``mlp.preprocess`` (split counts, permute)
           dispatch      the dispatcher's tokens and probs, all-to-all'd by the schedule's comm lane with the
@@ -12,12 +12,19 @@ Contract:
           experts       ``mlp.routed_experts_compute`` (sort by local expert, experts, unsort)
           combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
       These are exactly the ops of the stack's forward, so losses and gradients stay bitwise equal.
+    * The ``flex`` dispatcher (DeepEP, HybridEP, NCCL EP) moves its own tokens: a fused permute and all-to-all whose
+      autograd backward is the reverse one. The layer then ``owns_comm``: ``preprocess`` gives the tokens and their
+      top-k probabilities, ``dispatch_comm`` is the dispatcher's ``token_dispatch``, ``combine_comm`` its
+      ``token_combine``, and the schedule's comm lane runs them and their backward (on GPU on its comm stream, where
+      the backend's asynchronous kernels overlap the other microbatch's compute). The backend's manager reads the
+      probabilities from itself, so the layer points it at the node's inputs before each step that reads them.
     * A unit is an MoE group: the compute layers after one MoE layer (``before``: attention, MLP, Mamba, ... run
       whole, as the stack runs them) and the next MoE layer. A ``GPTModel`` layer is the group with nothing before
       it. :class:`McoreComputeRun` is a run of compute layers with no MoE layer after it (a dense unit).
-    * The dispatcher keeps one microbatch's routing state on itself between ``preprocess`` and ``postprocess``.
-      Two forwards of one layer may be in flight at once (edge pairing), so each microbatch's :class:`McoreRouting`
-      saves the dispatcher's attributes after each step that sets them and puts them back before the next.
+    * The dispatcher (and a flex dispatcher's backend manager) keeps one microbatch's routing state on itself
+      between ``preprocess`` and ``postprocess``. Two forwards of one layer may be in flight at once (edge pairing),
+      so each microbatch's :class:`McoreRouting` saves their attributes after each step that sets them and puts them
+      back before the next.
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward (the plan warns once).
@@ -60,20 +67,33 @@ def _attention_modules(layers) -> list[torch.nn.Module]:
 
 @dataclass
 class McoreRouting:
-    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the
-    dispatcher's routing state for this microbatch (its attributes, saved after each step that sets them)."""
+    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the routing
+    state for this microbatch of the dispatcher and of its backend manager, if it has one (their attributes, saved
+    after each step that sets them)."""
 
     dispatcher: object
     state: dict = field(default_factory=dict)
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
+    manager_state: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, dispatcher) -> "McoreRouting":
+        manager = getattr(dispatcher, "_comm_manager", None)
+        return cls(dispatcher, dict(dispatcher.__dict__), manager_state=dict(getattr(manager, "__dict__", {})))
 
     @contextlib.contextmanager
     def active(self):
         """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
-        self.dispatcher.__dict__.update(self.state)
-        yield self.dispatcher
-        self.state = dict(self.dispatcher.__dict__)
+        dispatcher = self.dispatcher
+        dispatcher.__dict__.update(self.state)
+        manager = getattr(dispatcher, "_comm_manager", None)
+        if manager is not None:
+            manager.__dict__.update(self.manager_state)
+        yield dispatcher
+        self.state = dict(dispatcher.__dict__)
+        if manager is not None:
+            self.manager_state = dict(manager.__dict__)
 
 
 class _Unit:
@@ -112,10 +132,17 @@ class McoreLayer(_Unit):
         config = layer.config
         if config.add_bias_linear:
             raise ValueError(f"{self.name}: the EP-overlap plan needs add_bias_linear=False")
-        if self.is_moe and config.moe_token_dispatcher_type != "alltoall":
+        if self.is_moe and config.moe_token_dispatcher_type not in ("alltoall", "flex"):
             raise ValueError(
                 f"{self.name}: moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not supported by the "
-                "Megatron-Core plan yet; use 'alltoall'"
+                "Megatron-Core plan; use 'alltoall' or 'flex'"
+            )
+        self.owns_comm = self.is_moe and config.moe_token_dispatcher_type == "flex"
+        if self.owns_comm and config.moe_flex_dispatcher_backend == "ncclep" and config.moe_ncclep_zero_copy:
+            raise ValueError(
+                f"{self.name}: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer shared by "
+                "every microbatch, and the EP-overlap schedule keeps two microbatches' tokens in flight; fix: set "
+                "moe_ncclep_zero_copy=False, or turn overlap_moe_expert_parallel_comm off for this model"
             )
         self.attentions = _attention_modules([*self.before, layer])
         self.expert_wgrad_delayable = self.is_moe and uses_transformer_engine(layer.mlp.experts)
@@ -147,8 +174,7 @@ class McoreLayer(_Unit):
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
-        routing = McoreRouting(mlp.token_dispatcher, dict(mlp.token_dispatcher.__dict__))
-        return h, (tokens, permuted_probs), shared, routing
+        return h, (tokens, permuted_probs), shared, McoreRouting.of(mlp.token_dispatcher)
 
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
         """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are
@@ -156,7 +182,7 @@ class McoreLayer(_Unit):
 
     def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
         """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
-        if routing is None:
+        if routing is None or self.owns_comm:
             return
         with routing.active() as dispatcher:
             dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
@@ -170,9 +196,23 @@ class McoreLayer(_Unit):
             output, bias = self.layer.mlp(received[0])
             return output
         tokens, probs = received
-        with routing.active():
+        with routing.active() as dispatcher:
+            if self.owns_comm:  # the backend's permute reads the received probabilities from its manager
+                dispatcher._comm_manager.dispatched_probs = probs
             output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
         return output
+
+    def dispatch_comm(self, sent: tuple[torch.Tensor, ...], routing: McoreRouting) -> tuple[torch.Tensor, ...]:
+        """The flex dispatcher's fused permute and all-to-all of ``sent`` (tokens, top-k probabilities)."""
+        tokens, probs = sent
+        with routing.active() as dispatcher:
+            dispatcher._comm_manager.token_probs = probs  # the backend sends the probabilities it holds
+            return dispatcher.token_dispatch(tokens, probs)
+
+    def combine_comm(self, expert_out: torch.Tensor, routing: McoreRouting) -> torch.Tensor:
+        """The flex dispatcher's fused all-to-all back and unpermute."""
+        with routing.active() as dispatcher:
+            return dispatcher.token_combine(expert_out)
 
     def combine(self, back: torch.Tensor, shared, h: torch.Tensor, routing: McoreRouting | None) -> torch.Tensor:
         if routing is None:
@@ -196,6 +236,7 @@ class McoreComputeRun(_Unit):
 
     is_moe = False
     expert_wgrad_delayable = False
+    owns_comm = False
 
     def __init__(self, layers: list[torch.nn.Module], index: int, plan):
         self.layers, self.plan = list(layers), plan

@@ -1,0 +1,137 @@
+"""Test-only: DeepEP's fused dispatch and combine contract on gloo, so Megatron-Core's flex dispatcher runs on CPU.
+
+Megatron-Core's ``_DeepepManager`` calls two autograd functions, ``fused_dispatch`` and ``fused_combine``
+(``megatron.core.transformer.moe.fused_a2a``, present only where ``deep_ep`` is installed). These do what they do,
+with ``all_to_all_single`` in place of DeepEP's kernels:
+
+    fused_dispatch(x_TH, indices_TK, probs_TK, num_experts, group, ...)
+        -> recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert_E, handle
+        Each token goes once to every rank that holds one of its experts (in token order, from each source rank in
+        rank order); the received indices are local expert numbers, -1 where the expert is on another rank (the
+        probability there is 0). Backward: a combine of the gradients.
+    fused_combine(x_RH, group, handle, ...) -> (x_TH, None)
+        The reverse: every received row goes back to its source token, and a token's rows are summed in rank
+        order. Backward: a dispatch of the gradient.
+
+T tokens, H hidden, K top-k, R rows received, E local experts. The sums are in a fixed order, so the plain path and
+the schedule running the same fake are bitwise comparable. :func:`install_fake_deepep` puts both into Megatron-Core's
+token dispatcher module (call it in the forked test rank, before building the model).
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+CALLS: Counter = Counter()  # how often each fused function (and its backward) ran in this process
+
+
+@dataclass
+class _Handle:
+    rows_S: torch.Tensor  # the source token of each row sent, in send order
+    send_counts: list[int]  # rows sent to each rank
+    recv_counts: list[int]  # rows received from each rank
+    num_tokens: int
+
+
+def _all_to_all(x: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_counts),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_counts, in_counts, group=group)
+    return out
+
+
+def _send(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
+    return _all_to_all(x[handle.rows_S], handle.recv_counts, handle.send_counts, group)
+
+
+def _return(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
+    back = _all_to_all(x, handle.send_counts, handle.recv_counts, group)
+    summed = back.new_zeros((handle.num_tokens,) + tuple(back.shape[1:]))
+    start = 0
+    for count in handle.send_counts:  # a token has at most one row per rank: add them rank by rank, in order
+        rows = handle.rows_S[start : start + count]
+        summed[rows] = summed[rows] + back[start : start + count]
+        start += count
+    return summed
+
+
+class _FusedDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, indices_TK, probs_TK, num_experts, group, async_finish=False, allocate=False):
+        CALLS["dispatch"] += 1
+        world = group.size()
+        local = num_experts // world
+        owner_TK = torch.where(indices_TK >= 0, indices_TK // local, -1)
+        rows, indices, probs = [], [], []
+        for dest in range(world):
+            mine_TK = owner_TK == dest
+            tokens = mine_TK.any(dim=1).nonzero().flatten()
+            rows.append(tokens)
+            indices.append(torch.where(mine_TK, indices_TK - dest * local, -1)[tokens])
+            probs.append(torch.where(mine_TK, probs_TK, 0.0)[tokens])
+        send_counts = [len(r) for r in rows]
+        recv_counts_W = torch.empty(world, dtype=torch.int64, device=x_TH.device)
+        dist.all_to_all_single(recv_counts_W, torch.tensor(send_counts, device=x_TH.device), group=group)
+        handle = _Handle(torch.cat(rows), send_counts, recv_counts_W.tolist(), x_TH.shape[0])
+        recv_indices = _all_to_all(torch.cat(indices), handle.recv_counts, send_counts, group)
+        recv_probs = _all_to_all(torch.cat(probs), handle.recv_counts, send_counts, group)
+        recv_x = _send(x_TH, handle, group)
+        tokens_per_expert = torch.stack([(recv_indices == e).sum() for e in range(local)]).cpu()  # as DeepEP's
+        ctx.group, ctx.handle = group, handle
+        ctx.mark_non_differentiable(recv_indices, tokens_per_expert)
+        return recv_x, recv_indices, recv_probs, tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_indices, grad_probs, grad_counts, grad_handle):
+        CALLS["dispatch_bwd"] += 1
+        return (
+            _return(grad_x, ctx.handle, ctx.group),
+            None,
+            _return(grad_probs.float(), ctx.handle, ctx.group),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _FusedCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH, group, handle, async_finish=False, allocate=False):
+        CALLS["combine"] += 1
+        ctx.group, ctx.handle = group, handle
+        return _return(x_RH, handle, group), None
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_none):
+        CALLS["combine_bwd"] += 1
+        return _send(grad_x, ctx.handle, ctx.group), None, None, None, None
+
+
+def fused_dispatch(
+    x, token_indices, token_probs, num_experts, group, async_finish=False, allocate_on_comm_stream=False
+):
+    return _FusedDispatch.apply(x.contiguous(), token_indices, token_probs, num_experts, group)
+
+
+def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=False):
+    return _FusedCombine.apply(x, group, handle)
+
+
+def install_fake_deepep() -> None:
+    """Megatron-Core's flex dispatcher (backend ``deepep``) calls the functions above from now on, in this process.
+
+    ``dispatch_preprocess`` is compiled with ``torch.compile`` where Megatron-Core's JIT fuser is on; on CPU it runs
+    eagerly (both arms of every comparison run the same code)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.fused_dispatch = fused_dispatch
+    token_dispatcher.fused_combine = fused_combine
+    token_dispatcher.set_deepep_num_sms = lambda num_sms: None
+    torch._dynamo.config.disable = True
+
+
+def dispatcher_names(model: torch.nn.Module) -> set[str]:
+    """The token dispatcher classes of ``model``'s MoE layers."""
+    return {type(m.token_dispatcher).__name__ for m in model.modules() if hasattr(m, "token_dispatcher")}
