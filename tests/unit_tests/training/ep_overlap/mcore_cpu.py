@@ -55,6 +55,7 @@ def install_cpu_stubs() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the last stage's embedding copy is synced "on CUDA"
     zeros = torch.zeros
 
     def zeros_on_host(*args, device=None, **kwargs):  # Megatron-Core's schedules put a token counter on "cuda"

@@ -175,15 +175,15 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 
     from .mcore_models import build_hybrid
 
-    if kind == "mtp-pipeline-chunk":
+    if kind == "mrope":
+        model, plan = build_gpt(McoreCase()), plan_for
+        model.position_embedding_type = "mrope"  # multimodal rotary positions
+    elif kind == "mtp-two-layers":
         model, plan = build_gpt(McoreCase(mtp=True)), plan_for
-        model.pre_process = False  # what the last stage's chunk (the one with the MTP layer) has
+        model.config.mtp_num_layers = 2
     elif kind == "hybrid-mtp-depths-unset":
         model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), plan_for
         model.config.mtp_num_layers = None
-    elif kind == "tied-pipeline-chunk":
-        model, plan = build_gpt(McoreCase(tied=True)), plan_for
-        model.post_process = False  # what the first stage's chunk of a pipelined model has
     elif kind == "recompute-moe":
         model, plan = build_gpt(McoreCase()), plan_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
@@ -211,11 +211,11 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 @pytest.mark.parametrize(
     "kind, line",
     [
-        ("mtp-pipeline-chunk", "mtp_num_layers=1 with pipeline stages: the last stage's copy of the embedding"),
+        ("mtp-two-layers", "mtp_num_layers=2: the EP-overlap schedule runs at most one multi-token prediction"),
+        ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
         ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes ['moe'] from the MoE"),
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
-        ("tied-pipeline-chunk", "share_embeddings_and_output_weights=True with pipeline stages"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
     ],
@@ -282,6 +282,10 @@ INTERLEAVED = {  # Megatron-Core refuses N = 5 here
     "gpt": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2),
     "hybrid": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2),
     "hybrid-flex": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2, dispatcher="flex"),
+    # One MTP layer on the last stage (with its copy of the embedding), RoPE on chunks without the embedding.
+    "gpt-mtp-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mtp=True, rope=True),
+    "gpt-tied": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, tied=True),
+    "hybrid-mtp": HybridCase(pattern="*E|E-|*-E|E*/*E", microbatches=4, steps=2, rope=True),
 }
 
 

@@ -18,11 +18,15 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 from .fake_deepep import install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
+from .test_numerics import assert_bitwise
 from .test_pipeline import assert_matches_reference, train_recording
 
 
 def global_name(plan, name: str, local_experts: int, ep_rank: int) -> str:
-    """A parameter's name in the whole model: global layer number, global expert index."""
+    """A parameter's name in the whole model: global layer number, global expert index; the last stage's copy of a
+    tied output weight is the embedding's."""
+    if name == "output_layer.weight" and plan.model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if match:
         number = plan.model.decoder.layers[int(match.group(1))].layer_number - 1  # Megatron-Core counts from 1
@@ -72,7 +76,7 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
 def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.bridge.training.ep_overlap.mcore import plan_for
@@ -85,20 +89,25 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
         moe_token_dispatcher_type=case.dispatcher, use_cpu_initialization=True, add_bias_linear=False,
         attention_dropout=0.0, hidden_dropout=0.0, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
-        pipeline_dtype=torch.float32 if pp > 1 else None,
+        pipeline_dtype=torch.float32 if pp > 1 else None, mtp_num_layers=1 if case.mtp else None,
     )  # fmt: skip
     stages = range(vpp) if pp > 1 else [None]
     plans = []
     for v in stages:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=v)
+        mtp = None
+        if case.mtp:
+            mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, v)
         model = GPTModel(
             config,
-            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=v),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp,
             vocab_size=64,
             max_sequence_length=8,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
-            position_embedding_type="learned_absolute",
-            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope" if case.rope else "learned_absolute",
+            share_embeddings_and_output_weights=case.tied,
             vp_stage=v,
         )
         plans.append(plan_for(model))
@@ -143,6 +152,9 @@ CASES = {
     # HybridModel: '|' splits the pattern into PP x VPP segments; a segment may start with MoE or end dense.
     "hybrid-pp2-vpp2-ep2-N3": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2),
     "pp2-vpp2-ep2-N3-flex": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, dispatcher="flex"),
+    # RoPE: a chunk without the embedding computes the rotary embedding its layers read.
+    "pp2-vpp2-ep2-N3-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, rope=True),
+    "hybrid-pp2-vpp2-ep2-N3-rope": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2, rope=True),
 }
 
 
@@ -157,3 +169,35 @@ def test_mcore_chunks_pipelined_are_bitwise_equal_to_pp1(name):
             assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
             seen.update(outcome.result[arm]["params"])
     assert seen == set(reference[0]["params"]) | set(reference[1]["params"])  # the whole model, every expert
+
+
+# A weight on two pipeline stages: the first stage's embedding and the last stage's copy (read by the MTP layer, or
+# the tied output layer). Each stage accumulates its own use, then the engine sums the two over Megatron-Core's
+# embedding group, as finalize_model_grads does. PP = 1 sums the uses per microbatch instead, so that one weight's
+# gradient matches PP = 1 to rounding; everything else, bitwise.
+SHARED = "embedding.word_embeddings.weight"
+SHARED_CASES = {
+    "pp2-vpp2-ep2-N3-mtp-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, mtp=True, rope=True),
+    "pp2-vpp2-ep2-N3-tied": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, tied=True),
+    "hybrid-pp2-vpp2-ep2-N3-mtp-rope": HybridCase(pattern="*E|E-|*-E|E*/*E", microbatches=3, steps=2, rope=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_CASES))
+def test_a_weight_on_two_stages_trains_as_one(name):
+    case = SHARED_CASES[name]
+    reference = {o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train, 2, (case, 1, 1, ("plain",)))}
+    copies = []
+    for outcome in run_local_ranks(train, 4, (case, 2, 2, ("plain", "overlap"))):
+        result, where = outcome.result, f"rank {outcome.rank}"
+        plain, ref = result["plain"], reference[result["data_rank"]]
+        assert_matches_reference(plain, result["overlap"], case.steps, f"{where} overlap vs plain")
+        step0 = {"losses": plain["losses"][:1], "grads": [dict(plain["grads"][0])], "params": {}}
+        shared = step0["grads"][0].pop(SHARED, None)
+        assert_matches_reference(ref, step0, 1, f"{where} step 0 vs PP = 1")
+        if shared is not None:
+            torch.testing.assert_close(shared, ref["grads"][0][SHARED], rtol=1e-5, atol=1e-7)
+            copies.append(result["overlap"]["params"][SHARED])
+    assert len(copies) == 4  # both stages of both pipelines hold it
+    for copy in copies[1:]:
+        assert_bitwise(copies[0], copy, "the copies after the steps")

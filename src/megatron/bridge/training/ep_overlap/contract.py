@@ -60,13 +60,14 @@ class LayerFunctions(Protocol):
 class ChunkModel(Protocol):
     """A whole model or one pipeline chunk: ``layers`` with their global ``layer_numbers``; ``pre_process`` /
     ``post_process`` whether it holds the embedding / the head; ``sequence_length`` the one it takes (None: any);
-    ``embed(tokens)`` and
-    ``head_loss(x, labels, normalizer, tokens)`` where it does (``tokens``: the microbatch's input, for a head that
-    reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation between chunks; a whole
-    model also a plain ``__call__(tokens, labels, normalizer)``. Optional: ``start_step(num_units)``, called before a
-    step's first op with the number of microbatches that carry a loss (a chunked one's halves count two), to drop
-    what a failed step left; and ``update_router_biases(groups)``, called once per
-    training step after the gradient sync."""
+    ``embed(tokens)`` and ``head_loss(x, labels, normalizer, tokens)`` where it does (``tokens``: the microbatch's
+    input, for a head that reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation
+    between chunks; a whole model also a plain ``__call__(tokens, labels, normalizer)``.
+
+    Optional: ``start_step(num_units)``, called before a step's first op with the number of microbatches that carry
+    a loss (a chunked one's halves count two), to drop what a failed step left; ``sync_pipeline_copies(groups)``,
+    called with the data-parallel gradient sum, for a weight this chunk shares with a chunk on another pipeline
+    stage; and ``update_router_biases(groups)``, called once per training step after the gradient sync."""
 
     config: Any
     vocab_size: int

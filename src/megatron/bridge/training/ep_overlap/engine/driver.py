@@ -12,7 +12,9 @@ Contract:
       step's synced gradient is then added to what ``.grad`` (or ``main_grad``) held before it, as autograd and
       Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. A chunk that
       offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
-      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases), and one that offers
+      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases); one that offers
+      ``sync_pipeline_copies(groups)`` gets it called with the data-parallel sync (a weight held on two pipeline
+      stages, such as a tied or MTP embedding, gets its copies' gradients summed); and one that offers
       ``start_step(num_units)`` gets it called before the step runs (the step's microbatches, a chunked one
       counted as its two halves).
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
@@ -217,6 +219,9 @@ class Engine:
             if held is not None:
                 for chunk in self.chunks:
                     sync_grads(chunk, self.groups)
+                    sync_pipeline_copies = getattr(chunk, "sync_pipeline_copies", None)
+                    if sync_pipeline_copies is not None:
+                        sync_pipeline_copies(self.groups)
                 held.restore(add=True)
             failed = False
         finally:

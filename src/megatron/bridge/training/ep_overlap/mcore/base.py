@@ -4,12 +4,15 @@ A plan is a Megatron-Core language model (or one pipeline chunk of it) as
 :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine` runs it (the ``ChunkModel`` contract). The model
 classes differ in their decoder stack and final norm; :class:`McorePlan` holds the rest. Everything the plan does
 not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
-output layer (PP = 1) gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`).
+output layer gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`, PP = 1).
 
-Multi-token prediction (one MTP layer, PP = 1) runs in the head, as the model's ``_postprocess`` runs it: the MTP
-block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the model's embedding,
-so those weights are :class:`TiedWeight` s too. An MoE layer inside the MTP block runs its all-to-alls inside the
-head, not overlapped (Megatron-Core's own overlap gives the MTP layer its own nodes).
+Multi-token prediction (one MTP layer, on the last pipeline stage) runs in the head, as the model's ``_postprocess``
+runs it: the MTP block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the
+model's embedding, so at PP = 1 those weights are :class:`TiedWeight` s too; with pipeline stages the last stage
+holds a copy, whose gradient is summed with the first stage's over Megatron-Core's embedding group after the step
+(:meth:`McorePlan.sync_pipeline_copies`, what ``finalize_model_grads`` does), as is a tied output weight's. An MoE
+layer inside the MTP block runs its all-to-alls inside the head, not overlapped (Megatron-Core's own overlap gives
+the MTP layer its own nodes).
 """
 
 import logging
@@ -72,18 +75,16 @@ class McorePlan:
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         config = model.config
         self.pre_process, self.post_process = model.pre_process, model.post_process
-        whole = self.pre_process and self.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
         if config.mtp_num_layers and config.mtp_num_layers > 1:
             raise ValueError(
                 f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
                 f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
             )
-        if config.mtp_num_layers and not whole:
+        if model.position_embedding_type == "mrope":
             raise ValueError(
-                f"mtp_num_layers={config.mtp_num_layers} with pipeline stages: the last stage's copy of the embedding "
-                "(its MTP layer reads it) would need its gradient summed with the first stage's, which the EP-overlap "
-                f"plan does not do yet; fix: use PP = 1 or set mtp_num_layers=None, {_OFF}"
+                "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
+                f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
             )
         stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
         if config.recompute_granularity == "selective" and stepped:
@@ -92,24 +93,16 @@ class McorePlan:
                 "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
                 f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
             )
-        if model.share_embeddings_and_output_weights and not whole:
-            raise ValueError(
-                "share_embeddings_and_output_weights=True with pipeline stages: the EP-overlap plan ties the two "
-                "uses of the weight only where one chunk holds both (PP = 1); fix: set "
-                f"share_embeddings_and_output_weights=False or PP = 1, {_OFF}"
-            )
         # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
-        # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order.
-        shared = {"word_embeddings.weight"} if model.share_embeddings_and_output_weights else set()
-        if self.mtp:
+        # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order, where the
+        # chunk also embeds. A pipeline's last stage holds its own copy (Megatron-Core sums the copies' gradients
+        # over its embedding group after the step; the engine does the same, see sync_pipeline_copies).
+        shared = set()
+        if self.pre_process and model.share_embeddings_and_output_weights and self.post_process:
+            shared = {"word_embeddings.weight"}
+        if self.pre_process and self.mtp:
             shared |= {name for name, _ in model.embedding.named_parameters()}
         self._tied = {name: TiedWeight(model.embedding.get_parameter(name)) for name in sorted(shared)}
-        if not self.pre_process and model.position_embedding_type in ("rope", "yarn"):
-            raise ValueError(
-                f"position_embedding_type={model.position_embedding_type!r} with pipeline stages is not supported by "
-                "the EP-overlap plan yet (a chunk without the embedding would need its own rotary embedding); fix: "
-                f"use PP = 1 or learned_absolute positions, {_OFF}"
-            )
         self.model, self.config = model, config
         self.vocab_size = model.vocab_size
         self.sequence_length = model.max_sequence_length  # the plan's attention mask is built for it
@@ -117,7 +110,11 @@ class McorePlan:
         seq = model.max_sequence_length
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        self.rotary_pos_emb = None  # set by embed(); only one microbatch's forward runs at a time
+        # Set by embed() (only one microbatch's forward runs at a time); a chunk without the embedding computes it
+        # once, for the plan's sequence length, as the model's forward does from the activation it receives.
+        self.rotary_pos_emb = None
+        if not self.pre_process:
+            self.rotary_pos_emb = self._rotary(torch.empty(seq, 1, 0, device=device))
         self.layers, self.layer_numbers = self._build_units()
         if delay_wgrad:
             undelayed = [unit.name for unit in self.layers if unit.is_moe and not unit.expert_wgrad_delayable]
@@ -138,6 +135,33 @@ class McorePlan:
 
     def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def _rotary(self, x_SBH: torch.Tensor):
+        """The rotary embedding the layers read for the hidden states ``x_SBH`` (None without one)."""
+        raise NotImplementedError
+
+    def pipeline_copies(self) -> list[torch.nn.Parameter]:
+        """The weights this chunk holds a copy of on another pipeline stage: the word embedding of the first and the
+        last stage, when the output layer shares it or an MTP layer reads it (Megatron-Core's
+        ``_get_shared_word_embedding_weight``). Empty at PP = 1 and on middle stages."""
+        model = self.model
+        whole = self.pre_process and self.post_process
+        shares = model.share_embeddings_and_output_weights or bool(self.config.mtp_num_layers)
+        if whole or not shares or not (self.pre_process or self.post_process):
+            return []
+        weight = model.shared_embedding_or_output_weight()
+        return [] if weight is None else [weight]
+
+    def sync_pipeline_copies(self, groups: EPGroups) -> None:
+        """Sums the gradients of :meth:`pipeline_copies` over Megatron-Core's embedding group (the first and the last
+        pipeline stage), as its ``finalize_model_grads`` does, so the copies stay equal after the optimizer step."""
+        for weight in self.pipeline_copies():
+            group = parallel_state.get_embedding_group()
+            main = getattr(weight, "main_grad", None)
+            grad = main if main is not None else weight.grad
+            if grad is None:
+                grad = weight.grad = torch.zeros_like(weight)
+            all_reduce(grad, group, op="embedding gradient all-reduce (pipeline copies)", timeout=groups.timeout)
 
     @torch.no_grad()
     def update_router_biases(self, groups: EPGroups) -> None:
@@ -206,7 +230,9 @@ class McorePlan:
         model's forward returns when given labels."""
         model = self.model
         aliases = {name: tied.alias() for name, tied in self._tied.items()}
-        weight = aliases["word_embeddings.weight"] if model.share_embeddings_and_output_weights else None
+        weight = None
+        if model.share_embeddings_and_output_weights:  # as the model's forward passes it (an alias where tied here)
+            weight = aliases.get("word_embeddings.weight", model.shared_embedding_or_output_weight())
         x_SBH = self._final_norm(x_SBH)
         if self.mtp:
             if tokens_BS is None:

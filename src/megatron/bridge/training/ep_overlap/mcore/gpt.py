@@ -4,8 +4,8 @@ Contract:
     * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
       pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
       ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
-      before it. It needs ``add_bias_linear=False``; one MTP layer and tied embedding/output weights run only at
-      PP = 1 (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
+      before it. It needs ``add_bias_linear=False`` and at most one MTP layer
+      (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
 """
 
 import torch
@@ -43,3 +43,8 @@ class McoreGPTPlan(McorePlan):
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
         x_SBH, self.rotary_pos_emb, *_ = self.model._preprocess(input_ids=tokens_BS, position_ids=positions)
         return x_SBH
+
+    def _rotary(self, x_SBH: torch.Tensor):
+        """``GPTModel._preprocess`` given the hidden states: only its rotary embedding."""
+        _, rotary_pos_emb, *_ = self.model._preprocess(input_ids=None, position_ids=None, decoder_input=x_SBH)
+        return rotary_pos_emb

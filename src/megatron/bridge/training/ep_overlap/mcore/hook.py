@@ -79,7 +79,7 @@ class _MicrobatchModel:
         self.loss_mask = loss_mask
         self.pre_process, self.post_process = plan.pre_process, plan.post_process
         self.layer_numbers = plan.layer_numbers
-        self.rotary_pos_emb = None
+        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_pos_emb  # set by embed() on the first chunk
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:

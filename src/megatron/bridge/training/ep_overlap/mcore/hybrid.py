@@ -13,7 +13,7 @@ Contract:
       own forward in the stack's order.
     * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
     * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): more than
-      one MTP depth, MTP or tied embeddings with pipeline stages, full recompute of the stack.
+      one MTP depth, full recompute of the stack.
 """
 
 import torch
@@ -78,10 +78,13 @@ class McoreHybridPlan(McorePlan):
         model = self.model
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
         x_SBH = model.embedding(input_ids=tokens_BS, position_ids=positions)
-        self.rotary_pos_emb = None
-        kind = model.position_embedding_type
-        if (kind == "rope" and not self.config.multi_latent_attention) or kind == "yarn":
-            length = model.rotary_pos_emb.get_rotary_seq_len(None, model.decoder, x_SBH, self.config, None)
-            emb = model.rotary_pos_emb(length, packed_seq=False)
-            self.rotary_pos_emb = emb[0] if kind == "yarn" else emb  # yarn also returns its mscale
+        self.rotary_pos_emb = self._rotary(x_SBH)
         return x_SBH
+
+    def _rotary(self, x_SBH: torch.Tensor):
+        model, kind = self.model, self.model.position_embedding_type
+        if not ((kind == "rope" and not self.config.multi_latent_attention) or kind == "yarn"):
+            return None
+        length = model.rotary_pos_emb.get_rotary_seq_len(None, model.decoder, x_SBH, self.config, None)
+        emb = model.rotary_pos_emb(length, packed_seq=False)
+        return emb[0] if kind == "yarn" else emb  # yarn also returns its mscale
