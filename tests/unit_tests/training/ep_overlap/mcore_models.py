@@ -2,11 +2,12 @@
 
 :class:`McoreCase` and :func:`build_gpt`: a ``GPTModel``. :class:`HybridCase` and :func:`build_hybrid`: a
 ``HybridModel``. Megatron-Core ships only a Transformer Engine spec for ``HybridModel`` (``hybrid_stack_spec``); this
-one takes the attention (``*``), MLP (``-``) and MoE (``E``) parts of ``get_gpt_layer_local_spec()``, and the stack's
-final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's norm; a pattern's
-MTP part (after ``/``) gets the MTP block with local norms and projection. Left to the
-GPU check: Mamba (``M``) and GDN (``G``) need their CUDA kernels, and Megatron-Core 0.19's local MLA spec (``+``)
-does not build (its ``DotProductAttention`` takes no ``k_channels``). Build after ``install_cpu_stubs`` (on CPU).
+one takes the attention (``*``), MLA (``+``), MLP (``-``) and MoE (``E``) parts of ``get_gpt_layer_local_spec()``,
+and the stack's final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's
+norm; a pattern's MTP part (after ``/``) gets the MTP block with local norms and projection. Megatron-Core 0.19's local
+MLA spec (``+``, and ``McoreCase.mla``) does not build as shipped (its ``DotProductAttention`` takes no
+``k_channels``): here its core attention takes MLA's head sizes. Left to the GPU check: Mamba (``M``) and GDN (``G``)
+need their CUDA kernels. Build after ``install_cpu_stubs`` (on CPU).
 """
 
 from dataclasses import dataclass
@@ -29,14 +30,53 @@ class McoreCase:
     mtp: bool = False  # one multi-token prediction layer
     tied: bool = False  # share_embeddings_and_output_weights
     dispatcher: str = "alltoall"  # "flex": Megatron-Core's flex dispatcher, on CPU over fake_deepep's gloo functions
+    mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
+
+
+# Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
+MLA_FIELDS = dict(
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=8,
+    rotary_scaling_factor=4,
+    original_max_position_embeddings=4,
+)
+
+
+def local_mla_core_attention():
+    """Megatron-Core 0.19's local attention, taking the head sizes MLA passes it (its own ``__init__`` does not, so
+    its local MLA spec does not build): the output has ``v_channels`` per head."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return LocalMLACoreAttention
+
+
+def gpt_block_spec(config, vp_stage: int | None = None):
+    """Megatron-Core's local decoder block spec for ``config`` (with MLA's core attention made to build)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    if config.multi_latent_attention:
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = local_mla_core_attention()
+    return spec
 
 
 def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    config = TransformerConfig(
+    config = (MLATransformerConfig if case.mla else TransformerConfig)(
+        **(MLA_FIELDS if case.mla else {}),
         num_layers=len(case.layer_freq),
         hidden_size=32,
         num_attention_heads=2,
@@ -63,7 +103,7 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         mtp_num_layers=1 if case.mtp else None,
     )
     torch.manual_seed(1234)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    spec = gpt_block_spec(config)
     mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) if case.mtp else None
     model = GPTModel(
         config,
@@ -88,7 +128,7 @@ def expected_mlps(case: McoreCase) -> list[str]:
     """Each decoder layer's MLP class: from ``layer_freq``, or from a hybrid pattern (attention layers have none)."""
     if not isinstance(case, HybridCase):
         return ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
-    kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "M": "NoneType"}  # a Mamba layer has no MLP
+    kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "+": "IdentityOp", "M": "NoneType"}  # Mamba: no MLP
     return [kinds[c] for c in case.pattern.split("/")[0].replace("|", "")]  # the MTP layers are not the decoder's
 
 
@@ -117,7 +157,7 @@ def build_hybrid(
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.transformer_layer import (
         MoETransformerLayer,
         TransformerLayer,
@@ -141,6 +181,12 @@ def build_hybrid(
             moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
                 pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
         )  # fmt: skip
+        if "+" in case.pattern:
+            mla = get_gpt_layer_local_spec(multi_latent_attention=True).submodules
+            mla.self_attention.submodules.core_attention = local_mla_core_attention()
+            layers["mla_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+                input_layernorm=mla.input_layernorm, self_attention=mla.self_attention,
+                self_attn_bda=mla.self_attn_bda))  # fmt: skip
         stack_spec = ModuleSpec(
             module=hybrid_block.HybridStack,
             submodules=hybrid_block.HybridStackSubmodules(**layers, mtp_block_spec=_local_hybrid_mtp_spec()),
@@ -148,7 +194,8 @@ def build_hybrid(
         mamba = {}
     pattern = case.pattern if pp > 1 else case.pattern.replace("|", "")
     main, *depths = pattern.split("/")
-    config = TransformerConfig(
+    config = (MLATransformerConfig if "+" in case.pattern else TransformerConfig)(
+        **(MLA_FIELDS if "+" in case.pattern else {}),
         num_layers=sum(c != "|" for c in main), mtp_num_layers=len(depths) or None,
         hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         num_moe_experts=experts, moe_ffn_hidden_size=16, moe_router_topk=case.topk,

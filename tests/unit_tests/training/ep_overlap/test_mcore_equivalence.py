@@ -76,6 +76,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "params": sorted(n for n, _ in model.named_parameters()),
             "mtp_scale": float(MTPLossAutoScaler.main_loss_backward_scale),
             "dispatchers": dispatcher_names(model),
+            "attentions": {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("SelfAttention")},
             "fused_calls": dict(FUSED_CALLS),  # each runs once per MoE layer and microbatch, in the comm nodes only
         }
     return out
@@ -100,6 +101,10 @@ CASES = {
     "ep2-bf16-mtp-top1-mixed": McoreCase(mtp=True, bf16=True, topk=1, layer_freq=(1, 0)),
     # The flex dispatcher (DeepEP's contract, on gloo): the backend's fused dispatch and combine and their backward
     # run as the comm nodes; routing state of two microbatches kept apart in the backend's manager too.
+    # Multi-latent attention (DeepSeek-V3's attention: latent q/kv projections, yarn rotary inside the attention).
+    "ep2-fp32-top2-mla": McoreCase(mla=True, steps=3),
+    # DeepSeek-V3's recipe in small: MLA, sigmoid router with expert bias, one MTP layer, the flex dispatcher.
+    "ep2-fp32-deepseek-like": McoreCase(mla=True, expert_bias=True, mtp=True, dispatcher="flex", steps=3),
     "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
     "ep2-bf16-top1-mixed-flex": McoreCase(dispatcher="flex", bf16=True, topk=1, layer_freq=(1, 0)),
     "ep4-fp32-top2-flex-mtp": McoreCase(dispatcher="flex", world=4, microbatches=2, mtp=True),
@@ -116,6 +121,7 @@ def _hybrid_cases() -> dict:
         "hybrid-*E-E-tied": HybridCase(pattern="*E-E", tied=True),
         "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", steps=3),  # one MTP depth: attention and MoE
         "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex"),
+        "hybrid-+E+E-mla": HybridCase(pattern="+E+E"),  # multi-latent attention layers in the groups
     }
 
 
@@ -138,9 +144,11 @@ def check_equal(case: McoreCase, outcomes) -> None:
             for name, bias in expected["biases"].items():
                 assert_bitwise(bias, overlap["biases"][name], f"{where} final {name}")
         if case.expert_bias:
-            assert len(plain["biases"]) == expected_mlps(case).count("MoELayer")
+            assert len(plain["biases"]) == expected_mlps(case).count("MoELayer") + has_mtp(case)  # its MoE layer
             assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+        mla = getattr(case, "mla", False) or "+" in getattr(case, "pattern", "")
+        assert ("MLASelfAttention" in plain["attentions"]) == mla
         if case.dispatcher == "flex":
             assert plain["dispatchers"] == {"MoEFlexTokenDispatcher"}
             assert set(plain["fused_calls"]) == {"dispatch", "dispatch_bwd", "combine", "combine_bwd"}

@@ -106,6 +106,8 @@ CASES = {
     "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", microbatches=3),
     # The flex dispatcher (DeepEP's contract on gloo, tests' fake_deepep): the backend's fused comm in our comm nodes.
     "ep2-bf16-top2-flex-flag-at-build": McoreCase(dispatcher="flex", bf16=True, microbatches=3),
+    "ep2-fp32-deepseek-like": McoreCase(mla=True, expert_bias=True, mtp=True, dispatcher="flex", microbatches=3),
+    "hybrid-+E-E-mla": HybridCase(pattern="+E-E", microbatches=3),
     "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex", microbatches=3),
 }
 
@@ -285,6 +287,9 @@ INTERLEAVED = {  # Megatron-Core refuses N = 5 here
     # One MTP layer on the last stage (with its copy of the embedding), RoPE on chunks without the embedding.
     "gpt-mtp-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mtp=True, rope=True),
     "gpt-tied": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, tied=True),
+    "gpt-mla-mtp-flex": McoreCase(
+        layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mla=True, mtp=True, dispatcher="flex"
+    ),
     "hybrid-mtp": HybridCase(pattern="*E|E-|*-E|E*/*E", microbatches=4, steps=2, rope=True),
 }
 
@@ -305,3 +310,39 @@ def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overla
             for param, grad in plain["grads"][step].items():
                 assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
         assert "paired" in overlap["phases"]
+
+
+def build_with(rank: int, world: int, argument: str) -> str:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    model = build_gpt(McoreCase())
+    model.config.overlap_moe_expert_parallel_comm = True
+    use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+    tokens = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.long)
+    extra = {
+        "packed_seq_params": PackedSeqParams(qkv_format="thd"),
+        "decoder_input": torch.zeros(SEQ, MICRO_BATCH, 32),
+    }[argument]
+    try:
+        model.build_schedule_plan(tokens, None, None, labels=tokens, **{argument: extra})
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "argument, line",
+    [
+        ("packed_seq_params", "packed_seq_params: packed (THD) sequences are not scheduled"),
+        ("decoder_input", "decoder_input: the plan embeds input_ids on the first chunk"),
+    ],
+)
+def test_a_microbatch_the_plan_cannot_run_is_refused_before_it_runs(argument, line):
+    # build_schedule_plan binds a microbatch and runs nothing, so the refusal comes before any of the step's compute.
+    for outcome in run_local_ranks(build_with, 2, (argument,)):
+        assert outcome.result.startswith(f"EP-overlap build_schedule_plan: {line}"), outcome.result
+        assert "; fix: " in outcome.result

@@ -17,7 +17,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .fake_deepep import install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .mcore_models import HybridCase, McoreCase
+from .mcore_models import MLA_FIELDS, HybridCase, McoreCase, gpt_block_spec
 from .test_numerics import assert_bitwise
 from .test_pipeline import assert_matches_reference, train_recording
 
@@ -76,12 +76,13 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
 def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from megatron.bridge.training.ep_overlap.mcore import plan_for
 
-    config = TransformerConfig(
+    config = (MLATransformerConfig if case.mla else TransformerConfig)(
+        **(MLA_FIELDS if case.mla else {}),
         num_layers=len(case.layer_freq), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
         num_moe_experts=2 * case.world, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
         moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
@@ -94,7 +95,7 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     stages = range(vpp) if pp > 1 else [None]
     plans = []
     for v in stages:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=v)
+        spec = gpt_block_spec(config, vp_stage=v)
         mtp = None
         if case.mtp:
             mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, v)
@@ -155,6 +156,7 @@ CASES = {
     # RoPE: a chunk without the embedding computes the rotary embedding its layers read.
     "pp2-vpp2-ep2-N3-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, rope=True),
     "hybrid-pp2-vpp2-ep2-N3-rope": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2, rope=True),
+    "pp2-vpp2-ep2-N3-mla": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, mla=True),
 }
 
 

@@ -65,6 +65,20 @@ class _HostEvent:
         pass
 
 
+# A forward argument the plan does not take: why, and the fix (others: not scheduled by the plan; pass None).
+_UNSCHEDULED = {
+    "packed_seq_params": (
+        "packed (THD) sequences are not scheduled: the plan runs one causal mask and rotary embedding for padded "
+        "sequences of its sequence length (and Megatron-Core's local attention has no THD path)",
+        "pad the sequences and pass packed_seq_params=None",
+    ),
+    "decoder_input": (
+        "the plan embeds input_ids on the first chunk and receives the activation on the others",
+        "pass decoder_input=None",
+    ),
+}
+
+
 class _MicrobatchModel:
     """One microbatch's view of a plan: its position ids, attention mask and rotary embedding."""
 
@@ -263,7 +277,10 @@ class EPOverlapPlanBuilder:
         if self.plan.mtp and input_ids is None:
             missing.append("input_ids are required on the chunk with the multi-token prediction layer")
         if missing or given:
-            problems = missing + [f"{name} is not supported; pass None" for name in given]
+            problems = missing + [
+                "{}: {}; fix: {}".format(name, *_UNSCHEDULED.get(name, ("not scheduled by the plan", "pass None")))
+                for name in given
+            ]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
         session = self.session
         device = next(self.plan.parameters()).device
