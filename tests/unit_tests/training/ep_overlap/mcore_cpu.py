@@ -1,9 +1,9 @@
 """Test-only: lets Megatron-Core's MoE layers run on CPU ranks (gloo). Never imported by product code.
 
 Megatron-Core calls a few ``torch.cuda`` stream/event/device functions directly, forks a CUDA RNG state for
-attention dropout, and passes all-to-all split sizes as tensors (gloo wants lists). On CPU these become no-op
-streams and events, the current device "cpu" (also where the schedules' token counter goes), a plain RNG context,
-and list splits.
+attention dropout (and saves it around a recompute), and passes all-to-all split sizes as tensors (gloo wants
+lists). On CPU these become no-op streams and events, the current device "cpu" (also where the schedules' token
+counter goes), a plain RNG context, and list splits.
 """
 
 import contextlib
@@ -82,4 +82,9 @@ def init_megatron(expert_model_parallel_size: int, pipeline: int = 1, virtual: i
         pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=virtual,
     )
+    from megatron.core.tensor_parallel import random
+
     get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    # Megatron-Core's checkpoint (selective recompute) saves and restores the CUDA RNG state around the recompute.
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None

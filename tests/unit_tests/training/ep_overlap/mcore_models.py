@@ -31,6 +31,7 @@ class McoreCase:
     tied: bool = False  # share_embeddings_and_output_weights
     dispatcher: str = "alltoall"  # "flex": Megatron-Core's flex dispatcher, on CPU over fake_deepep's gloo functions
     mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
+    recompute: tuple = ()  # selective recompute_modules
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -101,6 +102,8 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         moe_router_enable_expert_bias=case.expert_bias,
         moe_router_bias_update_rate=0.05,
         mtp_num_layers=1 if case.mtp else None,
+        recompute_granularity="selective" if case.recompute else None,
+        recompute_modules=list(case.recompute) or None,
     )
     torch.manual_seed(1234)
     spec = gpt_block_spec(config)

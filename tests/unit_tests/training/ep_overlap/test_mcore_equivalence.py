@@ -30,7 +30,12 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
     if case.dispatcher == "flex":
         install_fake_deepep()
     init_megatron(world)
+    from megatron.core.tensor_parallel.random import CheckpointFunction
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    recomputed = []  # Megatron-Core's checkpoint backward: the recompute ran
+    backward = CheckpointFunction.backward
+    CheckpointFunction.backward = staticmethod(lambda ctx, *grads: recomputed.append(1) or backward(ctx, *grads))
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
@@ -54,6 +59,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads = [], []
         FUSED_CALLS.clear()
+        recomputed.clear()
         for step in range(case.steps):
             gen = torch.Generator().manual_seed(100 * step + rank)
             data = [
@@ -77,6 +83,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "mtp_scale": float(MTPLossAutoScaler.main_loss_backward_scale),
             "dispatchers": dispatcher_names(model),
             "attentions": {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("SelfAttention")},
+            "recomputed": len(recomputed),
             "fused_calls": dict(FUSED_CALLS),  # each runs once per MoE layer and microbatch, in the comm nodes only
         }
     return out
@@ -103,6 +110,10 @@ CASES = {
     # run as the comm nodes; routing state of two microbatches kept apart in the backend's manager too.
     # Multi-latent attention (DeepSeek-V3's attention: latent q/kv projections, yarn rotary inside the attention).
     "ep2-fp32-top2-mla": McoreCase(mla=True, steps=3),
+    # Selective recompute of the core attention: Megatron-Core's attention checkpoints it inside the node the plan
+    # calls whole (pre_dispatch), and recomputes it in that node's backward.
+    "ep2-fp32-top2-recompute-core-attn": McoreCase(recompute=("core_attn",)),
+    "ep2-fp32-top2-mla-recompute-core-attn": McoreCase(mla=True, recompute=("core_attn",)),
     # DeepSeek-V3's recipe in small: MLA, sigmoid router with expert bias, one MTP layer, the flex dispatcher.
     "ep2-fp32-deepseek-like": McoreCase(mla=True, expert_bias=True, mtp=True, dispatcher="flex", steps=3),
     "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
@@ -147,6 +158,9 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert len(plain["biases"]) == expected_mlps(case).count("MoELayer") + has_mtp(case)  # its MoE layer
             assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
+        layers = len(expected_mlps(case)) + has_mtp(case)  # every attention recomputes once per microbatch and step
+        expected = layers * case.microbatches * case.steps if "core_attn" in case.recompute else 0
+        assert plain["recomputed"] == outcome.result["overlap"]["recomputed"] == expected
         mla = getattr(case, "mla", False) or "+" in getattr(case, "pattern", "")
         assert ("MLASelfAttention" in plain["attentions"]) == mla
         if case.dispatcher == "flex":
