@@ -3,7 +3,10 @@
 Each case trains the same model with and without ``recompute_modules`` under the plain path and the overlapped
 schedule (with delayed wgrad too): every loss, gradient and final parameter must be bitwise equal to the run that
 keeps everything, and the measured activation peak must never grow (measured on this test's model, e.g. all five
-modules: plain 107,620 -> 76,228 bytes, overlapped 114,880 -> 94,848, with delayed wgrad 125,504 -> 100,536).
+modules: plain 107,620 -> 68,088 bytes, overlapped 114,880 -> 82,560, with delayed wgrad 125,504 -> 86,200).
+``layernorm`` and ``moe_act`` drop their outputs too (saved by the next linear, rebuilt before its backward), which
+pays for what overlap holds: with both, the overlapped schedule holds 93,472 bytes, less than the plain path keeping
+everything (107,620).
 """
 
 from dataclasses import replace
@@ -58,6 +61,7 @@ CASES = {  # (case, modules)
     "swiglu-moe-act": (Case(extra=GROUPED), ("moe_act",)),  # Case builds SwiGLU MLPs
     "layernorm-core-attn-bf16": (Case(bf16=True), ("layernorm", "core_attn")),
     "all": (Case(extra=GROUPED), ("layernorm", "core_attn", "moe_act", "mlp", "moe")),
+    "layernorm-moe-act": (Case(extra=GROUPED), ("layernorm", "moe_act")),
 }
 
 
@@ -74,3 +78,5 @@ def test_recompute_changes_no_number_and_holds_fewer_bytes(name):
             # peak may sit where a recomputed part re-saves its tensors for its own backward, or in another layer.
             kept = runs[("kept", arm)]["peak"]
             assert got["peak"] < kept if arm == "plain" else got["peak"] <= kept, (arm, got["peak"], kept)
+        if name == "layernorm-moe-act":  # the cheap recompute pays for what overlap holds
+            assert runs[("recomputed", "overlap")]["peak"] < reference["peak"]

@@ -8,6 +8,7 @@ import torch
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
 from megatron.bridge.models.moe_gpt.model import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.contract import DiscardedStorage
 from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
@@ -41,6 +42,34 @@ def test_a_delayed_weight_gradient_holds_its_inputs_until_it_runs():
         linear.backward_dw()
         assert saved.current_bytes == 0
     assert linear.weight.grad is not None
+
+
+@pytest.mark.parametrize("rebuilt", [True, False])
+def test_a_freed_saved_storage_does_not_count_until_it_is_rebuilt(rebuilt):
+    # What OutputRecompute does with a norm's or an activation's output that the next linear saved.
+    w_KN = torch.nn.Parameter(torch.randn(8, 16))
+    x_MK = torch.randn(4, 8, requires_grad=True)
+    with SavedActivations([w_KN]) as saved:
+        a_MK = x_MK * 2  # saves nothing (a scalar factor)
+        y_MN = a_MK @ w_KN  # saves a
+        storage = a_MK.untyped_storage()
+        token = DiscardedStorage.discard(a_MK)
+        storage.resize_(0)
+        freed = saved.current_bytes
+        # A new allocation (the rows received next, say) may reuse the address: it is a storage of its own.
+        b_MN = torch.relu(torch.randn(4, 16, requires_grad=True))
+        assert saved.current_bytes == 4 * 16 * FP32
+        if rebuilt:
+            storage.resize_(4 * 8 * FP32)
+            storage.copy_((x_MK * 2).detach().untyped_storage())
+            DiscardedStorage.restore(token)
+            assert saved.current_bytes == (4 * 8 + 4 * 16) * FP32
+            y_MN.sum().backward()
+        del y_MN  # freed unbuilt (a failed step): its bytes are not taken off twice
+        b_MN.sum().backward()
+        assert saved.current_bytes == 0
+    assert freed == 0
+    assert saved.peak_bytes == ((4 * 8 + 4 * 16) * FP32 if rebuilt else 4 * 16 * FP32)
 
 
 CASE = Case(layer_freq=(0, 0))  # dense layers: every microbatch holds the same bytes

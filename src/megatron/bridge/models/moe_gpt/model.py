@@ -86,9 +86,13 @@ class Attention(torch.nn.Module):
         self.recompute_core = "core_attn" in recompute.recompute_modules(config)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        T, D = x_TD.shape
+        return self.attend(self.qkv(x_TD))
+
+    def attend(self, qkv_TQ: torch.Tensor) -> torch.Tensor:
+        """Everything after the q/k/v projection (Q = 3 x hidden): the causal attention and the output projection."""
+        T, D = qkv_TQ.shape[0], qkv_TQ.shape[1] // 3
         S, H = self.seq_length, self.heads
-        q_BHSd, k_BHSd, v_BHSd = self.qkv(x_TD).view(T // S, S, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        q_BHSd, k_BHSd, v_BHSd = qkv_TQ.view(T // S, S, 3, H, D // H).permute(2, 0, 3, 1, 4)
         o_BHSd = recompute.run(self.recompute_core, _causal_attention, q_BHSd, k_BHSd, v_BHSd)
         return self.proj(o_BHSd.transpose(1, 2).reshape(T, D))
 
@@ -172,16 +176,23 @@ class TransformerLayer(torch.nn.Module):
                 f"got {tuple(x_TD.shape)}"
             )
         norms = "layernorm" in self.recompute
-        h_TD = x_TD + self.attention(recompute.run(norms, self.ln1, x_TD))
-        n_TD = recompute.run(norms, self.ln2, h_TD)
-        if not self.is_moe:
-            return h_TD, (n_TD,), None, None
-        probs_TK, experts_TK = self._route(self.router(n_TD))
+        norm1 = recompute.OutputRecompute(norms)
+        qkv_TQ = self.attention.qkv(norm1.run(self.ln1, x_TD))
+        norm1.discard(qkv_TQ)
+        h_TD = x_TD + self.attention.attend(qkv_TQ)
+        if not self.is_moe:  # the norm's output crosses to the experts node, so only its statistics are dropped
+            return h_TD, (recompute.run(norms, self.ln2, h_TD),), None, None
+        norm2 = recompute.OutputRecompute(norms)
+        n_TD = norm2.run(self.ln2, h_TD)
+        logits_TE = self.router(n_TD)
+        probs_TK, experts_TK = self._route(logits_TE)
         probs_TK = probs_TK.to(n_TD.dtype)
         routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
         if self.tokens_per_expert_E is not None and torch.is_grad_enabled():  # training forwards only
             self.tokens_per_expert_E += routing.counts_E
-        return h_TD, (permute(n_TD, routing, self.topk),), probs_TK, routing
+        permuted_PD = permute(n_TD, routing, self.topk)
+        norm2.discard(logits_TE)  # the router's input; the permute's backward does not read it
+        return h_TD, (permuted_PD,), probs_TK, routing
 
     def _route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights, with Megatron-Core's score functions (in fp32)."""
@@ -222,9 +233,10 @@ class TransformerLayer(torch.nn.Module):
     def _experts(self, routing: Routing, received_RD: torch.Tensor) -> torch.Tensor:
         sizes = routing.local_group_sizes
         x_RD = received_RD.index_select(0, routing.sort_R)
-        activation = functools.partial(_activation, gated=self.gated)
-        a_RF = recompute.run("moe_act" in self.recompute, activation, self.fc1(x_RD, sizes))
+        act = recompute.OutputRecompute("moe_act" in self.recompute)
+        a_RF = act.run(functools.partial(_activation, gated=self.gated), self.fc1(x_RD, sizes))
         y_RD = self.fc2(a_RF, sizes)
+        act.discard(y_RD)  # fc2's input
         return y_RD.index_select(0, routing.unsort_R)
 
     def combine(

@@ -138,6 +138,24 @@ class WeightGradStore:
             self._released(self._queue.popleft()[1])
 
 
+class DiscardedStorage:
+    """A model may free the storage of a tensor some op saved for backward and rebuild it before that op's backward
+    (recompute without keeping the output, as Megatron-Core's ``CheckpointWithoutOutput``). It tells every object in
+    ``observers`` (the engine's activation count), so the bytes held stay exact: ``discard(tensor)`` before the
+    storage is freed returns a token; ``restore(token)`` once it holds data again."""
+
+    observers: list = []
+
+    @classmethod
+    def discard(cls, tensor: Any) -> list:
+        return [observer.discard(tensor) for observer in cls.observers]
+
+    @classmethod
+    def restore(cls, token: list) -> None:
+        for observer, key in zip(cls.observers, token):
+            observer.restore(key)
+
+
 def check_no_pending_wgrads(linears: Iterable[DelayableLinear]) -> None:
     """Raises naming every module that still holds delayed wgrads (their gradients would be lost)."""
     leftover = [f"{linear.name} ({linear.pending_wgrads} queued)" for linear in linears if linear.pending_wgrads]

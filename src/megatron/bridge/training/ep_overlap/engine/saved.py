@@ -6,6 +6,8 @@ Contract:
       its storage, once however many views of it are held, from when it is saved or queued until the last holder
       lets it go (its backward ran, its graph was freed, or the queued wgrad ran).
     * Parameters (and views of them) are not activations and do not count.
+    * A saved tensor whose storage a model frees until its backward needs it (``DiscardedStorage``) does not count
+      while freed.
     * ``peak_bytes`` is the most held at any moment of the step; the count is exact and deterministic for given
       inputs, so tests may assert it. Transformer Engine's own delayed-wgrad buffers are not seen.
 """
@@ -14,7 +16,7 @@ import threading
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import WeightGradStore
+from megatron.bridge.training.ep_overlap.contract import DiscardedStorage, WeightGradStore
 
 
 class SavedActivations:
@@ -29,19 +31,24 @@ class SavedActivations:
         self._lock = threading.Lock()
         self._holders: dict[tuple, int] = {}  # storage -> how many saved/queued tensors hold it
         self._sizes: dict[tuple, int] = {}
+        self._discarded: set[tuple] = set()  # held storages a model freed for now (their bytes not counted)
         self.current_bytes = self.peak_bytes = 0
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
-        return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+        # The storage object itself (not its data pointer): stable while a tensor holds it, also when its data is
+        # freed and rebuilt (DiscardedStorage), and never confused with a later allocation at the same address.
+        return (t.device.type, t.device.index, t.untyped_storage()._cdata)
 
     def __enter__(self) -> "SavedActivations":
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         WeightGradStore.observers.append(self)
+        DiscardedStorage.observers.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        DiscardedStorage.observers.remove(self)
         WeightGradStore.observers.remove(self)
         self._hooks.__exit__(*exc)
 
@@ -59,6 +66,25 @@ class SavedActivations:
     def release(self, tensors) -> None:
         for t in tensors:
             self._drop(self._key(t))
+
+    # ---- DiscardedStorage observer ------------------------------------------------------------------
+
+    def discard(self, t: torch.Tensor) -> tuple | None:
+        key = self._key(t)
+        with self._lock:
+            if not self._holders.get(key) or key in self._discarded:
+                return None
+            self._discarded.add(key)
+            self.current_bytes -= self._sizes[key]
+        return key
+
+    def restore(self, key: tuple | None) -> None:
+        with self._lock:
+            if key is None or key not in self._discarded:
+                return
+            self._discarded.remove(key)
+            self.current_bytes += self._sizes[key]
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     # ---- saved-tensor hooks -------------------------------------------------------------------------
 
@@ -89,7 +115,11 @@ class SavedActivations:
             self._holders[key] -= 1
             if not self._holders[key]:
                 del self._holders[key]
-                self.current_bytes -= self._sizes.pop(key)
+                size = self._sizes.pop(key)
+                if key in self._discarded:  # its bytes were already taken off
+                    self._discarded.remove(key)
+                else:
+                    self.current_bytes -= size
 
 
 class _Held:
