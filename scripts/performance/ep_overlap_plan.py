@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
         from utils.plan_table import activation_peaks_gib
 
-        plain, overlap, delayed, edges = activation_peaks_gib(shape, layout)
+        plain, overlap, delayed, edges = activation_peaks_gib(shape, layout, recompute)
         print(
             "activations held per rank (all layers, balanced routing; an estimate"
-            + (", keeping everything: recompute is not modelled" if recompute else "")
+            + (f", recomputing {' '.join(sorted(recompute))}: at most this" if recompute else "")
             + f"): plain {plain:.1f} GiB, overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge "
             f"pairing {edges:.1f}"
         )

@@ -356,6 +356,7 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         ),
         "config": run_config(recipe, args, device, world),
         "arms": {name: summarize_arm(per_rank, t.warmup_steps, tokens_per_step) for name, per_rank in results.items()},
+        "recompute_modules": list(m.recompute_modules or ()) if m.recompute_granularity == "selective" else [],
     }
     placement = results["overlap" if args.ab else "run"][0].get("placement")
     if placement:
@@ -365,8 +366,8 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         summary["numerics"]["expected_bitwise"] = args.moe_ep_overlap_chunks == 1
         held = {arm: summary["arms"][arm]["activation_peak_bytes"] for arm in ("baseline", "overlap")}
         summary["activation_peak_bytes"] = {**held, "ratio": held["overlap"] / held["baseline"]}
-        # The planner's accounting is the reference model's, without recompute.
-        if P == 1 and args.model_impl == "reference" and m.recompute_granularity is None:
+        # The planner's accounting is the reference model's (with recompute, an upper bound: planner/memory.py).
+        if P == 1 and args.model_impl == "reference":
             shape = ActivationShape.of_reference_model(m, t.micro_batch_size)
             summary["activation_peak_bytes"]["planned_balanced_routing"] = {
                 arm: predicted_peak(shape, EPOverlapOptions(**results[arm][0]["options"]), t.num_microbatches)

@@ -36,9 +36,9 @@ MEMORY_OPTIONS = (
 )
 
 
-def activation_peaks_gib(shape: MoEShape, layout: Layout) -> list[float]:
+def activation_peaks_gib(shape: MoEShape, layout: Layout, recompute: frozenset[str] = frozenset()) -> list[float]:
     """The activations one rank holds (GiB) with each of :data:`MEMORY_OPTIONS` (planner/memory.py's estimate)."""
-    held = activation_shape(shape, layout)
+    held = activation_shape(shape, layout, recompute)
     # A PP = 1 step reaches its peak by its second microbatch; more only repeat it (and cost time here).
     n = min(layout.num_microbatches, PEAK_MICROBATCHES)
     return [predicted_peak(held, options, n) / GIB for options in MEMORY_OPTIONS]

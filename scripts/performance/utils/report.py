@@ -135,6 +135,7 @@ def format_table(summary: dict[str, Any]) -> str:
             + (
                 f"; the planner's count with balanced routing: {planned['overlap'] / 2**20:,.3f} MB vs "
                 f"{planned['baseline'] / 2**20:,.3f} MB"
+                + (" (with recompute: at most this)" if summary.get("recompute_modules") else "")
                 if planned
                 else ""
             )

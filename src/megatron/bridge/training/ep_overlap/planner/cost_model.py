@@ -147,10 +147,10 @@ def costs_from_model(
     return costs, Link(_effective_bandwidth(layout.ep, profile), profile.latency_s, meta_s=2 * profile.latency_s)
 
 
-def activation_shape(shape: MoEShape, layout: Layout) -> ActivationShape:
+def activation_shape(shape: MoEShape, layout: Layout, recompute: frozenset[str] = frozenset()) -> ActivationShape:
     """The memory accounting's view of a published shape, bf16, SwiGLU, balanced routing (an estimate: see
-    planner/memory.py). Latent attention keeps its per-head queries, keys and values, and its down-projections'
-    outputs and their norms."""
+    planner/memory.py), with ``recompute`` (``recompute_modules``). Latent attention keeps its per-head queries,
+    keys and values, and its down-projections' outputs and their norms."""
     if shape.mla:
         q_lora, kv_lora, nope, rope, v = shape.mla
         qkv, out = shape.num_heads * (2 * (nope + rope) + v), shape.num_heads * v
@@ -176,6 +176,7 @@ def activation_shape(shape: MoEShape, layout: Layout) -> ActivationShape:
         attention_out_width=out,
         extra_attention_width=extra,
         shared_ffn=shape.shared_expert_ffn,
+        recompute=recompute,
     )
 
 

@@ -52,6 +52,7 @@ class ActivationShape:
         extra_attention_width: Widths an attention kernel keeps beyond those (latent attention's projections).
         shared_ffn: FFN width of the shared experts (0: none).
         received_rows_factor: Rows an MoE layer receives per token of the unit (top-k when routing is balanced).
+        recompute: Megatron-Core's ``recompute_modules`` (selective), as the reference model recomputes them.
     """
 
     moe: tuple[bool, ...]
@@ -72,6 +73,7 @@ class ActivationShape:
     extra_attention_width: int = 0
     shared_ffn: int = 0
     received_rows_factor: float | None = None
+    recompute: frozenset[str] = frozenset()
 
     def __post_init__(self):
         if self.router not in ("softmax", "softmax_pre", "sigmoid"):
@@ -98,6 +100,9 @@ class ActivationShape:
             element_bytes=2 if (config.bf16 or config.fp16) else 4,
             gated=config.gated_linear_unit,
             router=router,
+            recompute=frozenset(config.recompute_modules or ())
+            if config.recompute_granularity == "selective"
+            else frozenset(),
         )
 
     def received_rows(self, T: int) -> int:
@@ -121,7 +126,50 @@ class ActivationShape:
                 ("total_weight", FP32),
             ]  # fmt: skip
         moe = self.moe[layer]
-        return getattr(self, f"_{node}")(T, D, es, moe)
+        if node == "experts" and moe and "moe" in self.recompute:  # the experts keep only the rows they received
+            return [("received", self.received_rows(T) * D * es)]
+        dropped = self._recomputed(node, moe)
+        return [item for item in getattr(self, f"_{node}")(T, D, es, moe) if item[0] not in dropped]
+
+    def freed_outputs(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
+        """(name, bytes) of the outputs ``node`` frees in its forward once the next linear ran (``layernorm``,
+        ``moe_act``): held from that linear until freed, one at a time."""
+        if layer is None:
+            return []
+        outputs = {"ln1_out", "n"} if node == "pre_dispatch" and "layernorm" in self.recompute else set()
+        if node == "experts" and "moe_act" in self.recompute and "moe" not in self.recompute:
+            outputs.add("expert_act")
+        return [item for item in self.rebuilt(node, layer, sequences) if item[0] in outputs]
+
+    def rebuilt(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
+        """(name, bytes) of what ``node``'s backward holds again with ``recompute``: the recomputed parts' saves and
+        the outputs freed until the next linear's backward. Counted on top of all the node holds, from the start of
+        its backward (autograd rebuilds them one part at a time, after some of the node's tensors are let go: the
+        figure is an upper bound by at most these bytes)."""
+        if layer is None or not self.recompute:
+            return []
+        T, D, es, moe = sequences * self.seq_length, self.hidden, self.element_bytes, self.moe[layer]
+        full = getattr(self, f"_{node}")(T, D, es, moe)
+        if node == "experts" and moe and "moe" in self.recompute:
+            return full
+        dropped = self._recomputed(node, moe)
+        return [item for item in full if item[0] in dropped]
+
+    def _recomputed(self, node: str, moe: bool) -> set[str]:
+        """What ``node`` no longer holds between nodes with ``recompute``: a recomputed part's own saves, and the
+        outputs ``layernorm`` and ``moe_act`` free until the next linear's backward."""
+        dropped = set()
+        if node == "pre_dispatch":
+            if "layernorm" in self.recompute:
+                dropped |= {"ln1_stats", "ln1_out", "ln2_stats"} | ({"n"} if moe else set())
+            if "core_attn" in self.recompute:
+                dropped.add("lse")
+        elif node == "experts":
+            if moe and "moe_act" in self.recompute:
+                dropped |= {"expert_silu", "expert_act"}
+            if not moe and "mlp" in self.recompute:
+                dropped |= {"mlp_fc1_out", "mlp_silu", "mlp_act"}
+        return dropped
 
     def _pre_dispatch(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
         out = self.attention_out_width or D
@@ -220,8 +268,23 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
         saved[(unit, layer, node)] = held
         for k, nbytes in held:
             count.hold(k, nbytes)
+        # An output freed once the next linear ran was held until then: counted on top of all the node keeps, the
+        # largest one (they are freed one at a time): an upper bound.
+        freed = shape.freed_outputs(node, layer, sequences[unit][1])
+        if freed:
+            name, nbytes = max(freed, key=lambda item: item[1])
+            count.hold(("freed", unit, layer, name), nbytes)
+            count.release(("freed", unit, layer, name))
+
+    def rebuild(unit: int, layer: int | None, node: str) -> None:
+        """A node's backward begins: what recompute rebuilds is held too, until the node lets it go."""
+        for name, nbytes in shape.rebuilt(node, layer, sequences[unit][1]):
+            k = key(unit, layer, name)
+            count.hold(k, nbytes)
+            saved[(unit, layer, node)].append((k, nbytes))
 
     def backward(unit: int, layer: int | None, node: str, keep: tuple[str, ...] = ()) -> None:
+        rebuild(unit, layer, node)
         for k, _ in saved.pop((unit, layer, node)):
             if k[-1] not in keep:
                 count.release(k)
@@ -231,6 +294,7 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
         # the activation, fc1 (likewise), sort. Only the output gradients are new bytes.
         T = sequences[unit][1] * shape.seq_length
         (dy2, dy2_bytes), (dy1, dy1_bytes) = [((unit, layer, n), b) for n, b in shape.wgrad_held("experts", T)]
+        rebuild(unit, layer, "experts")
         held = dict(saved.pop((unit, layer, "experts")))
         names = {k[-1]: k for k in held}
         count.release(names["unsort_index"])
@@ -244,15 +308,20 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
         count.hold(dy1, dy1_bytes)
         count.release(names["expert_x"])
         count.release(names["sort_index"])
+        if "received" in names:  # recomputed experts: their input
+            count.release(names["received"])
         wgrad[(unit, layer, "experts")] = [names["expert_act"], dy2, names["expert_x"], dy1]
 
     def pre_dispatch_bwd_delayed(unit: int, layer: int) -> None:
         # The attention's linears keep their inputs (the norm's output, the attention's output) and output gradients
         # for the delayed wgrad; everything released before them is larger, so no new peak arises inside the node.
         T = sequences[unit][1] * shape.seq_length
+        rebuild(unit, layer, "pre_dispatch")
         held = saved[(unit, layer, "pre_dispatch")]
         names = {k[-1]: k for k, _ in held}
-        backward(unit, layer, "pre_dispatch", keep=("ln1_out", "o"))
+        for k, _ in saved.pop((unit, layer, "pre_dispatch")):
+            if k[-1] not in ("ln1_out", "o"):
+                count.release(k)
         grads = [((unit, layer, n), b) for n, b in shape.wgrad_held("attention", T)]
         for k, nbytes in grads:
             count.hold(k, nbytes)
