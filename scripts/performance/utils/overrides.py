@@ -28,7 +28,8 @@ from megatron.bridge.training.flex_dispatcher_backend import apply_flex_dispatch
 
 def parse_value(text: str) -> Any:
     """A value as OmegaConf (YAML) reads it: ``true``/``false``, numbers, ``[1, 0]``, ``null``; ``none`` (any
-    case) also means None, as in Bridge's overrides; anything else is a string."""
+    case) also means None, as in Bridge's overrides (where a field takes no None but the string, the string: see
+    :func:`apply_overrides`); anything else is a string."""
     if text.strip().lower() == "none":
         return None
     return OmegaConf.to_container(OmegaConf.from_dotlist([f"value={text}"]))["value"]
@@ -66,6 +67,8 @@ def apply_overrides(recipe: Any, overrides: list[str]) -> list[str]:
                     f"with YAML syntax (* & ! %) needs quotes: {key}='\"{raw}\"' in the shell"
                 )
                 continue
+            if value is None and not _matches(None, hints[name]) and _matches(raw.strip(), hints[name]):
+                value = raw.strip()  # "none" as a field's own word (cuda_graph_impl=none), where None is no value
             if not _matches(value, hints[name]):
                 problems.append(f"override {key}={raw!r}: expected {_describe(hints[name])}, got {value!r}")
                 continue

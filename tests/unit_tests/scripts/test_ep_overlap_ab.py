@@ -83,6 +83,16 @@ def test_overrides_come_last_and_win():
     assert recipe.train.max_steps == 2
 
 
+def test_none_is_a_fields_own_word_where_it_takes_no_none():
+    recipe = small_moe_recipe()
+    recipe.model.cuda_graph_impl = "local"
+    recipe.model.virtual_pipeline_model_parallel_size = 2
+    overrides = ["model.cuda_graph_impl=none", "model.virtual_pipeline_model_parallel_size=None"]
+    assert apply_overrides(recipe, overrides) == []
+    assert recipe.model.cuda_graph_impl == "none"  # a string field: its value "none" (was refused as None)
+    assert recipe.model.virtual_pipeline_model_parallel_size is None  # an optional field: None, as Bridge reads it
+
+
 @pytest.mark.parametrize(
     "override, message",
     [("model.no_such_field=1", "has no field 'no_such_field'"), ("nosection.x=1", "has no section 'nosection'"),
