@@ -32,6 +32,7 @@ class McoreCase:
     dispatcher: str = "alltoall"  # "flex": Megatron-Core's flex dispatcher, on CPU over fake_deepep's gloo functions
     mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
     recompute: tuple = ()  # selective recompute_modules
+    shared_ffn: int = 0  # shared experts' FFN width (0: none)
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -102,6 +103,7 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         moe_router_enable_expert_bias=case.expert_bias,
         moe_router_bias_update_rate=0.05,
         mtp_num_layers=1 if case.mtp else None,
+        moe_shared_expert_intermediate_size=case.shared_ffn or None,
         recompute_granularity="selective" if case.recompute else None,
         recompute_modules=list(case.recompute) or None,
     )

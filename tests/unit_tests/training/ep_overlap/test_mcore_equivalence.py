@@ -114,6 +114,9 @@ CASES = {
     # calls whole (pre_dispatch), and recomputes it in that node's backward.
     "ep2-fp32-top2-recompute-core-attn": McoreCase(recompute=("core_attn",)),
     "ep2-fp32-top2-mla-recompute-core-attn": McoreCase(mla=True, recompute=("core_attn",)),
+    # Shared experts, computed in pre_dispatch; recomputed: in its backward, beside the other microbatch's combine.
+    "ep2-fp32-top2-shared-experts": McoreCase(shared_ffn=16),
+    "ep2-fp32-top2-recompute-shared-experts": McoreCase(shared_ffn=16, recompute=("shared_experts",)),
     # DeepSeek-V3's recipe in small: MLA, sigmoid router with expert bias, one MTP layer, the flex dispatcher.
     "ep2-fp32-deepseek-like": McoreCase(mla=True, expert_bias=True, mtp=True, dispatcher="flex", steps=3),
     "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
@@ -158,8 +161,12 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert len(plain["biases"]) == expected_mlps(case).count("MoELayer") + has_mtp(case)  # its MoE layer
             assert all(bias.abs().sum() > 0 for bias in plain["biases"].values())
         assert any("experts" in n and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
-        layers = len(expected_mlps(case)) + has_mtp(case)  # every attention recomputes once per microbatch and step
-        expected = layers * case.microbatches * case.steps if "core_attn" in case.recompute else 0
+        # Each recomputed part's checkpoint runs its backward once per microbatch and step: every attention, and
+        # the shared experts of every MoE layer.
+        layers = len(expected_mlps(case)) + has_mtp(case)
+        parts = layers * ("core_attn" in case.recompute)
+        parts += expected_mlps(case).count("MoELayer") * ("shared_experts" in case.recompute)
+        expected = parts * case.microbatches * case.steps
         assert plain["recomputed"] == outcome.result["overlap"]["recomputed"] == expected
         mla = getattr(case, "mla", False) or "+" in getattr(case, "pattern", "")
         assert ("MLASelfAttention" in plain["attentions"]) == mla
