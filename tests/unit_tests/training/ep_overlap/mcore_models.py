@@ -72,12 +72,12 @@ def gpt_block_spec(config, vp_stage: int | None = None):
     return spec
 
 
-def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
+    """The ``TransformerConfig`` (``MLATransformerConfig`` with ``case.mla``) of ``case``'s ``GPTModel``; ``fields``
+    add to it (pipeline sizes)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    config = (MLATransformerConfig if case.mla else TransformerConfig)(
+    return (MLATransformerConfig if case.mla else TransformerConfig)(
         **(MLA_FIELDS if case.mla else {}),
         num_layers=len(case.layer_freq),
         hidden_size=32,
@@ -106,11 +106,21 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         moe_shared_expert_intermediate_size=case.shared_ffn or None,
         recompute_granularity="selective" if case.recompute else None,
         recompute_modules=list(case.recompute) or None,
+        **fields,
     )
-    torch.manual_seed(1234)
-    spec = gpt_block_spec(config)
-    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], use_transformer_engine=False) if case.mtp else None
-    model = GPTModel(
+
+
+def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
+    """``case``'s ``GPTModel`` (or, with ``vp_stage`` and ``pre_process``/``post_process`` in ``chunk``, one
+    pipeline chunk of it), with one MTP layer like its last decoder layer where ``case.mtp``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = gpt_block_spec(config, vp_stage=vp_stage)
+    mtp = None
+    if case.mtp:
+        mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, vp_stage)
+    return GPTModel(
         config,
         transformer_layer_spec=spec,
         mtp_block_spec=mtp,
@@ -118,7 +128,15 @@ def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
         max_sequence_length=8,
         position_embedding_type="rope" if case.rope else "learned_absolute",
         share_embeddings_and_output_weights=case.tied,
+        vp_stage=vp_stage,
+        **chunk,
     )
+
+
+def build_gpt(case: McoreCase, *, overlap_flag: bool = False):
+    config = gpt_config(case, overlap_flag=overlap_flag)
+    torch.manual_seed(1234)
+    model = gpt_model(case, config)
     model = model.to(case.device)
     return model.bfloat16() if case.bf16 else model  # what Megatron's Float16Module does to the module
 

@@ -17,7 +17,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .fake_deepep import install_fake_deepep
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .mcore_models import MLA_FIELDS, HybridCase, McoreCase, gpt_block_spec
+from .mcore_models import HybridCase, McoreCase, gpt_config, gpt_model
 from .test_numerics import assert_bitwise
 from .test_pipeline import assert_matches_reference, train_recording
 
@@ -75,41 +75,24 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
 
 def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from megatron.bridge.training.ep_overlap.mcore import plan_for
 
-    config = (MLATransformerConfig if case.mla else TransformerConfig)(
-        **(MLA_FIELDS if case.mla else {}),
-        num_layers=len(case.layer_freq), hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
-        num_moe_experts=2 * case.world, moe_ffn_hidden_size=16, moe_router_topk=case.topk,
-        moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
-        moe_layer_freq=list(case.layer_freq), expert_model_parallel_size=case.world,
-        moe_token_dispatcher_type=case.dispatcher, use_cpu_initialization=True, add_bias_linear=False,
-        attention_dropout=0.0, hidden_dropout=0.0, pipeline_model_parallel_size=pp,
+    pipeline = dict(
+        pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
-        pipeline_dtype=torch.float32 if pp > 1 else None, mtp_num_layers=1 if case.mtp else None,
-    )  # fmt: skip
+        pipeline_dtype=torch.float32 if pp > 1 else None,
+    )
+    config = gpt_config(case, **pipeline)
     stages = range(vpp) if pp > 1 else [None]
     plans = []
     for v in stages:
-        spec = gpt_block_spec(config, vp_stage=v)
-        mtp = None
-        if case.mtp:
-            mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, v)
-        model = GPTModel(
+        model = gpt_model(
+            case,
             config,
-            transformer_layer_spec=spec,
-            mtp_block_spec=mtp,
-            vocab_size=64,
-            max_sequence_length=8,
+            vp_stage=v,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
-            position_embedding_type="rope" if case.rope else "learned_absolute",
-            share_embeddings_and_output_weights=case.tied,
-            vp_stage=v,
         )
         plans.append(plan_for(model))
     set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())

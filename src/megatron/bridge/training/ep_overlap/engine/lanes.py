@@ -262,15 +262,21 @@ class CudaLane(_Lane):
         event.record(torch.cuda.current_stream())
         self._events[microbatch] = event
 
-    def all_to_all(
-        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
-    ) -> Pending:
+    def _comm_waits_for(self, microbatch: int) -> torch.cuda.Stream:
+        """The comm stream waits for the microbatch's last compute node (or, before its first, all compute issued);
+        returns the compute stream."""
         compute_stream = torch.cuda.current_stream()
         ready = self._events.get(microbatch)
         if ready is not None:
             self.comm_stream.wait_event(ready)
         else:
             self.comm_stream.wait_stream(compute_stream)
+        return compute_stream
+
+    def all_to_all(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
+    ) -> Pending:
+        compute_stream = self._comm_waits_for(microbatch)
         with torch.cuda.stream(self.comm_stream):
             exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
             record = self.record_comm(op, layer, microbatch, self.comm_stream, exchanged)
@@ -286,12 +292,7 @@ class CudaLane(_Lane):
     def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
         """``fn`` on the comm stream, after the microbatch's last compute node; its autograd backward, which a
         later ``run_comm`` runs, stays on the stream its forward ran on."""
-        compute_stream = torch.cuda.current_stream()
-        ready = self._events.get(microbatch)
-        if ready is not None:
-            self.comm_stream.wait_event(ready)
-        else:
-            self.comm_stream.wait_stream(compute_stream)
+        compute_stream = self._comm_waits_for(microbatch)
         with torch.cuda.stream(self.comm_stream):
             record = self.record_comm(op, layer, microbatch, self.comm_stream)
             out = fn()
