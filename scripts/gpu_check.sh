@@ -19,12 +19,14 @@ if [ "$gpus" -ge 2 ]; then
             --precision bf16 -ms 6 || status=1
     done
     if "$py" -c "import deep_ep" 2>/dev/null; then
-        echo "== A/B of Megatron-Core's flex dispatcher (DeepEP) on $gpus GPUs"
-        timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/ep_overlap_ab.py --ab \
-            --device cuda --model_impl mcore --moe_flex_dispatcher_backend deepep \
-            --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) --precision bf16 -ms 6 || status=1
+        for backend in deepep hybridep; do
+            echo "== A/B of Megatron-Core's flex dispatcher ($backend) on $gpus GPUs"
+            timeout 300 "$py" -m torch.distributed.run --nproc_per_node "$gpus" scripts/performance/ep_overlap_ab.py \
+                --ab --device cuda --model_impl mcore --moe_flex_dispatcher_backend "$backend" \
+                --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) --precision bf16 -ms 6 || status=1
+        done
     else
-        echo "   flex (DeepEP) A/B skipped: deep_ep is not installed"
+        echo "   flex (DeepEP, HybridEP) A/Bs skipped: deep_ep is not installed"
     fi
 elif "$py" -c "import omegaconf" 2>/dev/null; then
     echo "== A/B on 1 GPU: 2 ranks over gloo (CUDA tensors, the comm stream and events for real; no NCCL)"

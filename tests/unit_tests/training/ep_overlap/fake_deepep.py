@@ -1,21 +1,25 @@
-"""Test-only: DeepEP's fused dispatch and combine contract on gloo, so Megatron-Core's flex dispatcher runs on CPU.
+"""Test-only: DeepEP's fused dispatch and combine contracts on gloo, so Megatron-Core's flex dispatcher runs on CPU.
 
-Megatron-Core's ``_DeepepManager`` calls two autograd functions, ``fused_dispatch`` and ``fused_combine``
-(``megatron.core.transformer.moe.fused_a2a``, present only where ``deep_ep`` is installed). These do what they do,
-with ``all_to_all_single`` in place of DeepEP's kernels:
+Megatron-Core's flex backends call autograd functions from ``megatron.core.transformer.moe.fused_a2a``, present only
+where ``deep_ep`` is installed. These do what they do, with ``all_to_all_single`` in place of DeepEP's kernels:
 
-    fused_dispatch(x_TH, indices_TK, probs_TK, num_experts, group, ...)
-        -> recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert_E, handle
-        Each token goes once to every rank that holds one of its experts (in token order, from each source rank in
-        rank order); the received indices are local expert numbers, -1 where the expert is on another rank (the
-        probability there is 0). Backward: a combine of the gradients.
-    fused_combine(x_RH, group, handle, ...) -> (x_TH, None)
-        The reverse: every received row goes back to its source token, and a token's rows are summed in rank
-        order. Backward: a dispatch of the gradient.
+    deepep   fused_dispatch(x_TH, indices_TK, probs_TK, num_experts, group, ...)
+                 -> recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert_E, handle
+             Each token goes once to every rank that holds one of its experts (in token order, from each source
+             rank in rank order); the received indices are local expert numbers, -1 where the expert is on another
+             rank (the probability there is 0). Backward: a combine of the gradients.
+             fused_combine(x_RH, group, handle, ...) -> (x_TH, None)
+             The reverse: every received row goes back to its source token, and a token's rows are summed in rank
+             order. Backward: a dispatch of the gradient.
+    hybridep hybrid_ep_dispatch(x_TH, routing_map_TN, probs_TN, group, num_local_experts, ...)
+                 -> rows_PH, probs_P, None, tokens_per_expert_E, handle
+             The same movement, then the rows permuted expert by expert (a row once per local expert it chose), each
+             with its probability for that expert. hybrid_ep_combine(rows_PH, handle, ...) -> x_TH: each received
+             row sums its experts' outputs, then goes back as above.
 
-T tokens, H hidden, K top-k, R rows received, E local experts. The sums are in a fixed order, so the plain path and
-the schedule running the same fake are bitwise comparable. :func:`install_fake_deepep` puts both into Megatron-Core's
-token dispatcher module (call it in the forked test rank, before building the model).
+T tokens, H hidden, K top-k, N experts, R rows received, P permuted rows, E local experts. The sums are in a fixed
+order, so the plain path and the schedule running the same fake are bitwise comparable. :func:`install_fake_deepep`
+puts them into Megatron-Core's token dispatcher module (call it in the forked test rank, before building the model).
 """
 
 from collections import Counter
@@ -109,6 +113,103 @@ class _FusedCombine(torch.autograd.Function):
         return _send(grad_x, ctx.handle, ctx.group), None, None, None, None
 
 
+@dataclass
+class _PermutedHandle(_Handle):
+    recv_rows_P: torch.Tensor  # the received row of each permuted row, expert by expert
+    expert_counts: list[int]  # permuted rows per local expert
+    num_experts: int
+    group: object  # the combine finds it on the handle, as HybridEP's buffer keeps it
+
+
+def _exchange(x_TH, routing_TN, probs_TN, group, local: int):
+    """Each token's row, and its routing and probabilities for the destination's experts, to every rank that holds
+    one of its experts."""
+    rows, routes, probs = [], [], []
+    for dest in range(group.size()):
+        experts = slice(dest * local, (dest + 1) * local)
+        tokens = routing_TN[:, experts].any(dim=1).nonzero().flatten()
+        rows.append(tokens)
+        routes.append(routing_TN[tokens, experts].to(torch.int64))
+        probs.append(probs_TN[tokens, experts])
+    send_counts = [len(r) for r in rows]
+    recv_counts_W = torch.empty(group.size(), dtype=torch.int64, device=x_TH.device)
+    dist.all_to_all_single(recv_counts_W, torch.tensor(send_counts, device=x_TH.device), group=group)
+    recv_counts = recv_counts_W.tolist()
+    recv_routes = _all_to_all(torch.cat(routes), recv_counts, send_counts, group).bool()
+    recv_probs = _all_to_all(torch.cat(probs), recv_counts, send_counts, group)
+    return torch.cat(rows), send_counts, recv_counts, recv_routes, recv_probs
+
+
+def _by_expert(rows_RH: torch.Tensor, handle: _PermutedHandle) -> torch.Tensor:
+    return rows_RH[handle.recv_rows_P]
+
+
+def _sum_by_row(rows_PH: torch.Tensor, handle: _PermutedHandle, received: int) -> torch.Tensor:
+    summed = rows_PH.new_zeros((received,) + tuple(rows_PH.shape[1:]))
+    start = 0
+    for count in handle.expert_counts:  # a received row appears at most once per expert: add expert by expert
+        rows = handle.recv_rows_P[start : start + count]
+        summed[rows] = summed[rows] + rows_PH[start : start + count]
+        start += count
+    return summed
+
+
+class _HybridDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, routing_TN, probs_TN, group, local):
+        CALLS["dispatch"] += 1
+        rows_S, send_counts, recv_counts, routes_RE, probs_RE = _exchange(x_TH, routing_TN, probs_TN, group, local)
+        per_expert = [routes_RE[:, e].nonzero().flatten() for e in range(local)]
+        handle = _PermutedHandle(
+            rows_S, send_counts, recv_counts, x_TH.shape[0], torch.cat(per_expert), [len(r) for r in per_expert],
+            routing_TN.shape[1], group,
+        )  # fmt: skip
+        experts_P = torch.cat([torch.full((len(r),), e, dtype=torch.int64) for e, r in enumerate(per_expert)])
+        recv_x = _send(x_TH, handle, group)
+        tokens_per_expert = torch.tensor(handle.expert_counts)
+        ctx.group, ctx.handle, ctx.experts_P, ctx.received = group, handle, experts_P, recv_x.shape[0]
+        ctx.mark_non_differentiable(tokens_per_expert)
+        return _by_expert(recv_x, handle), probs_RE[handle.recv_rows_P, experts_P], None, tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_probs, grad_scaling, grad_counts, grad_handle):
+        CALLS["dispatch_bwd"] += 1
+        handle, group, local = ctx.handle, ctx.group, len(ctx.handle.expert_counts)
+        grad_x_TH = _return(_sum_by_row(grad_x, handle, ctx.received), handle, group)
+        grad_probs_RE = grad_probs.new_zeros((ctx.received, local))
+        grad_probs_RE[handle.recv_rows_P, ctx.experts_P] = grad_probs
+        back_SE = _all_to_all(grad_probs_RE, handle.send_counts, handle.recv_counts, group)
+        grad_probs_TN = back_SE.new_zeros((handle.num_tokens, handle.num_experts))
+        start = 0
+        for dest, count in enumerate(handle.send_counts):  # a token is sent at most once to each rank
+            grad_probs_TN[handle.rows_S[start : start + count], dest * local : (dest + 1) * local] = back_SE[
+                start : start + count
+            ]
+            start += count
+        return grad_x_TH, None, grad_probs_TN, None, None
+
+
+class _HybridCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_PH, handle):
+        CALLS["combine"] += 1
+        ctx.handle, ctx.received = handle, sum(handle.recv_counts)
+        return _return(_sum_by_row(x_PH, handle, ctx.received), handle, handle.group)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        CALLS["combine_bwd"] += 1
+        return _by_expert(_send(grad_x, ctx.handle, ctx.handle.group), ctx.handle), None
+
+
+def hybrid_ep_dispatch(x, routing_map, probs, group, num_local_experts, *args, **kwargs):
+    return _HybridDispatch.apply(x, routing_map, probs, group, num_local_experts)
+
+
+def hybrid_ep_combine(x, handle, num_permuted_tokens=None, pad_multiple=None, fused=False):
+    return _HybridCombine.apply(x, handle)
+
+
 def fused_dispatch(
     x, token_indices, token_probs, num_experts, group, async_finish=False, allocate_on_comm_stream=False
 ):
@@ -120,7 +221,8 @@ def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=
 
 
 def install_fake_deepep() -> None:
-    """Megatron-Core's flex dispatcher (backend ``deepep``) calls the functions above from now on, in this process.
+    """Megatron-Core's flex dispatcher (backends ``deepep`` and ``hybridep``) calls the functions above from now
+    on, in this process.
 
     ``dispatch_preprocess`` is compiled with ``torch.compile`` where Megatron-Core's JIT fuser is on; on CPU it runs
     eagerly (both arms of every comparison run the same code)."""
@@ -128,6 +230,8 @@ def install_fake_deepep() -> None:
 
     token_dispatcher.fused_dispatch = fused_dispatch
     token_dispatcher.fused_combine = fused_combine
+    token_dispatcher.hybrid_ep_dispatch = hybrid_ep_dispatch
+    token_dispatcher.hybrid_ep_combine = hybrid_ep_combine
     token_dispatcher.set_deepep_num_sms = lambda num_sms: None
     torch._dynamo.config.disable = True
 

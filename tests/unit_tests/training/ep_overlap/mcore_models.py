@@ -30,6 +30,7 @@ class McoreCase:
     mtp: bool = False  # one multi-token prediction layer
     tied: bool = False  # share_embeddings_and_output_weights
     dispatcher: str = "alltoall"  # "flex": Megatron-Core's flex dispatcher, on CPU over fake_deepep's gloo functions
+    flex_backend: str = "deepep"  # with "flex": "deepep" or "hybridep"
     mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
     recompute: tuple = ()  # selective recompute_modules
     shared_ffn: int = 0  # shared experts' FFN width (0: none)
@@ -91,6 +92,7 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
         moe_layer_freq=list(case.layer_freq),
         expert_model_parallel_size=case.world,
         moe_token_dispatcher_type=case.dispatcher,
+        moe_flex_dispatcher_backend=case.flex_backend,
         use_cpu_initialization=True,
         add_bias_linear=False,
         attention_dropout=0.0,

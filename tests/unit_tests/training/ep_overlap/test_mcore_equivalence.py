@@ -122,6 +122,11 @@ CASES = {
     "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
     "ep2-bf16-top1-mixed-flex": McoreCase(dispatcher="flex", bf16=True, topk=1, layer_freq=(1, 0)),
     "ep4-fp32-top2-flex-mtp": McoreCase(dispatcher="flex", world=4, microbatches=2, mtp=True),
+    # HybridEP's contract: the backend also permutes the rows expert by expert, one probability per row.
+    "ep2-fp32-top2-hybridep": McoreCase(dispatcher="flex", flex_backend="hybridep", steps=3),
+    "ep2-bf16-top1-mixed-hybridep": McoreCase(
+        dispatcher="flex", flex_backend="hybridep", bf16=True, topk=1, layer_freq=(1, 0)
+    ),  # fmt: skip
 }
 
 

@@ -107,6 +107,7 @@ CASES = {
     # The flex dispatcher (DeepEP's contract on gloo, tests' fake_deepep): the backend's fused comm in our comm nodes.
     "ep2-bf16-top2-flex-flag-at-build": McoreCase(dispatcher="flex", bf16=True, microbatches=3),
     "ep2-fp32-deepseek-like": McoreCase(mla=True, expert_bias=True, mtp=True, dispatcher="flex", microbatches=3),
+    "ep2-fp32-top2-hybridep": McoreCase(dispatcher="flex", flex_backend="hybridep", microbatches=3),
     "hybrid-+E-E-mla": HybridCase(pattern="+E-E", microbatches=3),
     "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex", microbatches=3),
 }

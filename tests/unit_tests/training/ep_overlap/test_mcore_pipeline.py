@@ -136,6 +136,9 @@ CASES = {
     # HybridModel: '|' splits the pattern into PP x VPP segments; a segment may start with MoE or end dense.
     "hybrid-pp2-vpp2-ep2-N3": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2),
     "pp2-vpp2-ep2-N3-flex": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, dispatcher="flex"),
+    "pp2-vpp2-ep2-N3-hybridep": McoreCase(
+        layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, dispatcher="flex", flex_backend="hybridep"
+    ),
     # RoPE: a chunk without the embedding computes the rotary embedding its layers read.
     "pp2-vpp2-ep2-N3-rope": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=3, steps=2, rope=True),
     "hybrid-pp2-vpp2-ep2-N3-rope": HybridCase(pattern="*E|E-|*-E|E*", microbatches=3, steps=2, rope=True),

@@ -24,7 +24,8 @@ Contract:
     * The dispatcher (and a flex dispatcher's backend manager) keeps one microbatch's routing state on itself
       between ``preprocess`` and ``postprocess``. Two forwards of one layer may be in flight at once (edge pairing),
       so each microbatch's :class:`McoreRouting` saves their attributes after each step that sets them and puts them
-      back before the next.
+      back before the next; a new microbatch starts from the state the last combine left, as in the stack's
+      forward, not from another microbatch's in flight.
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward (the plan warns once).
@@ -82,6 +83,14 @@ class McoreRouting:
         manager = getattr(dispatcher, "_comm_manager", None)
         return cls(dispatcher, dict(dispatcher.__dict__), manager_state=dict(getattr(manager, "__dict__", {})))
 
+    def between_microbatches(self) -> None:
+        """Puts back the state the dispatcher had after this microbatch's combine: where the stack's forward leaves
+        it for the next microbatch (a backend resets what its combine consumed, such as HybridEP's row count)."""
+        self.dispatcher.__dict__.update(self.state)
+        manager = getattr(self.dispatcher, "_comm_manager", None)
+        if manager is not None:
+            manager.__dict__.update(self.manager_state)
+
     @contextlib.contextmanager
     def active(self):
         """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
@@ -138,6 +147,9 @@ class McoreLayer(_Unit):
                 "Megatron-Core plan; use 'alltoall' or 'flex'"
             )
         self.owns_comm = self.is_moe and config.moe_token_dispatcher_type == "flex"
+        # The state the last combine left (at first, the dispatcher as built): where a new microbatch starts. One
+        # list that the per-microbatch copies (bound_to) share.
+        self._combined = [McoreRouting.of(layer.mlp.token_dispatcher)] if self.is_moe else None
         if self.owns_comm and config.moe_flex_dispatcher_backend == "ncclep" and config.moe_ncclep_zero_copy:
             raise ValueError(
                 f"{self.name}: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer shared by "
@@ -171,6 +183,7 @@ class McoreLayer(_Unit):
         if not self.is_moe:
             return h, (normed,), None, None
         mlp = layer.mlp
+        self._combined[0].between_microbatches()  # another microbatch may be between its dispatch and its combine
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
@@ -220,6 +233,7 @@ class McoreLayer(_Unit):
         else:
             with routing.active():
                 output = self.layer.mlp.postprocess(back, shared)
+            self._combined[0] = routing
         return self.layer._forward_post_mlp((output, None), h)
 
     # ---- delayed weight gradients -------------------------------------------------------------------
