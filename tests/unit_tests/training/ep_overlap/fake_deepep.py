@@ -49,15 +49,22 @@ def _send(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
     return _all_to_all(x[handle.rows_S], handle.recv_counts, handle.send_counts, group)
 
 
-def _return(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
-    back = _all_to_all(x, handle.send_counts, handle.recv_counts, group)
-    summed = back.new_zeros((handle.num_tokens,) + tuple(back.shape[1:]))
+def _sum_segments(x: torch.Tensor, targets: torch.Tensor, counts: list[int], size: int) -> torch.Tensor:
+    """Rows of ``x`` added into ``size`` rows at ``targets``, one segment after the other (a target appears at most
+    once per segment), so the order of the additions is fixed."""
+    summed = x.new_zeros((size,) + tuple(x.shape[1:]))
     start = 0
-    for count in handle.send_counts:  # a token has at most one row per rank: add them rank by rank, in order
-        rows = handle.rows_S[start : start + count]
-        summed[rows] = summed[rows] + back[start : start + count]
+    for count in counts:
+        rows = targets[start : start + count]
+        summed[rows] = summed[rows] + x[start : start + count]
         start += count
     return summed
+
+
+def _return(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
+    """Received rows back to their source tokens, a token's rows summed rank by rank."""
+    back = _all_to_all(x, handle.send_counts, handle.recv_counts, group)
+    return _sum_segments(back, handle.rows_S, handle.send_counts, handle.num_tokens)
 
 
 class _FusedDispatch(torch.autograd.Function):
@@ -145,13 +152,8 @@ def _by_expert(rows_RH: torch.Tensor, handle: _PermutedHandle) -> torch.Tensor:
 
 
 def _sum_by_row(rows_PH: torch.Tensor, handle: _PermutedHandle, received: int) -> torch.Tensor:
-    summed = rows_PH.new_zeros((received,) + tuple(rows_PH.shape[1:]))
-    start = 0
-    for count in handle.expert_counts:  # a received row appears at most once per expert: add expert by expert
-        rows = handle.recv_rows_P[start : start + count]
-        summed[rows] = summed[rows] + rows_PH[start : start + count]
-        start += count
-    return summed
+    """Permuted rows back to their received rows, a row's experts summed expert by expert."""
+    return _sum_segments(rows_PH, handle.recv_rows_P, handle.expert_counts, received)
 
 
 class _HybridDispatch(torch.autograd.Function):
