@@ -67,6 +67,18 @@ def _return(x: torch.Tensor, handle: _Handle, group) -> torch.Tensor:
     return _sum_segments(back, handle.rows_S, handle.send_counts, handle.num_tokens)
 
 
+def _exchange(rows: list[torch.Tensor], about: list[tuple[torch.Tensor, ...]], group, device):
+    """Sends, to each rank, the tokens ``rows[rank]`` names and the tensors ``about[rank]`` that describe them: the
+    counts first, then the tensors. Returns the tokens sent (in send order), the counts sent and received, and the
+    tensors received."""
+    send_counts = [len(r) for r in rows]
+    recv_counts_W = torch.empty(group.size(), dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_counts_W, torch.tensor(send_counts, device=device), group=group)
+    recv_counts = recv_counts_W.tolist()
+    received = [_all_to_all(torch.cat(parts), recv_counts, send_counts, group) for parts in zip(*about)]
+    return torch.cat(rows), send_counts, recv_counts, received
+
+
 class _FusedDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, indices_TK, probs_TK, num_experts, group, async_finish=False, allocate=False):
@@ -74,19 +86,15 @@ class _FusedDispatch(torch.autograd.Function):
         world = group.size()
         local = num_experts // world
         owner_TK = torch.where(indices_TK >= 0, indices_TK // local, -1)
-        rows, indices, probs = [], [], []
+        rows, about = [], []
         for dest in range(world):
             mine_TK = owner_TK == dest
             tokens = mine_TK.any(dim=1).nonzero().flatten()
             rows.append(tokens)
-            indices.append(torch.where(mine_TK, indices_TK - dest * local, -1)[tokens])
-            probs.append(torch.where(mine_TK, probs_TK, 0.0)[tokens])
-        send_counts = [len(r) for r in rows]
-        recv_counts_W = torch.empty(world, dtype=torch.int64, device=x_TH.device)
-        dist.all_to_all_single(recv_counts_W, torch.tensor(send_counts, device=x_TH.device), group=group)
-        handle = _Handle(torch.cat(rows), send_counts, recv_counts_W.tolist(), x_TH.shape[0])
-        recv_indices = _all_to_all(torch.cat(indices), handle.recv_counts, send_counts, group)
-        recv_probs = _all_to_all(torch.cat(probs), handle.recv_counts, send_counts, group)
+            about.append((torch.where(mine_TK, indices_TK - dest * local, -1)[tokens],
+                          torch.where(mine_TK, probs_TK, 0.0)[tokens]))  # fmt: skip
+        rows_S, send_counts, recv_counts, (recv_indices, recv_probs) = _exchange(rows, about, group, x_TH.device)
+        handle = _Handle(rows_S, send_counts, recv_counts, x_TH.shape[0])
         recv_x = _send(x_TH, handle, group)
         tokens_per_expert = torch.stack([(recv_indices == e).sum() for e in range(local)]).cpu()  # as DeepEP's
         ctx.group, ctx.handle = group, handle
@@ -128,23 +136,17 @@ class _PermutedHandle(_Handle):
     group: object  # the combine finds it on the handle, as HybridEP's buffer keeps it
 
 
-def _exchange(x_TH, routing_TN, probs_TN, group, local: int):
-    """Each token's row, and its routing and probabilities for the destination's experts, to every rank that holds
-    one of its experts."""
-    rows, routes, probs = [], [], []
+def _exchange_routed(x_TH, routing_TN, probs_TN, group, local: int):
+    """Each token, with its routing and probabilities for the destination's experts, to every rank that holds one of
+    its experts."""
+    rows, about = [], []
     for dest in range(group.size()):
         experts = slice(dest * local, (dest + 1) * local)
         tokens = routing_TN[:, experts].any(dim=1).nonzero().flatten()
         rows.append(tokens)
-        routes.append(routing_TN[tokens, experts].to(torch.int64))
-        probs.append(probs_TN[tokens, experts])
-    send_counts = [len(r) for r in rows]
-    recv_counts_W = torch.empty(group.size(), dtype=torch.int64, device=x_TH.device)
-    dist.all_to_all_single(recv_counts_W, torch.tensor(send_counts, device=x_TH.device), group=group)
-    recv_counts = recv_counts_W.tolist()
-    recv_routes = _all_to_all(torch.cat(routes), recv_counts, send_counts, group).bool()
-    recv_probs = _all_to_all(torch.cat(probs), recv_counts, send_counts, group)
-    return torch.cat(rows), send_counts, recv_counts, recv_routes, recv_probs
+        about.append((routing_TN[tokens, experts].to(torch.int64), probs_TN[tokens, experts]))
+    rows_S, send_counts, recv_counts, (routes_RE, probs_RE) = _exchange(rows, about, group, x_TH.device)
+    return rows_S, send_counts, recv_counts, routes_RE.bool(), probs_RE
 
 
 def _by_expert(rows_RH: torch.Tensor, handle: _PermutedHandle) -> torch.Tensor:
@@ -160,7 +162,9 @@ class _HybridDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, routing_TN, probs_TN, group, local):
         CALLS["dispatch"] += 1
-        rows_S, send_counts, recv_counts, routes_RE, probs_RE = _exchange(x_TH, routing_TN, probs_TN, group, local)
+        rows_S, send_counts, recv_counts, routes_RE, probs_RE = _exchange_routed(
+            x_TH, routing_TN, probs_TN, group, local
+        )
         per_expert = [routes_RE[:, e].nonzero().flatten() for e in range(local)]
         handle = _PermutedHandle(
             rows_S, send_counts, recv_counts, x_TH.shape[0], torch.cat(per_expert), [len(r) for r in per_expert],

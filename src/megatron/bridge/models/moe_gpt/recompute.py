@@ -56,8 +56,8 @@ class _NoGraph(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         recompute = ctx.recompute
-        outputs, inputs = recompute.rebuilt, recompute.inputs
-        recompute.rebuilt = recompute.inputs = None
+        outputs, inputs = recompute.rebuilt, recompute.rebuilt_inputs
+        recompute.rebuilt = recompute.rebuilt_inputs = None
         torch.autograd.backward(outputs, grad)
         return (None, None, *(i.grad if i.requires_grad else None for i in inputs))
 
@@ -71,7 +71,7 @@ class OutputRecompute:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled and torch.is_grad_enabled()
-        self.rebuilt = self.inputs = None
+        self.rebuilt = self.rebuilt_inputs = None  # the part's graph, rebuilt just before the linear's backward
 
     def run(self, fn, *inputs: torch.Tensor) -> torch.Tensor:
         if self.enabled and not any(t.requires_grad for t in inputs):
@@ -91,9 +91,9 @@ class OutputRecompute:
         storage.resize_(0)
 
         def rebuild(grad: torch.Tensor) -> torch.Tensor:
-            self.inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._inputs]
+            self.rebuilt_inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._inputs]
             with torch.enable_grad():
-                self.rebuilt = self.fn(*self.inputs)
+                self.rebuilt = self.fn(*self.rebuilt_inputs)
             storage.resize_(nbytes)
             storage.copy_(self.rebuilt.untyped_storage())  # the bytes, not the tensor: its version stays (it is saved)
             DiscardedStorage.restore(token)

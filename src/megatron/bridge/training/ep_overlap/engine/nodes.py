@@ -67,6 +67,11 @@ class LayerNodes:
         self.routing = None
         self.owns_comm = getattr(layer, "owns_comm", False)
 
+    @property
+    def _fused(self) -> bool:
+        """This microbatch's tokens move by the layer's own communication (an MoE layer that ``owns_comm``)."""
+        return self.owns_comm and self.routing is not None
+
     def _run_comm(self, fn, op: str) -> Pending:
         return self.lane.run_comm(fn, op=op, layer=self.index, microbatch=self.mb)
 
@@ -135,7 +140,7 @@ class LayerNodes:
         )
 
     def wait_dispatch(self) -> None:
-        if self.routing is not None and self.owns_comm:
+        if self._fused:
             self._dispatch_out = self._dispatched.wait()
             self.received = [_leaf(t) for t in self._dispatch_out]
             return
@@ -174,14 +179,14 @@ class LayerNodes:
 
     def wait_combine(self) -> None:
         self.back = self._combined.wait()
-        if self.routing is not None and self.owns_comm:
+        if self._fused:
             self._combine_out, self.back = self.back, _leaf(self.back)
 
     def compute_combine(self) -> torch.Tensor:
         """Unpermute and add the residual. Returns the layer output."""
         back = self.back
         with self._compute("combine"):
-            if self.routing is not None and self.owns_comm:
+            if self._fused:
                 _release_early(self.expert_out, self.lane)  # a backend may hand the experts' output on as it is
             elif self.routing is not None:
                 _free(self.expert_out)
@@ -254,7 +259,7 @@ class LayerNodes:
             self.layer.expert_backward_dw()
 
     def wait_dispatch_bwd(self) -> None:
-        if isinstance(self._dispatch_grads, Pending):  # a unit's own dispatch: one backward for all its inputs
+        if self._fused:  # a unit's own dispatch: one backward for all its inputs
             self._grad_send = self._dispatch_grads.wait()
             return
         self._grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]

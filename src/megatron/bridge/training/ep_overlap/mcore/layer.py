@@ -80,12 +80,19 @@ class McoreRouting:
 
     @classmethod
     def of(cls, dispatcher) -> "McoreRouting":
-        manager = getattr(dispatcher, "_comm_manager", None)
-        return cls(dispatcher, dict(dispatcher.__dict__), manager_state=dict(getattr(manager, "__dict__", {})))
+        """The dispatcher's state as it is now."""
+        routing = cls(dispatcher)
+        routing.save()
+        return routing
 
-    def between_microbatches(self) -> None:
-        """Puts back the state the dispatcher had after this microbatch's combine: where the stack's forward leaves
-        it for the next microbatch (a backend resets what its combine consumed, such as HybridEP's row count)."""
+    def save(self) -> None:
+        """Takes the dispatcher's (and its manager's) attributes as this microbatch's state."""
+        self.state = dict(self.dispatcher.__dict__)
+        manager = getattr(self.dispatcher, "_comm_manager", None)
+        self.manager_state = dict(getattr(manager, "__dict__", {}))
+
+    def restore(self) -> None:
+        """Puts this microbatch's state back into the dispatcher (and its manager)."""
         self.dispatcher.__dict__.update(self.state)
         manager = getattr(self.dispatcher, "_comm_manager", None)
         if manager is not None:
@@ -94,15 +101,9 @@ class McoreRouting:
     @contextlib.contextmanager
     def active(self):
         """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
-        dispatcher = self.dispatcher
-        dispatcher.__dict__.update(self.state)
-        manager = getattr(dispatcher, "_comm_manager", None)
-        if manager is not None:
-            manager.__dict__.update(self.manager_state)
-        yield dispatcher
-        self.state = dict(dispatcher.__dict__)
-        if manager is not None:
-            self.manager_state = dict(manager.__dict__)
+        self.restore()
+        yield self.dispatcher
+        self.save()
 
 
 class _Unit:
@@ -183,7 +184,10 @@ class McoreLayer(_Unit):
         if not self.is_moe:
             return h, (normed,), None, None
         mlp = layer.mlp
-        self._combined[0].between_microbatches()  # another microbatch may be between its dispatch and its combine
+        # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine left
+        # (a backend resets what its combine consumed, such as HybridEP's row count), not that of a microbatch
+        # between its dispatch and its combine.
+        self._combined[0].restore()
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)

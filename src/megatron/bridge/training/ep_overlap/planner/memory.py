@@ -12,9 +12,11 @@ Contract:
       (its node's backward, or a delayed weight gradient that keeps its input and output gradient until its
       ``wgrad`` op). The result is the peak, in bytes, over the step.
     * Exact for the reference model on CPU: the tests compare both against ``StepResult.activation_peak_bytes`` for
-      every schedule option. Other shapes (the planner's published ones, with grouped-query or latent attention
-      and shared experts) use the same accounting with their widths: an estimate of what Megatron-Core keeps, which
-      also depends on its kernels (fused attention, Transformer Engine).
+      every schedule option. With ``recompute`` an upper bound: what a node's backward rebuilds is counted on top
+      of all the node holds, over by at most that (autograd rebuilds one part at a time, after letting some go).
+      Other shapes (the planner's published ones, with grouped-query or latent attention and shared experts) use
+      the same accounting with their widths: an estimate of what Megatron-Core keeps, which also depends on its
+      kernels (fused attention, Transformer Engine).
 
 Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x top-k slots, R received rows.
 """
@@ -125,11 +127,7 @@ class ActivationShape:
                 ("log_probs", T * self.vocab * FP32), ("labels", self.sequences * self.seq_length * INDEX_BYTES),
                 ("total_weight", FP32),
             ]  # fmt: skip
-        moe = self.moe[layer]
-        if node == "experts" and moe and "moe" in self.recompute:  # the experts keep only the rows they received
-            return [("received", self.received_rows(T) * D * es)]
-        dropped = self._recomputed(node, moe)
-        return [item for item in getattr(self, f"_{node}")(T, D, es, moe) if item[0] not in dropped]
+        return self._split(node, layer, sequences)[0]
 
     def freed_outputs(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
         """(name, bytes) of the outputs ``node`` frees in its forward once the next linear ran (``layernorm``,
@@ -146,14 +144,17 @@ class ActivationShape:
         the outputs freed until the next linear's backward. Counted on top of all the node holds, from the start of
         its backward (autograd rebuilds them one part at a time, after some of the node's tensors are let go: the
         figure is an upper bound by at most these bytes)."""
-        if layer is None or not self.recompute:
-            return []
+        return [] if layer is None else self._split(node, layer, sequences)[1]
+
+    def _split(self, node: str, layer: int, sequences: int) -> tuple[list, list]:
+        """What a layer's ``node`` saves without recompute, split into what it keeps with ``recompute`` and what its
+        backward rebuilds."""
         T, D, es, moe = sequences * self.seq_length, self.hidden, self.element_bytes, self.moe[layer]
         full = getattr(self, f"_{node}")(T, D, es, moe)
-        if node == "experts" and moe and "moe" in self.recompute:
-            return full
+        if node == "experts" and moe and "moe" in self.recompute:  # the experts keep only the rows they received
+            return [("received", self.received_rows(T) * D * es)], full
         dropped = self._recomputed(node, moe)
-        return [item for item in full if item[0] in dropped]
+        return [item for item in full if item[0] not in dropped], [item for item in full if item[0] in dropped]
 
     def _recomputed(self, node: str, moe: bool) -> set[str]:
         """What ``node`` no longer holds between nodes with ``recompute``: a recomputed part's own saves, and the
@@ -276,27 +277,25 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
             count.hold(("freed", unit, layer, name), nbytes)
             count.release(("freed", unit, layer, name))
 
-    def rebuild(unit: int, layer: int | None, node: str) -> None:
-        """A node's backward begins: what recompute rebuilds is held too, until the node lets it go."""
+    def open_backward(unit: int, layer: int | None, node: str) -> dict[str, tuple]:
+        """A node's backward begins: what recompute rebuilds is held too. Returns the keys the node now holds, by
+        name; the backward lets them go."""
+        held = saved.pop((unit, layer, node))
         for name, nbytes in shape.rebuilt(node, layer, sequences[unit][1]):
-            k = key(unit, layer, name)
-            count.hold(k, nbytes)
-            saved[(unit, layer, node)].append((k, nbytes))
+            held.append((key(unit, layer, name), nbytes))
+            count.hold(*held[-1])
+        return {k[-1]: k for k, _ in held}
 
-    def backward(unit: int, layer: int | None, node: str, keep: tuple[str, ...] = ()) -> None:
-        rebuild(unit, layer, node)
-        for k, _ in saved.pop((unit, layer, node)):
-            if k[-1] not in keep:
-                count.release(k)
+    def backward(unit: int, layer: int | None, node: str) -> None:
+        for k in open_backward(unit, layer, node).values():
+            count.release(k)
 
     def experts_bwd_delayed(unit: int, layer: int) -> None:
         # Expert backward in autograd's order: unsort, fc2 (its input and output gradient go to the wgrad queue),
         # the activation, fc1 (likewise), sort. Only the output gradients are new bytes.
         T = sequences[unit][1] * shape.seq_length
         (dy2, dy2_bytes), (dy1, dy1_bytes) = [((unit, layer, n), b) for n, b in shape.wgrad_held("experts", T)]
-        rebuild(unit, layer, "experts")
-        held = dict(saved.pop((unit, layer, "experts")))
-        names = {k[-1]: k for k in held}
+        names = open_backward(unit, layer, "experts")
         count.release(names["unsort_index"])
         count.hold(names["expert_act"], 0)
         count.hold(dy2, dy2_bytes)
@@ -316,11 +315,9 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
         # The attention's linears keep their inputs (the norm's output, the attention's output) and output gradients
         # for the delayed wgrad; everything released before them is larger, so no new peak arises inside the node.
         T = sequences[unit][1] * shape.seq_length
-        rebuild(unit, layer, "pre_dispatch")
-        held = saved[(unit, layer, "pre_dispatch")]
-        names = {k[-1]: k for k, _ in held}
-        for k, _ in saved.pop((unit, layer, "pre_dispatch")):
-            if k[-1] not in ("ln1_out", "o"):
+        names = open_backward(unit, layer, "pre_dispatch")
+        for name, k in names.items():
+            if name not in ("ln1_out", "o"):
                 count.release(k)
         grads = [((unit, layer, n), b) for n, b in shape.wgrad_held("attention", T)]
         for k, nbytes in grads:
