@@ -34,6 +34,10 @@ class McoreCase:
     mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
     recompute: tuple = ()  # selective recompute_modules
     shared_ffn: int = 0  # shared experts' FFN width (0: none)
+    load_balancing: str = "none"  # moe_router_load_balancing_type ("aux_loss": with aux_loss_coeff)
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float | None = None
+    per_token_loss: bool = False  # calculate_per_token_loss
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -88,7 +92,10 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
         moe_ffn_hidden_size=16,
         moe_router_topk=case.topk,
         moe_router_pre_softmax=case.topk == 1,
-        moe_router_load_balancing_type="none",
+        moe_router_load_balancing_type=case.load_balancing,
+        moe_aux_loss_coeff=case.aux_loss_coeff,
+        moe_z_loss_coeff=case.z_loss_coeff,
+        calculate_per_token_loss=case.per_token_loss,
         moe_layer_freq=list(case.layer_freq),
         expert_model_parallel_size=case.world,
         moe_token_dispatcher_type=case.dispatcher,

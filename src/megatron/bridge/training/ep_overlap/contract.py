@@ -15,6 +15,7 @@ Losses are token-summed cross-entropies divided by a normalizer the engine passe
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
@@ -64,8 +65,10 @@ class ChunkModel(Protocol):
     input, for a head that reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation
     between chunks; a whole model also a plain ``__call__(tokens, labels, normalizer)``.
 
-    Optional: ``start_step(num_units)``, called before a step's first op with the number of microbatches that carry
-    a loss (a chunked one's halves count two), to drop what a failed step left; ``sync_pipeline_copies(groups)``,
+    Optional: ``start_step(loss)``, called before a step's first op with the step's :class:`StepLoss` (a chunk whose
+    auxiliary losses set their own backward scale sets it from there), to drop what a failed step left, and
+    ``finish_step()``, called when the step ended (done or failed), to put back what ``start_step`` changed
+    outside the chunk; ``sync_pipeline_copies(groups)``,
     called with the data-parallel gradient sum, for a weight this chunk shares with a chunk on another pipeline
     stage; and ``update_router_biases(groups)``, called once per training step after the gradient sync."""
 
@@ -82,6 +85,18 @@ class ChunkModel(Protocol):
     def embed(self, tokens: Any) -> Any: ...
 
     def head_loss(self, x: Any, labels: Any, normalizer: float | None, tokens: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """How the engine normalizes one training step's loss, for a chunk whose auxiliary losses (multi-token
+    prediction, MoE load balancing, z-loss) scale their own gradient: the main loss is the token-summed
+    cross-entropy of ``units`` loss-carrying units divided by ``tokens``, and gradients are then summed (not
+    averaged) over the engine's ``data_parallel`` ranks."""
+
+    units: int  # microbatches that carry a loss (a chunked one's halves count two)
+    data_parallel: int  # ranks the engine sums non-expert gradients over
+    tokens: float  # tokens that count, over every microbatch of every rank
 
 
 class DelayableLinear(Protocol):

@@ -14,9 +14,11 @@ Contract:
       offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
       Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases); one that offers
       ``sync_pipeline_copies(groups)`` gets it called with the data-parallel sync (a weight held on two pipeline
-      stages, such as a tied or MTP embedding, gets its copies' gradients summed); and one that offers
-      ``start_step(num_units)`` gets it called before the step runs (the step's microbatches, a chunked one
-      counted as its two halves).
+      stages, such as a tied or MTP embedding, gets its copies' gradients summed); one that offers
+      ``start_step(loss)`` gets it called before the step runs with the step's ``contract.StepLoss`` (its
+      loss-carrying units, data-parallel size and token count: what an auxiliary loss's backward scale is set
+      from, per step, so no state another driver left in the process changes a result), and ``finish_step()``
+      after it, done or failed.
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
       finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
       parameters' gradients are then as they were before the step.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import check_no_pending_wgrads
+from megatron.bridge.training.ep_overlap.contract import StepLoss, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.engine.grads import HeldGradients, delayable_linears, sync_grads
 from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, check_finite, loss_token_count
 from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
@@ -76,6 +78,10 @@ def run_ops(ops, runners: dict) -> None:
         out = method(values.pop((op.unit, reads))) if reads else method()
         if writes:
             values[(op.unit, writes)] = out
+
+
+def _group_size(group) -> int:
+    return torch.distributed.get_world_size(group) if group is not None and torch.distributed.is_initialized() else 1
 
 
 # Where a P2P transfer of each kind meets a unit's chunk I/O: (what it receives into, what sends it).
@@ -204,10 +210,11 @@ class Engine:
         split = {member.microbatch for s in steps for member in s.units if member.half is not None}
         normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
         held = None if forward_only else HeldGradients(self._named_parameters())
+        loss = StepLoss(len(microbatches) + len(split), _group_size(self.groups.dp_group), normalizer)
         for chunk in self.chunks:
             start_step = getattr(chunk, "start_step", None)
             if start_step is not None:
-                start_step(len(microbatches) + len(split))  # the loss-carrying units: halves count
+                start_step(loss)
         failed = True
         saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
         lane.saved = saved
@@ -228,6 +235,10 @@ class Engine:
             lane.close(failed=failed)
             if failed and held is not None:
                 held.restore(add=False)
+            for chunk in self.chunks:
+                finish_step = getattr(chunk, "finish_step", None)
+                if finish_step is not None:
+                    finish_step()
         if not forward_only:
             for chunk in self.chunks:
                 update_router_biases = getattr(chunk, "update_router_biases", None)
