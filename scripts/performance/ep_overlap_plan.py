@@ -84,13 +84,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.from_json:
         n = run.num_microbatches
-        print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
     else:
         layout = cost_model.Layout(*model_layout(args))
         recompute = frozenset(args.recompute_modules or ())
         shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
         costs, link = cost_model.costs_from_model(shape, layout, profile, recompute)
         n = layout.num_microbatches
+    try:
+        first = planner.predict(costs, link, n)
+    except ValueError as exc:  # what the costs cannot price (no communication at all), before any figure
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.from_json:
+        print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
+    else:
         print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
         from utils.plan_table import activation_peaks_gib
 
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             f"pairing {edges:.1f}"
         )
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
-    print(_line(f"{n} microbatches", planner.predict(costs, link, n)))
+    print(_line(f"{n} microbatches", first))
     for window in (1, 2):
         comparison = planner.predict(costs, link, n, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=window))
         print(_line(f"{n} microbatches, delayed wgrad, attention wgrad in window {window}", comparison))

@@ -5,6 +5,7 @@ Every check returns problems as strings; the CLI prints each as ``error: ...`` a
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +21,13 @@ def model_layout(args) -> tuple[int, int, int]:
 
 def flag_problems(args, num_experts: int | None) -> list[str]:
     """Problems of the flags: each row is (broken, field, value, fix), checked in order, all reported."""
-    positive = lambda v: v is not None and v <= 0  # noqa: E731
     rows = [
-        (positive(args.link_gbps), "--link_gbps", args.link_gbps, "give the link's rate in Gbit/s, above 0"),
+        (
+            args.link_gbps is not None and not _positive_number(args.link_gbps),
+            "--link_gbps",
+            args.link_gbps,
+            "give the link's rate in Gbit/s: a finite number above 0",
+        ),
         (
             any(n <= 0 for n in args.microbatches or []),
             "--microbatches",
@@ -65,7 +70,13 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
                 "applies to --from_json; with --model the link is --profile's: drop it",
             ),
             (gpus <= 0, "--gpus", gpus, "give 1 or more GPUs"),
-            (ep <= 0, "--ep", ep, "give an expert-parallel size of 1 or more"),
+            (ep <= 0, "--ep", ep, "give an expert-parallel size of 2 or more"),
+            (
+                ep == 1,
+                "--ep",
+                ep,
+                "expert-parallel size 1 moves no tokens between ranks, so there is nothing to overlap: give 2 or more",
+            ),
             (
                 gpus > 0 and ep > 0 and gpus % ep != 0,
                 "--ep",
@@ -88,6 +99,14 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
             ),
         ]
     return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 @dataclass(frozen=True)
@@ -148,7 +167,34 @@ def read_measured(path: str) -> MeasuredRun:
             f"{where}: a pipelined run (pipeline_model_parallel_size={pipeline}); the planner simulates PP = 1: "
             "use an A/B run without pipeline flags"
         )
+    if need("config", "model").get("expert_model_parallel_size") == 1:
+        raise PlanInputError(
+            f"{where}: a run with expert_model_parallel_size=1 moves no tokens between ranks, so there is nothing "
+            "to overlap: use an A/B run with EP 2 or more"
+        )
     warmup, max_steps = need("config", "train", "warmup_steps"), need("config", "train", "max_steps")
+    fields = {
+        "config.train.warmup_steps": (warmup, _whole(warmup, 0), "a whole number of 0 or more"),
+        "config.train.max_steps": (max_steps, _whole(max_steps, 1), "a whole number of 1 or more"),
+        "config.train.num_microbatches": (
+            need("config", "train", "num_microbatches"),
+            _whole(need("config", "train", "num_microbatches"), 1),
+            "a whole number of 1 or more",
+        ),
+        "config.model.num_layers": (
+            need("config", "model", "num_layers"),
+            _whole(need("config", "model", "num_layers"), 1),
+            "a whole number of 1 or more",
+        ),
+        "config.link_gbps": (
+            need("config").get("link_gbps"),
+            need("config").get("link_gbps") is None or _positive_number(need("config").get("link_gbps")),
+            "a finite number above 0, or null (loopback)",
+        ),
+    }
+    bad = [f"{name}={value!r} (give {what})" for name, (value, ok, what) in fields.items() if not ok]
+    if bad:
+        raise PlanInputError(f"{where}: malformed: {'; '.join(bad)}; rerun the harness, or correct the file")
     records, times = need("arms", "baseline", "records", "0"), need("arms", "baseline", "step_times_s")
     if not isinstance(records, list) or not isinstance(times, list) or len(records) <= warmup:
         raise PlanInputError(

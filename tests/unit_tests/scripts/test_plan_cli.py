@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "performance" / "ep_o
 # The fields of the harness's --json output that the planner reads (one steady step of rank 0's baseline).
 SENT = {"bytes_sent": 1e6, "bytes_received": 1e6}
 STEP = {
-    "comm": [{"op": "dispatch_fwd", "layer": 0, **SENT, "start_s": 0.0, "end_s": 0.1}],
+    "comm": [{"op": "dispatch", "layer": 0, **SENT, "start_s": 0.0, "end_s": 0.1}],
     "compute": [{"node": "attn_fwd", "layer": 0, "start_s": 0.0, "end_s": 0.2}],
 }
 SUMMARY = {
@@ -39,6 +39,15 @@ def _without(*keys: str) -> dict:
     return summary
 
 
+def _with(keys: tuple[str, ...], value) -> dict:
+    summary = copy.deepcopy(SUMMARY)
+    holder = summary
+    for key in keys[:-1]:
+        holder = holder[key]
+    holder[keys[-1]] = value
+    return summary
+
+
 def plan(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
 
@@ -61,6 +70,7 @@ def refused(run: subprocess.CompletedProcess) -> list[str]:
         (["--gpus", "0"], ["--gpus=0: give 1 or more GPUs"]),
         (["--gpus", "8", "--ep", "8", "--global_batch", "12"], ["--global_batch=12: give a positive multiple of"]),
         (["--microbatches", "4", "0"], ["--microbatches=[4, 0]: give microbatch counts of 1 or more"]),
+        (["--gpus", "16", "--ep", "1"], ["--ep=1: expert-parallel size 1 moves no tokens between ranks"]),
     ],
 )  # fmt: skip
 def test_a_layout_the_model_cannot_have_is_refused(argv, expected):
@@ -118,6 +128,12 @@ def test_the_minimal_summary_is_accepted(tmp_path):
         (_baseline(STEP), "no steady baseline step (warmup_steps=1, 1 step record(s))"),
         (_baseline(STEP, {"comm": []}), "arms.baseline.records.0[1] has no compute"),
         (_baseline(STEP, {"comm": [{}], "compute": []}), "a step record is malformed"),
+        (_with(("config", "train", "num_microbatches"), 0), "malformed: config.train.num_microbatches=0 (give a whole"),
+        (_with(("config", "train", "num_microbatches"), -3), "malformed: config.train.num_microbatches=-3"),
+        (_with(("config", "train", "num_microbatches"), "4"), "malformed: config.train.num_microbatches='4'"),
+        (_with(("config", "model", "num_layers"), 1.5), "malformed: config.model.num_layers=1.5"),
+        (_with(("config", "link_gbps"), -2), "malformed: config.link_gbps=-2 (give a finite number above 0"),
+        (_with(("config", "model", "expert_model_parallel_size"), 1), "expert_model_parallel_size=1 moves no tokens"),
     ],
 )  # fmt: skip
 def test_a_file_the_planner_cannot_use_gets_one_line_naming_it(tmp_path, content, message):
@@ -131,3 +147,19 @@ def test_a_file_the_planner_cannot_use_gets_one_line_naming_it(tmp_path, content
 def test_a_missing_file_is_named():
     (line,) = refused(plan("--from_json", "/nonexistent/ab.json"))
     assert line == "error: --from_json=/nonexistent/ab.json: cannot be read (No such file or directory)"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_a_link_that_is_not_a_finite_positive_rate_is_refused_with_a_measured_run_too(tmp_path, value):
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(SUMMARY))
+    (line,) = refused(plan("--from_json", str(path), "--link_gbps", value))
+    assert line == f"error: --link_gbps={float(value)!r}: give the link's rate in Gbit/s: a finite number above 0"
+
+
+def test_a_measured_run_without_communication_is_refused_not_priced(tmp_path):
+    path = tmp_path / "ab.json"
+    silent = {**STEP, "comm": [{**STEP["comm"][0], "op": "split_exchange"}]}  # no all-to-all moved a byte
+    path.write_text(json.dumps(_baseline(silent, silent)))
+    (line,) = refused(plan("--from_json", str(path)))
+    assert line.startswith("error: no layer moves tokens between ranks")

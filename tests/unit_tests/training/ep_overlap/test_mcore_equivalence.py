@@ -48,6 +48,12 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         model = build_model(case)
         overlap = not arm.startswith("plain")
         plan = plan_for(model, delay_wgrad=case.delay_wgrad and overlap)
+        mtp_scales = []  # what the step ran with (finish_step puts back what it found)
+        start_step = plan.start_step
+        plan.start_step = lambda loss=None, start=start_step, seen=mtp_scales: (
+            start(loss),
+            seen.append(float(MTPLossAutoScaler.main_loss_backward_scale)),
+        )
         engine = EPOverlapEngine(
             plan,
             groups,
@@ -80,7 +86,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             "mlps": [type(getattr(layer, "mlp", None)).__name__ for layer in model.decoder.layers],  # Mamba: none
             "biases": {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")},
             "params": sorted(n for n, _ in model.named_parameters()),
-            "mtp_scale": float(MTPLossAutoScaler.main_loss_backward_scale),
+            "mtp_scale": mtp_scales[-1],
             "dispatchers": dispatcher_names(model),
             "attentions": {type(m).__name__ for m in model.modules() if type(m).__name__.endswith("SelfAttention")},
             "recomputed": len(recomputed),
@@ -180,10 +186,12 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert set(plain["fused_calls"]) == {"dispatch", "dispatch_bwd", "combine", "combine_bwd"}
             for arm in ("overlap", "overlap_edges"):
                 assert outcome.result[arm]["fused_calls"] == plain["fused_calls"], arm
-        if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit as Megatron-Core's forward_step does
+        if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit and DP rank as Megatron-Core's DDP does
             assert any(n.startswith("mtp.") and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
-            assert plain["mtp_scale"] == pytest.approx(1 / case.microbatches)
-            assert outcome.result["plain_units"]["mtp_scale"] == pytest.approx(1 / len(units(case.microbatches, 2)))
+            dp = case.world  # EP = world: every rank is data-parallel for the non-expert weights
+            assert plain["mtp_scale"] == pytest.approx(1 / (case.microbatches * dp))
+            halves = len(units(case.microbatches, 2))
+            assert outcome.result["plain_units"]["mtp_scale"] == pytest.approx(1 / (halves * dp))
 
 
 def has_mtp(case: McoreCase) -> bool:

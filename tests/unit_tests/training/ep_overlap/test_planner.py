@@ -217,3 +217,44 @@ def test_a_recomputed_forward_is_charged_to_its_backward_node_where_overlap_hide
     before, after = predict(kept, link, n), predict(again, link, n)
     plain_cost = after.baseline.step_s - before.baseline.step_s
     assert 0 < after.overlap.step_s - before.overlap.step_s < 0.6 * plain_cost
+
+
+STEADY_OPTIONS = [
+    EPOverlapOptions(overlap=False),
+    EPOverlapOptions(overlap=True),
+    EPOverlapOptions(overlap=True, delay_wgrad=True, attention_wgrad_window=2),
+    EPOverlapOptions(overlap=True, edge_pairing=True),
+    EPOverlapOptions(overlap=True, moe_ep_overlap_chunks=2),
+]
+
+
+@pytest.mark.parametrize("options", STEADY_OPTIONS, ids=str)
+def test_a_long_step_priced_from_its_steady_state_equals_simulating_every_op(options):
+    from megatron.bridge.training.ep_overlap.planner import cost_model
+    from megatron.bridge.training.ep_overlap.planner.simulate import STEADY_FROM, _simulate_ops
+
+    costs, link = cost_model.costs_from_model(
+        cost_model.DEEPSEEK_V3, cost_model.Layout(64, 64, 2560), cost_model.PROFILES["H100"]
+    )  # dense layers first, then MoE ones
+    n = STEADY_FROM + 13
+    steady, every_op = simulate(costs, link, n, options), _simulate_ops(costs, link, n, options)
+    assert steady.steady_from == STEADY_FROM and every_op.steady_from is None
+    for got, want in [(steady.step_s, every_op.step_s), (steady.comm_s, every_op.comm_s)]:
+        assert got == pytest.approx(want, rel=1e-12)
+    assert steady.exposed_s.keys() == every_op.exposed_s.keys()
+    for phase, want in every_op.exposed_s.items():
+        assert steady.exposed_s[phase] == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_a_step_of_a_million_microbatches_is_priced():
+    costs, link = balanced(2)
+    comparison = predict(costs, link, 2**20)  # op by op: tens of millions of ops
+    assert comparison.baseline.step_s == pytest.approx(16 * 2**20)
+    assert comparison.overlap.step_s == pytest.approx(8 * (2**20 + 1))  # the pairing bound, as for small counts
+
+
+def test_costs_without_communication_are_refused_not_priced_as_dense():
+    costs, link = balanced(2)
+    silent = StepCosts(layers=tuple(LayerCosts(1.0, 1.0, 1.0, 1.0) for _ in costs.layers), f_tail=0.0, b_head=0.0)
+    with pytest.raises(ValueError, match="no layer moves tokens between ranks"):
+        predict(silent, link, 4)  # at EP 1 it predicted a speedup from the subtracted expert wgrad

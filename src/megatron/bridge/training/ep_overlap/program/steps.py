@@ -24,6 +24,7 @@ Contract:
       window 1 and a dense F layer it runs before F.pre_dispatch (there are no split sizes to hide behind it).
 """
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -128,9 +129,9 @@ class Step:
     def ops(self) -> Iterator[Op]:
         return (op for window in self.windows for op in window.ops)
 
-    @property
+    @functools.cached_property
     def plain(self) -> bool:
-        """Runs whole chunks through ordinary autograd (overlap off)."""
+        """Runs whole chunks through ordinary autograd (overlap off). Read per op by the consumers: computed once."""
         return any(op.kind == "plain" for op in self.ops)
 
     def unit_for(self, transfer: Transfer) -> StepUnit:
