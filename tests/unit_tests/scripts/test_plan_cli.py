@@ -128,7 +128,7 @@ def test_the_minimal_summary_is_accepted(tmp_path):
         (_baseline(STEP), "no steady baseline step (warmup_steps=1, 1 step record(s))"),
         (_baseline(STEP, {"comm": []}), "arms.baseline.records.0[1] has no compute"),
         (_baseline(STEP, {"comm": [{}], "compute": []}), "a step record is malformed"),
-        (_with(("config", "train", "num_microbatches"), 0), "malformed: config.train.num_microbatches=0 (give a whole"),
+        (_with(("config", "train", "num_microbatches"), 0), "malformed: config.train.num_microbatches=0 (give"),
         (_with(("config", "train", "num_microbatches"), -3), "malformed: config.train.num_microbatches=-3"),
         (_with(("config", "train", "num_microbatches"), "4"), "malformed: config.train.num_microbatches='4'"),
         (_with(("config", "model", "num_layers"), 1.5), "malformed: config.model.num_layers=1.5"),

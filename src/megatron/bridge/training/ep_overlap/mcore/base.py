@@ -237,7 +237,10 @@ class McorePlan:
         device = next(self.model.parameters()).device
         mtp, moe = aux_loss_scales(self.config, loss)
         if self._found_scales is None:
-            self._found_scales = (MTPLossAutoScaler.main_loss_backward_scale, MoEAuxLossAutoScaler.main_loss_backward_scale)
+            self._found_scales = (
+                MTPLossAutoScaler.main_loss_backward_scale,
+                MoEAuxLossAutoScaler.main_loss_backward_scale,
+            )
         # New tensors of Megatron-Core's shape ([1]): another driver's tensor is never written into.
         MTPLossAutoScaler.main_loss_backward_scale = torch.tensor([mtp], dtype=torch.float32, device=device)
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor([moe], dtype=torch.float32, device=device)
