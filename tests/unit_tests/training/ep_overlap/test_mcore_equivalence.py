@@ -186,7 +186,7 @@ def check_equal(case: McoreCase, outcomes) -> None:
             assert set(plain["fused_calls"]) == {"dispatch", "dispatch_bwd", "combine", "combine_bwd"}
             for arm in ("overlap", "overlap_edges"):
                 assert outcome.result[arm]["fused_calls"] == plain["fused_calls"], arm
-        if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit and DP rank as Megatron-Core weighs it
+        if has_mtp(case):  # the MTP loss trains the MTP layer, weighted per unit and DP rank as Megatron-Core does
             assert any(n.startswith("mtp.") and g.abs().sum() > 0 for n, g in plain["grads"][-1].items())
             dp = case.world  # EP = world: every rank is data-parallel for the non-expert weights
             assert plain["mtp_scale"] == pytest.approx(1 / (case.microbatches * dp))
