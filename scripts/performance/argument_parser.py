@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     overlap.add_argument(
         "--attention_wgrad_window",
         type=wgrad_window_arg,
-        default=1,
+        default=argparse.SUPPRESS,  # 1 when not given (parse_cli_args); given, it must have delayed wgrad to act on
         help="with delayed wgrad: the window of the next layer step that runs a layer's attention wgrad (1: beside "
         "B.combine backward; 2: beside F.dispatch; auto: the engine runs its first step plain and the planner "
         "picks from that step's costs, printed with the results; PP 1 only); ep_overlap_plan.py says which suits "
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_cli_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    args.attention_wgrad_window_given = hasattr(args, "attention_wgrad_window")
+    if not args.attention_wgrad_window_given:
+        args.attention_wgrad_window = 1
     if args.recompute_modules:  # the list stops at the first key=value override, which argparse would take as a module
         modules = [m for m in args.recompute_modules if "=" not in m]
         args.overrides = [m for m in args.recompute_modules if "=" in m] + args.overrides

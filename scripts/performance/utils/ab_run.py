@@ -30,6 +30,7 @@ from megatron.bridge.utils.multiprocess import (
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from utils.arms import ArmSpec, run_arms, step_line
 from utils.checks import (
+    flag_problems,
     lift_model_overlap_flags,
     model_impl_problems,
     pipeline_dtype_auto,
@@ -39,7 +40,7 @@ from utils.checks import (
 from utils.netns import EmulatedLink, LinkUnavailable
 from utils.overrides import apply_flag_overrides, apply_overrides
 from utils.recipe import RecipeConfig, small_moe_recipe
-from utils.report import bitwise_equal, draw_timeline, format_table, partial_summary, summarize_arm, write_json
+from utils.report import bitwise_equal, draw_timeline, format_table, partial_summary, save_json, summarize_arm
 from utils.stats import matched_ab
 from utils.stopping import IGNORED, STOPPING, signal_handlers, stopped_by
 
@@ -197,26 +198,42 @@ def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: s
 class Progress:
     """Steps finished so far, per arm (one report per rank and step), and the arm running now.
 
-    The console line of a finished step is printed here, when the parent has its report, so a step the console
-    shows is always one the partial JSON holds.
+    The console line of a step is printed here, once every rank has reported it (with rank 0's figures), so a step
+    the console shows is one every rank finished and the partial JSON holds.
     """
 
     finished: dict[str, list[dict]] = field(default_factory=dict)
     running: str | None = None
     max_steps: int = 0
     echo: bool = True
+    ranks: int = 1
+    _rank0: dict = field(default_factory=dict)  # (arm, step) -> rank 0's report, whose figures the console shows
 
     def record(self, rank: int, report: dict) -> None:
-        self.finished.setdefault(report["arm"], []).append(report)
-        if self.echo and rank == 0:
-            print(step_line(report, self.max_steps), flush=True)
+        reports = self.finished.setdefault(report["arm"], [])
+        reports.append(report)
+        if rank == 0:
+            self._rank0[(report["arm"], report["step"])] = report
+        if self.echo and sum(1 for r in reports if r["step"] == report["step"]) == self.ranks:
+            print(step_line(self._rank0.get((report["arm"], report["step"]), report), self.max_steps), flush=True)
 
     def all_done(self, arms: list[str], ranks: int) -> bool:
         """Every rank reported the last step of every arm: what is left is returning the results."""
         return all(sum(1 for r in self.finished.get(arm, []) if r["step"] == self.max_steps) == ranks for arm in arms)
 
     def describe(self, steps: int) -> str:
-        done = [f"{arm} {max(r['step'] for r in reports)}/{steps}" for arm, reports in self.finished.items()]
+        """Per arm, the last step every rank finished, and a later one only some ranks finished."""
+        done = []
+        for arm, reports in self.finished.items():
+            counts = {}
+            for r in reports:
+                counts[r["step"]] = counts.get(r["step"], 0) + 1
+            everyone = max((step for step, n in counts.items() if n >= self.ranks), default=0)
+            line = f"{arm} {everyone}/{steps} on every rank"
+            ahead = max(counts)
+            if ahead > everyone:
+                line += f" (step {ahead} on {counts[ahead]} of {self.ranks} ranks)"
+            done.append(line)
         return ", ".join(done) or "none"
 
 
@@ -225,6 +242,7 @@ def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None
     each finished step (``Progress``). An interrupt after every step finished still waits for the results."""
     progress = progress if progress is not None else Progress()
     progress.max_steps = specs[0].train.max_steps
+    progress.ranks = args.nproc_per_node
     for spec in specs:
         spec.progress = False  # printed by the parent, as reports arrive
     backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
@@ -428,7 +446,7 @@ def run(args) -> int:
                 raise ConfigError(problems)
             recipe = _finalized(recipe)
             arms = plan_arms(recipe, args)
-            problems = options_problems(arms, recipe)
+            problems = flag_problems(args, arms, recipe) + options_problems(arms, recipe)
             if problems:
                 raise ConfigError(problems)
             device = pick_device(args)
@@ -472,18 +490,30 @@ def run(args) -> int:
     with signal_handlers(IGNORED):  # every step ran: an interrupt now would only lose the report
         summary = summarize(results, recipe, args, device, world)
         print(format_table(summary))
+        status = 0
         if args.json_path:
-            write_json(summary, args.json_path)
-            print(f"results written to {args.json_path}")
+            written, problem = save_json(summary, args.json_path)
+            if problem:
+                print(f"error: {problem}; the results are kept in {written}", file=sys.stderr)
+                status = 1
+            else:
+                print(f"results written to {written}")
         if args.timeline:
-            draw_timeline(summary, args.timeline)
-            print(f"timeline of one steady step per arm drawn to {args.timeline}")
-    return 0
+            try:
+                draw_timeline(summary, args.timeline)
+                print(f"timeline of one steady step per arm drawn to {args.timeline}")
+            except OSError as exc:
+                print(f"error: --timeline={args.timeline!r}: cannot be written now ({exc.strerror or exc})",
+                      file=sys.stderr)  # fmt: skip
+                status = 1
+    return status
 
 
 def _keep_partial(args, progress: Progress, config: dict | None, status: str) -> str | None:
     """Writes what finished to --json (when given and a run had started); returns the path written."""
     if not args.json_path or config is None:
         return None
-    write_json(partial_summary(status, progress.finished, config), args.json_path)
-    return args.json_path
+    written, problem = save_json(partial_summary(status, progress.finished, config), args.json_path)
+    if problem:
+        print(f"error: {problem}; the partial results are kept in {written}", file=sys.stderr)
+    return written

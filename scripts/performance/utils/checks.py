@@ -127,6 +127,7 @@ def recipe_problems(recipe: Any) -> list[str]:
                 f"model.moe_router_topk={model.moe_router_topk}: must not exceed "
                 f"num_moe_experts={model.num_moe_experts}"
             )
+    problems += _layer_problems(model)
     _at_least(problems, "train.warmup_steps", train.warmup_steps, 0)
     if isinstance(train.warmup_steps, int) and train.warmup_steps >= 0:
         _at_least(
@@ -153,6 +154,38 @@ def recipe_problems(recipe: Any) -> list[str]:
     if model.cuda_graph_impl != "none":
         problems.append(
             f"--cuda_graph_impl={model.cuda_graph_impl!r}: the harness's models do not capture CUDA graphs; use none"
+        )
+    return problems
+
+
+def _layer_problems(model: Any) -> list[str]:
+    """Which layers are MoE (``moe_layer_freq``), and the biases the schedule's models do not have."""
+    problems = []
+    if model.add_bias_linear:
+        problems.append(
+            "model.add_bias_linear=True: the EP-overlap models run bias-free linears (the reference MoE GPT has "
+            "none; the Megatron-Core plan refuses them); set model.add_bias_linear=false"
+        )
+    freq, layers = model.moe_layer_freq, model.num_layers
+    if model.hybrid_layer_pattern is not None or not isinstance(layers, int) or layers < 1:
+        return problems  # a pattern sets moe_layer_freq itself; a bad num_layers is reported on its own
+    if isinstance(freq, bool) or not isinstance(freq, int | list):
+        return problems + [f"model.moe_layer_freq={freq!r}: give an int k (every k-th layer is MoE) or a 0/1 list"]
+    if isinstance(freq, int):
+        if freq < 1:
+            return problems + [f"model.moe_layer_freq={freq!r}: must be at least 1 (every k-th layer is MoE)"]
+        return problems
+    if len(freq) != layers:
+        problems.append(
+            f"model.moe_layer_freq={freq!r}: has {len(freq)} entries and num_layers={layers}; give one 0/1 entry "
+            "per layer"
+        )
+    elif any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+        problems.append(f"model.moe_layer_freq={freq!r}: entries must be 0 (dense) or 1 (MoE)")
+    elif not any(freq):
+        problems.append(
+            f"model.moe_layer_freq={freq!r}: no MoE layer, so there is no all-to-all to overlap; make at least one "
+            "entry 1"
         )
     return problems
 
@@ -257,3 +290,46 @@ def _output_problems(flag: str, path: Path) -> list[str]:
     if not existed:
         path.unlink()
     return []
+
+
+def flag_problems(args: Any, arms: list[dict], recipe: Any) -> list[str]:
+    """Flags that would change nothing for these arms: each refused, so no run reports a setting it did not use.
+    Each row is (cannot act, flag, why, fix)."""
+    overlapped = [arm for arm in arms if arm["overlap"]]
+    delayed = [arm for arm in overlapped if arm["delay_wgrad"]]
+    pipeline = (recipe.model.pipeline_model_parallel_size or 1) > 1
+    given = {item.partition("=")[0].strip() for item in args.overrides}
+    window = "auto" if args.attention_wgrad_window is None else args.attention_wgrad_window
+    rows = [
+        (
+            args.ab and args.moe_a2a_overlap is False,
+            f"--moe_a2a_overlap={args.moe_a2a_overlap}",
+            "with --ab the baseline arm runs overlap off and the overlap arm on, whatever this flag says",
+            "drop it with --ab (or drop --ab for one run with overlap off)",
+        ),
+        (
+            args.edge_pairing and not overlapped,
+            "--edge_pairing=true",
+            "it pairs the overlapped schedule's warm-up and cool-down, and overlap is off",
+            "add --moe_a2a_overlap true (or --ab), or drop it",
+        ),
+        (
+            args.edge_pairing and pipeline,
+            "--edge_pairing=true",
+            "it applies at PP 1; with pipeline stages the per-rank pipeline schedule sets each step's pairs",
+            "drop it, or drop the pipeline flags",
+        ),
+        (
+            getattr(args, "attention_wgrad_window_given", False) and not delayed,
+            f"--attention_wgrad_window={window}",
+            "it places the delayed attention wgrad, and no arm delays wgrad",
+            "add --delay_wgrad_compute true (with overlap), or drop it",
+        ),
+        (
+            "model.recompute_modules" in given and recipe.model.recompute_granularity is None,
+            f"model.recompute_modules={recipe.model.recompute_modules!r}",
+            "with recompute_granularity=None nothing is recomputed",
+            "add model.recompute_granularity=selective, or use --recompute_modules (which sets both)",
+        ),
+    ]
+    return [f"{flag}: {why}; {fix}" for cannot, flag, why, fix in rows if cannot]

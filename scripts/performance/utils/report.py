@@ -205,6 +205,32 @@ def write_json(summary: dict[str, Any], path: str) -> None:
         json.dump(summary, f, indent=2, default=str)
 
 
+def save_json(summary: dict[str, Any], path: str) -> tuple[str, str | None]:
+    """Writes ``summary`` to ``path``; when that fails (the folder became read-only, the disk filled), to a file
+    beside the run instead (the working folder, else the temporary folder), so no result is lost to an I/O error.
+
+    Returns:
+        Where it went, and the one line saying why not at ``path`` (None when it went there).
+    """
+    import os
+    import tempfile
+
+    try:
+        write_json(summary, path)
+        return path, None
+    except OSError as exc:
+        problem = f"--json={path!r}: cannot be written now ({exc.strerror or exc})"
+    name = f"ep_overlap_ab-{os.getpid()}.json"
+    for folder in (os.getcwd(), tempfile.gettempdir()):
+        fallback = os.path.join(folder, name)
+        try:
+            write_json(summary, fallback)
+            return fallback, problem
+        except OSError:
+            continue
+    raise OSError(f"{problem}; nor in {os.getcwd()} or {tempfile.gettempdir()}")
+
+
 def draw_timeline(summary: dict[str, Any], path: str) -> None:
     """One steady step per arm: a compute lane and a comm lane per rank."""
     import matplotlib

@@ -306,3 +306,50 @@ def test_no_interval_from_fewer_than_three_steady_steps():
     assert run.returncode == 0, run.stderr
     assert "speedup (matched per-step ratio, median of 2 steps): " in run.stdout
     assert "(too few steps for an interval)" in run.stdout and "95% CI" not in run.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--ab", "--moe_a2a_overlap", "false"], "error: --moe_a2a_overlap=False: with --ab the baseline arm runs"),
+        (["--edge_pairing", "true"], "error: --edge_pairing=true: it pairs the overlapped schedule's warm-up"),
+        (
+            ["--nproc_per_node", "4", "--moe_a2a_overlap", "true", "--edge_pairing", "true",
+             "--pipeline_model_parallel_size", "2", "--virtual_pipeline_model_parallel_size", "2",
+             "--num_layers", "4"],
+            "error: --edge_pairing=true: it applies at PP 1",
+        ),
+        (["--moe_a2a_overlap", "true", "--attention_wgrad_window", "2"], "error: --attention_wgrad_window=2: it"),
+        (["--ab", "--attention_wgrad_window", "auto"], "error: --attention_wgrad_window=auto: it places"),
+        (["--ab", "model.recompute_modules=[moe]"], "error: model.recompute_modules=['moe']: with recompute_granular"),
+        (["model.moe_layer_freq=[0,0]"], "error: model.moe_layer_freq=[0, 0]: no MoE layer, so there is no all-to"),
+        (["model.moe_layer_freq=[1,1,1]"], "error: model.moe_layer_freq=[1, 1, 1]: has 3 entries and num_layers=2"),
+        (["model.moe_layer_freq=[2,0]"], "error: model.moe_layer_freq=[2, 0]: entries must be 0 (dense) or 1 (MoE)"),
+        (["model.add_bias_linear=true"], "error: model.add_bias_linear=True: the EP-overlap models run bias-free"),
+        # Model fields the reference model does not compute with are refused by name, not run as the default.
+        (["model.moe_z_loss_coeff=0.001"], "error: model.moe_z_loss_coeff=0.001: the reference MoE GPT does not"),
+        (["model.moe_expert_capacity_factor=1.0"], "error: model.moe_expert_capacity_factor=1.0: the reference MoE"),
+        (["model.moe_shared_expert_intermediate_size=64"], "error: model.moe_shared_expert_intermediate_size=64: "),
+        (["model.normalization=RMSNorm"], "error: model.normalization='RMSNorm': the reference MoE GPT does not"),
+        (["model.num_query_groups=1"], "error: model.num_query_groups=1: the reference MoE GPT has one key/value"),
+        (["model.kv_channels=8"], "error: model.kv_channels=8: the reference MoE GPT's heads are hidden_size"),
+        (
+            ["model.moe_router_load_balancing_type=aux_loss", "model.moe_aux_loss_coeff=0.01"],
+            "error: model.moe_aux_loss_coeff=0.01 with moe_router_load_balancing_type='aux_loss': the reference",
+        ),
+    ],
+)  # fmt: skip
+def test_a_flag_or_field_that_cannot_act_is_refused_before_any_rank(argv, line):
+    run = harness(*TINY[2:], "-d", *argv)
+    assert run.returncode == 2, run.stdout
+    assert [entry[: len(line)] for entry in run.stderr.splitlines()] == [line]
+
+
+def test_the_flags_that_act_are_accepted_and_shown_in_the_dry_run():
+    run = harness(*TINY[2:], "-d", "--ab", "--delay_wgrad_compute", "true", "--attention_wgrad_window", "2",
+                  "--edge_pairing", "true")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert (
+        "arm overlap: overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True, attention_wgrad_window=2, "
+        "edge_pairing=True" in run.stdout
+    )

@@ -48,3 +48,32 @@ def test_plain_forward_step_returns_loss_and_loss_func():
     loss, func = forward_step(None, iter(batches(case, 0, 0)), model)
     value, logged = func(loss)
     assert value.dim() == 0 and torch.isfinite(value) and "lm loss" in logged
+
+
+def _under_no_grad(rank: int, world: int) -> dict:
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+
+    case = Case()
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    out = {}
+    for overlap in (False, True):
+        model = MoEGPTModel(case.config(), groups, seed=5)
+        engine = EPOverlapEngine(model, groups, overlap=overlap)
+        with torch.no_grad():
+            try:
+                engine.step(batches(case, rank, 0))
+                out[overlap] = "trained"
+            except RuntimeError as exc:
+                out[overlap] = str(exc)
+            forward = engine.step(batches(case, rank, 0), forward_only=True)  # a forward-only step still runs
+        out[f"grads {overlap}"] = any(p.grad is not None for p in model.parameters())
+        out[f"forward {overlap}"] = len(forward.losses)
+    return out
+
+
+def test_a_training_step_under_no_grad_is_refused_on_both_paths():
+    for outcome in run_local_ranks(_under_no_grad, 2):
+        for overlap in (False, True):
+            assert outcome.result[overlap].startswith("step() under torch.no_grad(): a training step needs autograd")
+            assert not outcome.result[f"grads {overlap}"]
+            assert outcome.result[f"forward {overlap}"] == Case().microbatches

@@ -1,5 +1,6 @@
 """Config of the reference MoE GPT: a Megatron-Core ``TransformerConfig`` plus what a GPT provider adds."""
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -123,13 +124,117 @@ _FEATURE_RULES = (
 )
 
 
+# Every field of MoEGPTConfig is in exactly one place (tests check the union is the dataclass's fields):
+#   READ       the reference model computes with it (the class docstring says how);
+#   ELSEWHERE  the engine, the EP-overlap rules or the harness act on it, or _FEATURE_RULES / _ROUTER_RULES check it;
+#   DERIVED    TransformerConfig fills it in from other fields (or it configures only kernels and logging of
+#              Megatron-Core modules the reference model does not build);
+# and every other field must keep its default: a value that differs is refused by name (_unimplemented), since the
+# reference model would otherwise run without it and report numbers as if it had.
+READ = frozenset(
+    {
+        "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
+        "num_moe_experts", "moe_router_topk", "moe_layer_freq", "expert_model_parallel_size", "gated_linear_unit",
+        "bf16", "fp16", "params_dtype", "init_method_std", "layernorm_epsilon", "moe_router_score_function",
+        "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+        "recompute_granularity", "recompute_modules", "vocab_size", "seq_length",
+    }
+)  # fmt: skip
+ELSEWHERE = frozenset(
+    {
+        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_dtype",
+        "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
+        "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream", "moe_token_dispatcher_type",
+        "moe_flex_dispatcher_backend", "moe_grouped_gemm", "add_bias_linear", "mtp_num_layers", "hybrid_layer_pattern",
+        "recompute_method", "recompute_num_layers", "cuda_graph_impl", "ep_overlap_schedule", "batch_p2p_comm",
+        "overlap_p2p_comm", "deallocate_pipeline_outputs", "variable_seq_lengths", "timers",
+        "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+        "perform_initialization", "use_cpu_initialization", "deterministic_mode", "calculate_per_token_loss",
+        "tp_comm_overlap", "moe_deepep_num_sms", "moe_hybridep_num_sms", "moe_enable_deepep",
+        # CommOverlapConfig.setup writes these performance settings (TP/PP comm), which change no number
+        "tp_comm_bootstrap_backend", "defer_embedding_wgrad_compute", "wgrad_deferral_limit",
+        "moe_shared_expert_overlap", "cuda_graph_scope", "overlap_p2p_comm_warmup_flush", "batch_p2p_sync",
+        # which layers each pipeline chunk holds (utils/pipeline_layout.py)
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    }
+)  # fmt: skip
+DERIVED = frozenset(
+    {
+        "kv_channels", "num_query_groups",  # refused below unless they are the derived values
+        "expert_tensor_parallel_size", "autocast_dtype", "microbatch_group_size_per_vp_stage", "init_method",
+        "output_layer_init_method", "embedding_init_method", "embedding_init_method_std", "cuda_graph_modules",
+        "inference_cuda_graph_scope", "moe_grad_scale_func", "mtp_grad_scale_func",
+        "experimental_attention_variant_loss_scale_func", "config_logger_dir", "_cpu_offloading_context",
+        "moe_router_load_balancing_type", "moe_aux_loss_coeff",  # inert without a coefficient (checked below)
+        "bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion",
+        "gradient_accumulation_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion",
+        "moe_router_fusion", "attention_backend", "attention_softmax_in_fp32", "barrier_with_L1_time",
+        "moe_per_layer_logging", "test_mode",
+    }
+)  # fmt: skip
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+
+
+def _differs(value, default) -> bool:
+    try:
+        return bool(value != default)
+    except (TypeError, RuntimeError):  # tensors, callables without equality
+        return value is not default
+
+
+def _unimplemented(config: MoEGPTConfig) -> list[str]:
+    """Fields outside :data:`READ`, :data:`ELSEWHERE` and :data:`DERIVED` that ``config`` sets to a value other than
+    the default, and derived ones set to what the reference model does not compute."""
+    problems = [
+        f"{field.name}={getattr(config, field.name)!r}: the reference MoE GPT does not implement it and would "
+        "ignore it; keep the default, or run a Megatron-Core model (the harness's --model_impl mcore)"
+        for field in dataclasses.fields(config)
+        if field.name not in READ | ELSEWHERE | DERIVED and _differs(getattr(config, field.name), _default(field))
+    ]
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    if config.num_query_groups not in (None, heads):
+        problems.append(
+            f"num_query_groups={config.num_query_groups!r}: the reference MoE GPT has one key/value head per "
+            f"query head (num_attention_heads={heads}); set it to None or {heads}, or run --model_impl mcore"
+        )
+    if heads and config.kv_channels not in (None, hidden // heads):
+        problems.append(
+            f"kv_channels={config.kv_channels!r}: the reference MoE GPT's heads are hidden_size / "
+            f"num_attention_heads = {hidden // heads} wide; set it to None, or run --model_impl mcore"
+        )
+    aux = config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss")
+    coeff = config.moe_aux_loss_coeff
+    if aux and _differs(coeff, 0.0) and coeff:
+        problems.append(
+            f"moe_aux_loss_coeff={coeff!r} with moe_router_load_balancing_type="
+            f"{config.moe_router_load_balancing_type!r}: the reference MoE GPT computes no auxiliary load-balancing "
+            "loss; set moe_aux_loss_coeff=0 (its expert bias balances load: moe_router_enable_expert_bias), or run "
+            "--model_impl mcore"
+        )
+    elif config.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+        problems.append(
+            f"moe_router_load_balancing_type={config.moe_router_load_balancing_type!r}: the reference MoE GPT "
+            "does not implement it; use 'none' (or moe_router_enable_expert_bias), or run --model_impl mcore"
+        )
+    return problems
+
+
 def model_feature_problems(config: MoEGPTConfig) -> list[str]:
-    """One line per model feature ``config`` asks for that the reference model does not have (field, value, fix)."""
-    return [
+    """One line per model feature ``config`` asks for that the reference model does not have (field, value, fix):
+    the named rules, then every other field it would ignore."""
+    named = [
         f"{field}={getattr(config, field)!r}: {why}; {fix}"
         for field, wanted, why, fix in _FEATURE_RULES
         if wanted(config)
     ]
+    checked = {line.split("=", 1)[0] for line in named}
+    return named + [line for line in _unimplemented(config) if line.split("=", 1)[0] not in checked]
 
 
 def router_problems(config: MoEGPTConfig) -> list[str]:

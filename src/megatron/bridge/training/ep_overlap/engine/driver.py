@@ -19,6 +19,8 @@ Contract:
       loss-carrying units, data-parallel size and token count: what an auxiliary loss's backward scale is set
       from, per step, so no state another driver left in the process changes a result), and ``finish_step()``
       after it, done or failed.
+    * A training step under ``torch.no_grad()`` is refused, on every path, before it runs anything; a forward-only
+      step (``forward_only=True``) runs without gradients whatever the grad mode.
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
       finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
       parameters' gradients are then as they were before the step.
@@ -197,6 +199,11 @@ class Engine:
     def _step(self, microbatches: list[Microbatch], options: EPOverlapOptions, forward_only: bool) -> StepResult:
         if not microbatches:
             raise ValueError("a step needs at least one microbatch")
+        if not forward_only and not torch.is_grad_enabled():  # the nodes would train anyway; the plain path fails
+            raise RuntimeError(
+                "step() under torch.no_grad(): a training step needs autograd; call step(microbatches, "
+                "forward_only=True) for a forward-only step (it runs without gradients itself), or leave no_grad"
+            )
         if not forward_only and options.overlap and options.delay_wgrad and options.attention_wgrad_window is None:
             raise ValueError("attention_wgrad_window=None (auto) is chosen by EPOverlapEngine; give 1 or 2 here")
         device = next(self.chunks[0].parameters()).device

@@ -261,11 +261,7 @@ def _extend(a: Prediction, b: Prediction, more: int) -> Prediction:
 def _simulate_ops(costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions) -> Prediction:
     """Every op of the step's program, in order."""
     shape = ChunkShape(True, True, tuple(layer.dispatch_bytes > 0 for layer in costs.layers))
-    if not any(shape.moe):
-        raise ValueError(
-            "no layer moves tokens between ranks (every dispatch is 0 bytes, as at expert-parallel size 1): there "
-            "is no communication to overlap; price a layout with EP 2 or more"
-        )
+
     sim = _Sim(link, launch_off_host=options.overlap and options.launch_off_host is True)
     steps = list(program(options, [shape], num_microbatches))
     unit_costs = {m.unit: costs if m.half is None else costs.scaled(0.5) for s in steps for m in s.units}
@@ -317,7 +313,17 @@ class Comparison:
 def predict(
     costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions = DEFAULT_OPTIONS
 ) -> Comparison:
-    """Plain vs overlapped (with ``options``) step for one microbatch count."""
+    """Plain vs overlapped (with ``options``) step for one microbatch count.
+
+    Raises:
+        ValueError: When no layer moves a byte (as at EP 1): there is nothing to overlap, and a speedup computed
+            from such costs would only be the dense layers' scheduling.
+    """
+    if not any(layer.dispatch_bytes > 0 for layer in costs.layers):
+        raise ValueError(
+            "no layer moves tokens between ranks (every dispatch is 0 bytes, as at expert-parallel size 1): there "
+            "is no communication to overlap; price a layout with EP 2 or more"
+        )
     overlapped = simulate(costs, link, num_microbatches, replace(options, overlap=True))
     baseline = simulate(costs, link, num_microbatches, EPOverlapOptions(overlap=False))
     return Comparison(baseline, overlapped, num_microbatches, options)
