@@ -327,6 +327,7 @@ def build_with(rank: int, world: int, argument: str) -> str:
     extra = {
         "packed_seq_params": PackedSeqParams(qkv_format="thd"),
         "decoder_input": torch.zeros(SEQ, MICRO_BATCH, 32),
+        "padding_mask": torch.zeros(MICRO_BATCH, SEQ, dtype=torch.bool),  # as Megatron-Bridge main passes it
     }[argument]
     try:
         model.build_schedule_plan(tokens, None, None, labels=tokens, **{argument: extra})
@@ -340,6 +341,7 @@ def build_with(rank: int, world: int, argument: str) -> str:
     [
         ("packed_seq_params", "packed_seq_params: packed (THD) sequences are not scheduled"),
         ("decoder_input", "decoder_input: the plan embeds input_ids on the first chunk"),
+        ("padding_mask", "padding_mask: padded tokens would still be routed and counted"),
     ],
 )
 def test_a_microbatch_the_plan_cannot_run_is_refused_before_it_runs(argument, line):
@@ -347,3 +349,38 @@ def test_a_microbatch_the_plan_cannot_run_is_refused_before_it_runs(argument, li
     for outcome in run_local_ranks(build_with, 2, (argument,)):
         assert outcome.result.startswith(f"EP-overlap build_schedule_plan: {line}"), outcome.result
         assert "; fix: " in outcome.result
+
+
+def _disagreeing_counts(rank: int, world: int) -> dict:
+    import time
+
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    model = build_model(McoreCase(microbatches=3))
+    model.config.overlap_moe_expert_parallel_comm = True
+    use_ep_overlap_schedule([model], timeout=timedelta(seconds=60))
+    count = 3 + rank  # rank 1 was given one microbatch more
+    gen = torch.Generator().manual_seed(rank)
+    data = [tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(count)]
+    start = time.monotonic()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=bridge_style_forward_step, data_iterator=iter(data), model=[model],
+            num_microbatches=count, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )  # fmt: skip
+        return {"error": None}
+    except RuntimeError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+
+
+def test_ranks_given_different_microbatch_counts_fail_together_naming_the_counts():
+    for outcome in run_local_ranks(_disagreeing_counts, 2):
+        error = outcome.result["error"]
+        assert error is not None and "were given different microbatch counts" in error, error
+        assert "rank 0 ran its last backward, of microbatch 2 (3 microbatches)" in error
+        assert "rank 1 is at a paired step (forward of microbatch 3 with the backward of microbatch 2)" in error
+        assert outcome.result["seconds"] < 30  # at once, not after the collective timeout (60 s here)

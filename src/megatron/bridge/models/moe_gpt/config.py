@@ -19,8 +19,17 @@ class MoEGPTConfig(TransformerConfig):
     every k-th layer is MoE; list: 1 = MoE, 0 = dense per layer), ``expert_model_parallel_size``,
     ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, ``moe_router_score_function``
     (softmax or sigmoid), ``moe_router_pre_softmax`` (softmax only), ``moe_router_enable_expert_bias`` and
-    ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), plus ``vocab_size`` and
-    ``seq_length`` below.
+    ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), ``layernorm_epsilon``, selective
+    ``recompute_granularity``/``recompute_modules``, plus ``vocab_size`` and ``seq_length`` below (the set
+    :data:`READ`).
+
+    Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core
+    model, the harness's ``--model_impl mcore``, does): an auxiliary load-balancing loss (``moe_aux_loss_coeff``
+    above 0), ``moe_z_loss_coeff``, ``moe_expert_capacity_factor``, shared experts
+    (``moe_shared_expert_intermediate_size``), grouped-query attention (``num_query_groups`` other than the head
+    count), ``kv_channels`` other than hidden / heads, ``normalization='RMSNorm'``, dropout, biases, tensor and
+    context parallelism, multi-token prediction, hybrid patterns, full and layer recompute; and every other field
+    set to a value other than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
     """
 
     vocab_size: int = 1024

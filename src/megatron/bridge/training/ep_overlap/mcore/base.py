@@ -320,18 +320,23 @@ class McorePlan:
         return (losses * keep_BS).sum() / normalizer
 
 
-def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
-    """A gloo group over this rank's pipeline (the engine's P2P matches by tag, which gloo offers): every rank
-    learns every pipeline's ranks, then all create the groups in one order."""
-    mine = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
+def gloo_group_like(group, timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
+    """A gloo group over the ranks of ``group`` (one of Megatron-Core's): every rank learns every such group's ranks,
+    then all create the groups in one order. Every rank must call it."""
+    mine = tuple(torch.distributed.get_process_group_ranks(group))
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
-    group = None
+    found = None
     for ranks in sorted(set(everyone)):
         created = torch.distributed.new_group(list(ranks), timeout=timeout, backend="gloo")
         if ranks == mine:
-            group = created
-    return group, mine
+            found = created
+    return found, mine
+
+
+def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
+    """A gloo group over this rank's pipeline (the engine's P2P matches by tag, which gloo offers)."""
+    return gloo_group_like(parallel_state.get_pipeline_model_parallel_group(), timeout)
 
 
 def mcore_ep_groups(timeout) -> EPGroups:

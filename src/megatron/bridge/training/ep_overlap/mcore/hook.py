@@ -41,7 +41,7 @@ from megatron.bridge.training.ep_overlap.engine.driver import run_ops
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
@@ -75,6 +75,12 @@ _UNSCHEDULED = {
     "decoder_input": (
         "the plan embeds input_ids on the first chunk and receives the activation on the others",
         "pass decoder_input=None",
+    ),
+    "padding_mask": (
+        "padded tokens would still be routed and counted in the routers' load statistics (the plan does not "
+        "take the mask Megatron-Bridge main passes to leave them out)",
+        "pass padding_mask=None (pad with tokens whose labels are masked), or turn overlap_moe_expert_parallel_comm "
+        "off for this model",
     ),
 }
 
@@ -111,13 +117,52 @@ class _MicrobatchModel:
 
 
 class _RankSession:
-    """What a rank's chunks share: the lane of the current step and the plans in flight."""
+    """What a rank's chunks share: the lane of the current step, the plans in flight, and a gloo group over the EP
+    ranks on which every driver call is agreed before its all-to-alls (:meth:`agree`)."""
 
-    def __init__(self, groups, high_priority: bool):
+    def __init__(self, groups, high_priority: bool, agree_group=None):
         self.groups, self.high_priority = groups, high_priority
+        self.agree_group = agree_group
         self.lane = None
         self.step = 0
         self.in_flight: set[tuple[int, int]] = set()  # (builder, microbatch)
+
+    def agree(self, kind: str, vp_stage: int | None, f_mb: int | None, b_mb: int | None) -> None:
+        """Every EP rank must run the same driver call (its kind, chunk and microbatches): the ranks of an EP group
+        pair their all-to-alls call by call. A small host-side all-gather checks it, so ranks given different
+        microbatch counts fail together at once, naming the counts, instead of one blocking in an all-to-all until
+        the collective timeout.
+
+        Raises:
+            RuntimeError: On every rank of the group, when they disagree.
+        """
+        group = self.agree_group
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return
+        code = {"forward": 0, "paired": 1, "backward": 2}[kind]
+        mine = torch.tensor([code, -1 if vp_stage is None else vp_stage, -1 if f_mb is None else f_mb,
+                             -1 if b_mb is None else b_mb], dtype=torch.int64)  # fmt: skip
+        everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(everyone, mine, group=group)
+        rows = [tuple(t.tolist()) for t in everyone]
+        if len(set(rows)) == 1:
+            return
+        ranks = torch.distributed.get_process_group_ranks(group)
+        names = ("forward", "paired", "backward")
+
+        def said(rank: int, row: tuple) -> str:
+            code, _, f, b = row
+            if code == 2:  # the last backward of the step: the rank's count is known
+                return f"rank {rank} ran its last backward, of microbatch {b} ({b + 1} microbatches)"
+            what = f"forward of microbatch {f}" + (f" with the backward of microbatch {b}" if code == 1 else "")
+            return f"rank {rank} is at a {names[code]} step ({what})"
+
+        raise RuntimeError(
+            "EP-overlap schedule: the expert-parallel ranks were given different microbatch counts (their all-to-"
+            "alls pair step by step): "
+            + "; ".join(said(r, row) for r, row in zip(ranks, rows))
+            + "; give every rank the same num_microbatches"
+        )
 
     def lane_for(self, device: torch.device):
         if not self.in_flight:  # a new step
@@ -192,6 +237,10 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
 
             b.io.send_grad = send_grad
         kind = "paired" if f is not None and b is not None else "forward" if f is not None else "backward"
+        session.agree(
+            kind, (f_schedule_plan or b_schedule_plan).vp_stage, f.mb if f is not None else None,
+            b.mb if b is not None else None,
+        )  # fmt: skip
         session.lane.recorder.phase = _PHASES[kind]
         builder = (f_schedule_plan or b_schedule_plan).builder
         windows = windows_of(
@@ -313,7 +362,11 @@ def use_ep_overlap_schedule(
             biases, a dispatcher other than ``alltoall``, RoPE on a chunk without the embedding).
     """
     config = models[0].config
-    session = _RankSession(mcore_ep_groups(timeout), bool(getattr(config, "high_priority_a2a_comm_stream", False)))
+    groups = mcore_ep_groups(timeout)
+    agree_group = None
+    if torch.distributed.is_initialized() and groups.ep_size > 1:
+        agree_group, _ = gloo_group_like(groups.ep_group, timeout)
+    session = _RankSession(groups, bool(getattr(config, "high_priority_a2a_comm_stream", False)), agree_group)
     for model in models:
         model.build_schedule_plan = EPOverlapPlanBuilder(model, session, attention_wgrad_window=attention_wgrad_window)
     return models
