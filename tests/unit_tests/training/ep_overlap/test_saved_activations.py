@@ -157,6 +157,7 @@ SHAPES = {
     ),
     "fp32-swiglu-softmax-first": _config(gated_linear_unit=True, moe_router_pre_softmax=True),
     "bf16-gelu-softmax-dense-first": _config(bf16=True, moe_layer_freq=[0, 1, 1]),
+    "fp32-gqa-narrow-heads": _config(num_attention_heads=4, num_query_groups=2, kv_channels=4),
 }
 
 

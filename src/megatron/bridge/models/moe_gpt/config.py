@@ -19,15 +19,15 @@ class MoEGPTConfig(TransformerConfig):
     every k-th layer is MoE; list: 1 = MoE, 0 = dense per layer), ``expert_model_parallel_size``,
     ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, ``moe_router_score_function``
     (softmax or sigmoid), ``moe_router_pre_softmax`` (softmax only), ``moe_router_enable_expert_bias`` and
-    ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), ``layernorm_epsilon``, selective
+    ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), ``layernorm_epsilon``,
+    ``num_query_groups`` (grouped-query attention) and ``kv_channels`` (the heads' width), selective
     ``recompute_granularity``/``recompute_modules``, plus ``vocab_size`` and ``seq_length`` below (the set
     :data:`READ`).
 
     Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core
     model, the harness's ``--model_impl mcore``, does): an auxiliary load-balancing loss (``moe_aux_loss_coeff``
     above 0), ``moe_z_loss_coeff``, ``moe_expert_capacity_factor``, shared experts
-    (``moe_shared_expert_intermediate_size``), grouped-query attention (``num_query_groups`` other than the head
-    count), ``kv_channels`` other than hidden / heads, ``normalization='RMSNorm'``, dropout, biases, tensor and
+    (``moe_shared_expert_intermediate_size``), ``normalization='RMSNorm'``, dropout, biases, tensor and
     context parallelism, multi-token prediction, hybrid patterns, full and layer recompute; and every other field
     set to a value other than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
     """
@@ -146,7 +146,7 @@ READ = frozenset(
         "num_moe_experts", "moe_router_topk", "moe_layer_freq", "expert_model_parallel_size", "gated_linear_unit",
         "bf16", "fp16", "params_dtype", "init_method_std", "layernorm_epsilon", "moe_router_score_function",
         "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-        "recompute_granularity", "recompute_modules", "vocab_size", "seq_length",
+        "recompute_granularity", "recompute_modules", "vocab_size", "seq_length", "num_query_groups", "kv_channels",
     }
 )  # fmt: skip
 ELSEWHERE = frozenset(
@@ -170,7 +170,6 @@ ELSEWHERE = frozenset(
 )  # fmt: skip
 DERIVED = frozenset(
     {
-        "kv_channels", "num_query_groups",  # refused below unless they are the derived values
         "expert_tensor_parallel_size", "autocast_dtype", "microbatch_group_size_per_vp_stage", "init_method",
         "output_layer_init_method", "embedding_init_method", "embedding_init_method_std", "cuda_graph_modules",
         "inference_cuda_graph_scope", "moe_grad_scale_func", "mtp_grad_scale_func",
@@ -206,17 +205,6 @@ def _unimplemented(config: MoEGPTConfig) -> list[str]:
         for field in dataclasses.fields(config)
         if field.name not in READ | ELSEWHERE | DERIVED and _differs(getattr(config, field.name), _default(field))
     ]
-    heads, hidden = config.num_attention_heads, config.hidden_size
-    if config.num_query_groups not in (None, heads):
-        problems.append(
-            f"num_query_groups={config.num_query_groups!r}: the reference MoE GPT has one key/value head per "
-            f"query head (num_attention_heads={heads}); set it to None or {heads}, or run --model_impl mcore"
-        )
-    if heads and config.kv_channels not in (None, hidden // heads):
-        problems.append(
-            f"kv_channels={config.kv_channels!r}: the reference MoE GPT's heads are hidden_size / "
-            f"num_attention_heads = {hidden // heads} wide; set it to None, or run --model_impl mcore"
-        )
     aux = config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss")
     coeff = config.moe_aux_loss_coeff
     if aux and _differs(coeff, 0.0) and coeff:

@@ -2,7 +2,8 @@
 
 Contract:
     * ``MoEGPTModel(config, groups, seed)`` builds token + learned position embeddings, ``num_layers`` layers
-      (causal self-attention, then a dense or MoE MLP chosen by ``moe_layer_freq``), final LayerNorm and an
+      (causal self-attention, multi-head or grouped-query, then a dense or MoE MLP chosen by ``moe_layer_freq``),
+      a final LayerNorm and an
       untied LM head. Untied on purpose: a weight used twice in one backward would be summed differently by
       plain autograd and by the node-by-node backward, and break bitwise equality.
     * A layer exposes the node functions the overlap schedule calls, and ``forward`` composes exactly the same
@@ -73,28 +74,42 @@ def _activation(x: torch.Tensor, gated: bool) -> torch.Tensor:
 
 
 class Attention(torch.nn.Module):
-    """Causal multi-head self-attention; q/k/v and output projections are delayable linears."""
+    """Causal self-attention; q/k/v and output projections are delayable linears. ``num_query_groups`` (G) key/value
+    heads, each shared by H / G query heads (grouped-query attention; G = H is multi-head), of ``kv_channels`` (d)
+    each; softmax scale 1 / sqrt(d), as Megatron-Core defines them."""
 
     def __init__(self, config: MoEGPTConfig, name: str):
         super().__init__()
         D, H = config.hidden_size, config.num_attention_heads
-        if D % H:
-            raise ValueError(f"{name}: hidden_size={D} is not divisible by num_attention_heads={H}")
-        self.heads, self.seq_length = H, config.seq_length
-        self.qkv = Linear(D, 3 * D, name=f"{name}.qkv")
-        self.proj = Linear(D, D, name=f"{name}.proj")
+        G = config.num_query_groups or H
+        if (config.kv_channels is None and D % H) or H % G:
+            raise ValueError(
+                f"{name}: hidden_size={D} and num_query_groups={G} must divide num_attention_heads={H} "
+                "(without kv_channels, hidden_size must be divisible by the heads)"
+            )
+        self.heads, self.groups, self.seq_length = H, G, config.seq_length
+        self.head_dim = config.kv_channels or D // H
+        d = self.head_dim
+        self.qkv = Linear(D, (H + 2 * G) * d, name=f"{name}.qkv")  # [q (H x d) | k (G x d) | v (G x d)] per token
+        self.proj = Linear(H * d, D, name=f"{name}.proj")
         self.recompute_core = "core_attn" in recompute.recompute_modules(config)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.attend(self.qkv(x_TD))
 
     def attend(self, qkv_TQ: torch.Tensor) -> torch.Tensor:
-        """Everything after the q/k/v projection (Q = 3 x hidden): the causal attention and the output projection."""
-        T, D = qkv_TQ.shape[0], qkv_TQ.shape[1] // 3
-        S, H = self.seq_length, self.heads
-        q_BHSd, k_BHSd, v_BHSd = qkv_TQ.view(T // S, S, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        """Everything after the q/k/v projection: the causal attention and the output projection."""
+        T, S, H, G, d = qkv_TQ.shape[0], self.seq_length, self.heads, self.groups, self.head_dim
+        if G == H:
+            q_BHSd, k_BHSd, v_BHSd = qkv_TQ.view(T // S, S, 3, H, d).permute(2, 0, 3, 1, 4)
+        else:
+            q_TQ, k_TQ, v_TQ = qkv_TQ.split([H * d, G * d, G * d], dim=-1)
+            q_BHSd = q_TQ.view(T // S, S, H, d).transpose(1, 2)
+            # each key/value head serves H / G consecutive query heads, as Megatron-Core repeats them
+            k_BHSd = k_TQ.view(T // S, S, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
+            v_BHSd = v_TQ.view(T // S, S, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
         o_BHSd = recompute.run(self.recompute_core, _causal_attention, q_BHSd, k_BHSd, v_BHSd)
-        return self.proj(o_BHSd.transpose(1, 2).reshape(T, D))
+        return self.proj(o_BHSd.transpose(1, 2).reshape(T, H * d))
 
 
 def _causal_attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,9 @@ class ActivationShape:
     def of_reference_model(cls, config, micro_batch_size: int) -> "ActivationShape":
         """The reference MoE GPT of ``config`` (a ``MoEGPTConfig``, read by field name), for microbatches of
         ``micro_batch_size`` sequences; MoE layers receive top-k rows per token (balanced routing)."""
+        heads = config.num_attention_heads
+        groups = config.num_query_groups or heads
+        head_dim = config.kv_channels or config.hidden_size // heads
         router = "sigmoid" if config.moe_router_score_function == "sigmoid" else "softmax"
         if router == "softmax" and config.moe_router_pre_softmax:
             router = "softmax_pre"
@@ -105,6 +108,10 @@ class ActivationShape:
             recompute=frozenset(config.recompute_modules or ())
             if config.recompute_granularity == "selective"
             else frozenset(),
+            qkv_width=(heads + 2 * groups) * head_dim,
+            attention_out_width=heads * head_dim,
+            # grouped-query attention: the key and value heads repeated for the query heads, saved by the attention
+            extra_attention_width=2 * heads * head_dim if groups < heads else 0,
         )
 
     def received_rows(self, T: int) -> int:
