@@ -29,7 +29,7 @@ def test_a_default_config_has_no_problem():
         dict(moe_z_loss_coeff=1e-3),
         dict(moe_expert_capacity_factor=1.0),
         dict(moe_shared_expert_intermediate_size=16),
-        dict(normalization="RMSNorm"),
+        dict(normalization="ScaleNorm"),
         dict(hidden_dropout=0.1),
         dict(qk_layernorm=True),
         dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
@@ -87,3 +87,21 @@ def test_fewer_key_value_heads_change_the_loss():
         config = MoEGPTConfig(**BASE, num_query_groups=groups, seq_length=8, vocab_size=64, moe_layer_freq=[0, 0])
         losses.append(MoEGPTModel(config)(tokens, tokens, 16.0).item())
     assert losses[0] != losses[1]
+
+
+def test_rmsnorm_normalizes_as_defined_and_changes_the_loss():
+    from megatron.bridge.models.moe_gpt import MoEGPTModel
+
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for kind in ("LayerNorm", "RMSNorm"):
+        config = MoEGPTConfig(**BASE, normalization=kind, seq_length=8, vocab_size=64, moe_layer_freq=[0, 0])
+        model = MoEGPTModel(config)
+        losses[kind] = model(tokens, tokens, 16.0).item()
+    norm = model.layers[0].ln1  # the RMSNorm model's: x / sqrt(mean(x^2) + eps) * weight
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 32))
+        x_TD = torch.randn(5, 32)
+        want_TD = x_TD * torch.rsqrt(x_TD.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon) * norm.weight
+        torch.testing.assert_close(norm(x_TD), want_TD)
+    assert losses["LayerNorm"] != losses["RMSNorm"]

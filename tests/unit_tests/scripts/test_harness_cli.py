@@ -330,7 +330,6 @@ def test_no_interval_from_fewer_than_three_steady_steps():
         (["model.moe_z_loss_coeff=0.001"], "error: model.moe_z_loss_coeff=0.001: the reference MoE GPT does not"),
         (["model.moe_expert_capacity_factor=1.0"], "error: model.moe_expert_capacity_factor=1.0: the reference MoE"),
         (["model.moe_shared_expert_intermediate_size=64"], "error: model.moe_shared_expert_intermediate_size=64: "),
-        (["model.normalization=RMSNorm"], "error: model.normalization='RMSNorm': the reference MoE GPT does not"),
         (
             ["model.moe_router_load_balancing_type=aux_loss", "model.moe_aux_loss_coeff=0.01"],
             "error: model.moe_aux_loss_coeff=0.01 with moe_router_load_balancing_type='aux_loss': the reference",

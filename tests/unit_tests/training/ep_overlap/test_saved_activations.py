@@ -158,6 +158,8 @@ SHAPES = {
     "fp32-swiglu-softmax-first": _config(gated_linear_unit=True, moe_router_pre_softmax=True),
     "bf16-gelu-softmax-dense-first": _config(bf16=True, moe_layer_freq=[0, 1, 1]),
     "fp32-gqa-narrow-heads": _config(num_attention_heads=4, num_query_groups=2, kv_channels=4),
+    "fp32-rmsnorm": _config(normalization="RMSNorm"),
+    "bf16-rmsnorm-swiglu": _config(normalization="RMSNorm", bf16=True, gated_linear_unit=True),
 }
 
 
@@ -184,6 +186,7 @@ def _recomputing(config, modules: tuple[str, ...]):
 RECOMPUTE_CASES = {  # (shape, recompute_modules)
     "swiglu-layernorm-moe-act": (SHAPES["fp32-swiglu-softmax-first"], ("layernorm", "moe_act")),
     "swiglu-moe": (SHAPES["fp32-swiglu-softmax-first"], ("moe",)),
+    "rmsnorm-layernorm-core-attn": (SHAPES["bf16-rmsnorm-swiglu"], ("layernorm", "core_attn")),
     "gelu-dense-first-all-five": (
         SHAPES["bf16-gelu-softmax-dense-first"],
         ("layernorm", "core_attn", "moe_act", "mlp", "moe"),

@@ -20,14 +20,15 @@ class MoEGPTConfig(TransformerConfig):
     ``gated_linear_unit`` (SwiGLU, else GELU), ``bf16``, ``init_method_std``, ``moe_router_score_function``
     (softmax or sigmoid), ``moe_router_pre_softmax`` (softmax only), ``moe_router_enable_expert_bias`` and
     ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), ``layernorm_epsilon``,
-    ``num_query_groups`` (grouped-query attention) and ``kv_channels`` (the heads' width), selective
+    ``normalization`` (LayerNorm or RMSNorm), ``num_query_groups`` (grouped-query attention) and ``kv_channels``
+    (the heads' width), selective
     ``recompute_granularity``/``recompute_modules``, plus ``vocab_size`` and ``seq_length`` below (the set
     :data:`READ`).
 
     Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core
     model, the harness's ``--model_impl mcore``, does): an auxiliary load-balancing loss (``moe_aux_loss_coeff``
     above 0), ``moe_z_loss_coeff``, ``moe_expert_capacity_factor``, shared experts
-    (``moe_shared_expert_intermediate_size``), ``normalization='RMSNorm'``, dropout, biases, tensor and
+    (``moe_shared_expert_intermediate_size``), dropout, biases, tensor and
     context parallelism, multi-token prediction, hybrid patterns, full and layer recompute; and every other field
     set to a value other than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
     """
@@ -147,6 +148,7 @@ READ = frozenset(
         "bf16", "fp16", "params_dtype", "init_method_std", "layernorm_epsilon", "moe_router_score_function",
         "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
         "recompute_granularity", "recompute_modules", "vocab_size", "seq_length", "num_query_groups", "kv_channels",
+        "normalization",
     }
 )  # fmt: skip
 ELSEWHERE = frozenset(
@@ -205,6 +207,11 @@ def _unimplemented(config: MoEGPTConfig) -> list[str]:
         for field in dataclasses.fields(config)
         if field.name not in READ | ELSEWHERE | DERIVED and _differs(getattr(config, field.name), _default(field))
     ]
+    if config.normalization not in ("LayerNorm", "RMSNorm"):
+        problems.append(
+            f"normalization={config.normalization!r}: the reference MoE GPT normalizes with LayerNorm or RMSNorm; "
+            "use one of them, or run --model_impl mcore"
+        )
     aux = config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss")
     coeff = config.moe_aux_loss_coeff
     if aux and _differs(coeff, 0.0) and coeff:

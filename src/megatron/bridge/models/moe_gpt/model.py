@@ -3,7 +3,7 @@
 Contract:
     * ``MoEGPTModel(config, groups, seed)`` builds token + learned position embeddings, ``num_layers`` layers
       (causal self-attention, multi-head or grouped-query, then a dense or MoE MLP chosen by ``moe_layer_freq``),
-      a final LayerNorm and an
+      a final norm (LayerNorm or RMSNorm, as each layer's two) and an
       untied LM head. Untied on purpose: a weight used twice in one backward would be summed differently by
       plain autograd and by the node-by-node backward, and break bitwise equality.
     * A layer exposes the node functions the overlap schedule calls, and ``forward`` composes exactly the same
@@ -112,6 +112,13 @@ class Attention(torch.nn.Module):
         return self.proj(o_BHSd.transpose(1, 2).reshape(T, H * d))
 
 
+def norm(config: MoEGPTConfig, D: int) -> torch.nn.Module:
+    """``normalization``: LayerNorm, or RMSNorm (x / sqrt(mean(x^2) + eps) * weight), with ``layernorm_epsilon``."""
+    if config.normalization == "RMSNorm":
+        return torch.nn.RMSNorm(D, eps=config.layernorm_epsilon)
+    return torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+
+
 def _causal_attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
 
@@ -132,9 +139,9 @@ class TransformerLayer(torch.nn.Module):
         self.comm_observer: CommObserver | None = None
         self.gated = config.gated_linear_unit
         self.recompute = recompute.recompute_modules(config)
-        self.ln1 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+        self.ln1 = norm(config, D)
         self.attention = Attention(config, f"{name}.attention")
-        self.ln2 = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+        self.ln2 = norm(config, D)
         if self.is_moe:
             E, ep = config.num_moe_experts, groups.ep_size
             if E % ep:
@@ -355,7 +362,7 @@ class MoEGPTModel(torch.nn.Module):
             self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
         self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in self.layer_numbers)
         if post_process:
-            self.final_ln = torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
+            self.final_ln = norm(config, D)
             self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
         self._initialize(seed, groups)
         self.to(config.activation_dtype())

@@ -55,6 +55,8 @@ class ActivationShape:
         shared_ffn: FFN width of the shared experts (0: none).
         received_rows_factor: Rows an MoE layer receives per token of the unit (top-k when routing is balanced).
         recompute: Megatron-Core's ``recompute_modules`` (selective), as the reference model recomputes them.
+        rms_norm: RMSNorm instead of LayerNorm: torch's RMSNorm keeps an fp32 statistic per token and an fp32
+            normalized copy (and, for a 16-bit input, the input upcast to fp32).
     """
 
     moe: tuple[bool, ...]
@@ -76,6 +78,7 @@ class ActivationShape:
     shared_ffn: int = 0
     received_rows_factor: float | None = None
     recompute: frozenset[str] = frozenset()
+    rms_norm: bool = False
 
     def __post_init__(self):
         if self.router not in ("softmax", "softmax_pre", "sigmoid"):
@@ -112,6 +115,7 @@ class ActivationShape:
             attention_out_width=heads * head_dim,
             # grouped-query attention: the key and value heads repeated for the query heads, saved by the attention
             extra_attention_width=2 * heads * head_dim if groups < heads else 0,
+            rms_norm=getattr(config, "normalization", "LayerNorm") == "RMSNorm",
         )
 
     def received_rows(self, T: int) -> int:
@@ -129,11 +133,12 @@ class ActivationShape:
         if node == "embedding":  # the token ids (the microbatch's storage, a half's rows are a view) and positions
             return [("tokens", self.sequences * self.seq_length * INDEX_BYTES), ("positions", self.seq_length * 8)]
         if node == "head":  # final norm, output layer input, log-probabilities, target ids, the loss's weight
-            return [
-                ("head_x", T * D * es), ("head_norm_stats", 2 * T * es), ("head_norm", T * D * es),
+            saved = [
+                ("head_x", T * D * es), *self._norm("head_norm", T, D, es), ("head_norm", T * D * es),
                 ("log_probs", T * self.vocab * FP32), ("labels", self.sequences * self.seq_length * INDEX_BYTES),
                 ("total_weight", FP32),
             ]  # fmt: skip
+            return [item for item in saved if item[0] != "head_x" or not (self.rms_norm and es != FP32)]
         return self._split(node, layer, sequences)[0]
 
     def freed_outputs(self, node: str, layer: int | None, sequences: int) -> list[tuple[str, int]]:
@@ -169,7 +174,8 @@ class ActivationShape:
         dropped = set()
         if node == "pre_dispatch":
             if "layernorm" in self.recompute:
-                dropped |= {"ln1_stats", "ln1_out", "ln2_stats"} | ({"n"} if moe else set())
+                norms = {f"{ln}_{part}" for ln in ("ln1", "ln2") for part in ("stats", "normed", "upcast")}
+                dropped |= norms | {"ln1_out"} | ({"n"} if moe else set())
             if "core_attn" in self.recompute:
                 dropped.add("lse")
         elif node == "experts":
@@ -179,12 +185,25 @@ class ActivationShape:
                 dropped |= {"mlp_fc1_out", "mlp_silu", "mlp_act"}
         return dropped
 
+    def _norm_keeps_upcast_input(self, es: int) -> bool:
+        """A 16-bit RMSNorm keeps its input's fp32 copy instead of the input (unless a recompute keeps the input)."""
+        return self.rms_norm and es != FP32 and "layernorm" not in self.recompute
+
+    def _norm(self, prefix: str, T: int, D: int, es: int) -> list[tuple[str, int]]:
+        """What one norm keeps for backward beyond its input and output."""
+        if not self.rms_norm:
+            return [(f"{prefix}_stats", 2 * T * es)]
+        kept = [(f"{prefix}_stats", T * FP32), (f"{prefix}_normed", T * D * FP32)]
+        return kept + ([(f"{prefix}_upcast", T * D * FP32)] if es != FP32 else [])
+
     def _pre_dispatch(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
         out = self.attention_out_width or D
         saved = [
-            ("x", T * D * es), ("ln1_stats", 2 * T * es), ("ln1_out", T * D * es), ("qkv", T * self.qkv * es),
-            ("lse", T * self.heads * FP32), ("o", T * out * es), ("h", T * D * es), ("ln2_stats", 2 * T * es),
+            ("x", T * D * es), *self._norm("ln1", T, D, es), ("ln1_out", T * D * es), ("qkv", T * self.qkv * es),
+            ("lse", T * self.heads * FP32), ("o", T * out * es), ("h", T * D * es), *self._norm("ln2", T, D, es),
         ]  # fmt: skip
+        if self._norm_keeps_upcast_input(es):  # the norms keep their inputs' fp32 copies, not the inputs
+            saved = [item for item in saved if item[0] not in ("x", "h")]
         if self.extra_attention_width:
             saved.append(("attention_extra", T * self.extra_attention_width * es))
         if self.shared_ffn:
