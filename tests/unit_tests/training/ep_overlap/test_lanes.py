@@ -188,3 +188,60 @@ def test_insisting_on_launching_off_the_host_where_it_cannot_apply_is_an_error(o
         EPOverlapEngine(model, groups, overlap=overlap, launch_off_host=True)
     assert message in str(caught.value)
     assert str(caught.value).endswith(fix)
+
+
+class _NvtxRecorder:
+    """Stands in for torch.cuda.nvtx: records the ranges a lane pushes, nested as they were."""
+
+    def __init__(self):
+        self.pushed, self.depth, self.deepest = [], 0, 0
+
+    def range_push(self, name: str) -> None:
+        self.pushed.append(name)
+        self.depth += 1
+        self.deepest = max(self.deepest, self.depth)
+
+    def range_pop(self) -> None:
+        self.depth -= 1
+
+
+def _cuda_lane_ranges(rank: int, world: int) -> dict:
+    from megatron.bridge.training.ep_overlap.engine.lanes import CudaLane
+    from megatron.bridge.training.ep_overlap.engine.records import HostClock, StepRecorder
+
+    from .mcore_cpu import install_cpu_stubs
+
+    install_cpu_stubs()  # the CUDA lane's streams and events, on a host without a GPU
+    groups = init_ep_groups(world, timedelta(seconds=30))
+    nvtx = _NvtxRecorder()
+    lane = CudaLane(groups, StepRecorder(clock=HostClock()), nvtx=nvtx)
+    with lane.compute("pre_dispatch", 3, 2):
+        pass
+    x = torch.ones(4, 2)
+    lane.all_to_all(x, [2, 2], [2, 2], op="dispatch", layer=3, microbatch=2).wait()
+    with lane.compute("combine_bwd", 3, 1):
+        pass
+    with lane.compute("attention_wgrad", 0, 1), lane.compute("embedding", -1, 1):  # nested ranges close in order
+        pass
+    lane.run_comm(lambda: x * 2, op="combine", layer=1, microbatch=0).wait()
+    return {"pushed": nvtx.pushed, "open": nvtx.depth, "deepest": nvtx.deepest}
+
+
+def test_the_cuda_lane_puts_every_node_in_a_named_nvtx_range():
+    for outcome in run_local_ranks(_cuda_lane_ranges, 2):
+        assert outcome.result["pushed"] == [
+            "ep_overlap/compute/F.pre_dispatch/L3/mb2",
+            "ep_overlap/comm/F.dispatch/L3/mb2",
+            "ep_overlap/compute/B.combine/L3/mb1",
+            "ep_overlap/compute/B.attention_wgrad/L0/mb1",
+            "ep_overlap/compute/F.embedding/mb1",
+            "ep_overlap/comm/F.combine/L1/mb0",
+        ]
+        assert outcome.result["open"] == 0 and outcome.result["deepest"] == 2
+
+
+def test_the_cpu_lane_opens_no_range():
+    from megatron.bridge.training.ep_overlap.engine.lanes import CpuLane, range_name
+
+    assert CpuLane.nvtx is None
+    assert range_name("p2p", "recv_gradient", -1, 4, role="B") == "ep_overlap/p2p/B.recv_gradient/mb4"

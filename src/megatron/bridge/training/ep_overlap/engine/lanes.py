@@ -22,7 +22,9 @@ all-to-alls run.
   end event. Different microbatches share no event, so the host issue order is the schedule.
 
 Both lanes record every node and all-to-all in the step's :class:`StepRecorder`, and every wait runs under
-the process groups' timeout.
+the process groups' timeout. The CUDA lane also opens an NVTX range around each (``torch.cuda.nvtx``), named by
+:func:`range_name` (``ep_overlap/comm/F.dispatch/L3/mb2``), so Nsight Systems shows which node each kernel
+belongs to; the CPU lane opens none and pays nothing.
 """
 
 import time
@@ -91,22 +93,48 @@ def done(tensor: torch.Tensor) -> Pending:
     return Pending(tensor)
 
 
+def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> str:
+    """The NVTX range of a node: ``ep_overlap/<compute|comm|p2p>/<F|B>.<node>/L<layer>/mb<microbatch>``; a backward
+    or wgrad node is ``B`` (``combine_bwd`` -> ``B.combine``) unless ``role`` says, the embedding (layer -1) and a
+    pipeline transfer have no ``L``."""
+    role = role or ("B" if name.endswith(("_bwd", "wgrad")) else "F")
+    base = name[: -len("_bwd")] if name.endswith("_bwd") else name
+    where = f"/L{layer}" if layer >= 0 else ""
+    return f"ep_overlap/{kind}/{role}.{base}{where}/mb{microbatch}"
+
+
 class _Lane:
     launches_off_host = False
     # The step's count of what is saved for backward (engine/saved.py), where the engine keeps one: nodes free a
     # buffer early only when no saved tensor shares its storage.
     saved = None
 
+    # Where NVTX ranges go (``range_push``/``range_pop``): torch.cuda.nvtx on the CUDA lane, none on the CPU lane.
+    nvtx = None
+
     def __init__(self, groups: EPGroups, recorder: StepRecorder):
         self.groups = groups
         self.recorder = recorder
+
+    @contextmanager
+    def ranged(self, kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> Iterator[None]:
+        """The enclosed work inside the node's NVTX range (:func:`range_name`), where the lane has NVTX."""
+        if self.nvtx is None:
+            yield
+            return
+        self.nvtx.range_push(range_name(kind, name, layer, microbatch, role))
+        try:
+            yield
+        finally:
+            self.nvtx.range_pop()
 
     @contextmanager
     def compute(self, node: str, layer: int, microbatch: int) -> Iterator[None]:
         """Records a compute node of ``microbatch`` around the enclosed work."""
         clock = self.recorder.clock
         record = ComputeRecord(node, layer, microbatch, self.recorder.phase, clock.mark(), time.perf_counter())
-        yield
+        with self.ranged("compute", node, layer, microbatch):
+            yield
         record.end = clock.mark()
         record.end_host = time.perf_counter()
         self.recorder.compute.append(record)
@@ -252,8 +280,9 @@ class CpuLane(_Lane):
 class CudaLane(_Lane):
     """All-to-all on a dedicated comm stream, chained to compute by one event per microbatch."""
 
-    def __init__(self, groups: EPGroups, recorder: StepRecorder, high_priority: bool = False):
+    def __init__(self, groups: EPGroups, recorder: StepRecorder, high_priority: bool = False, nvtx=None):
         super().__init__(groups, recorder)
+        self.nvtx = nvtx if nvtx is not None else torch.cuda.nvtx
         self.comm_stream = torch.cuda.Stream(priority=-1 if high_priority else 0)
         self._events: dict[int, torch.cuda.Event] = {}
 
@@ -277,7 +306,7 @@ class CudaLane(_Lane):
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
     ) -> Pending:
         compute_stream = self._comm_waits_for(microbatch)
-        with torch.cuda.stream(self.comm_stream):
+        with torch.cuda.stream(self.comm_stream), self.ranged("comm", op, layer, microbatch):
             exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
             record = self.record_comm(op, layer, microbatch, self.comm_stream, exchanged)
             out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
@@ -293,7 +322,7 @@ class CudaLane(_Lane):
         """``fn`` on the comm stream, after the microbatch's last compute node; its autograd backward, which a
         later ``run_comm`` runs, stays on the stream its forward ran on."""
         compute_stream = self._comm_waits_for(microbatch)
-        with torch.cuda.stream(self.comm_stream):
+        with torch.cuda.stream(self.comm_stream), self.ranged("comm", op, layer, microbatch):
             record = self.record_comm(op, layer, microbatch, self.comm_stream)
             out = fn()
             record.done = self.recorder.clock.mark(self.comm_stream)

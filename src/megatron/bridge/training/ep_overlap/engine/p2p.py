@@ -44,7 +44,9 @@ class PipelineP2P:
         """Waits for ``work``, recorded as a comm record from the wait's start to its end (zero when done)."""
         record = self.lane.record_comm(f"{op}_{transfer.kind}", -1, transfer.microbatch, exchanged=nbytes)
         record.wait_start_host = record.launch_host
-        wait_work(work, op=self._name(transfer, verb), timeout=self.groups.timeout)
+        name = f"{op.removeprefix('p2p_')}_{'activation' if transfer.kind == FORWARD else 'gradient'}"
+        with self.lane.ranged("p2p", name, -1, transfer.microbatch, role=transfer.kind):
+            wait_work(work, op=self._name(transfer, verb), timeout=self.groups.timeout)
         record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
 
     def post(self, transfers: tuple[Transfer, ...], shape_of, dtype: torch.dtype) -> None:
