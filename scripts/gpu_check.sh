@@ -34,6 +34,11 @@ elif "$py" -c "import omegaconf" 2>/dev/null; then
         timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --predict --device cuda --dist_backend gloo \
             --model_impl "$impl" --precision bf16 -ms 8 || status=1
     done
+    echo "== A profiled A/B (NVTX ranges, one trace per arm) and the concurrent fraction of both arms from the traces"
+    timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --device cuda --dist_backend gloo \
+        --precision bf16 -ms 6 --profile "${OUT:-out}/prof" || status=1
+    timeout 120 "$py" scripts/performance/overlap_from_trace.py "${OUT:-out}/prof/baseline.json" \
+        "${OUT:-out}/prof/overlap.json" || status=1
     echo "== A/B of a GPTModel with one MTP layer, and of a HybridModel (Transformer Engine spec) where TE is here"
     timeout 300 "$py" scripts/performance/ep_overlap_ab.py --ab --device cuda --dist_backend gloo \
         --model_impl mcore --mtp_num_layers 1 --precision bf16 -ms 5 || status=1

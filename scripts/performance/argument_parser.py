@@ -186,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="show third-party import warnings and full rank tracebacks"
     )
     run.add_argument("--timeline", default=None, help="draw one steady step of each arm to this .png/.pdf/.svg")
+    run.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after the measured steps, run one more step per arm under torch's profiler and write rank 0's Chrome "
+        "trace to DIR/<arm>.json (excluded from every statistic; read it with overlap_from_trace.py)",
+    )
     run.add_argument("overrides", nargs="*", help="Hydra-style section.field=value overrides")
     return parser
 

@@ -189,9 +189,15 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
     return "\n".join(lines)
 
 
-def specs_for(arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference") -> list[ArmSpec]:
+def specs_for(
+    arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference", profile_dir: str | None = None
+) -> list[ArmSpec]:
     """One spec per arm (see :func:`plan_arms`)."""
-    return [ArmSpec(a["name"], a["model"], a["options"], recipe.train, device, model_impl=model_impl) for a in arms]
+    return [
+        ArmSpec(a["name"], a["model"], a["options"], recipe.train, device, model_impl=model_impl,
+                profile_dir=profile_dir)
+        for a in arms
+    ]  # fmt: skip
 
 
 @dataclass
@@ -456,7 +462,7 @@ def run(args) -> int:
                 print(describe(recipe, arms, args, device, world))
                 return 0
             partial_to = run_config(recipe, args, device, world)
-            specs = specs_for(arms, recipe, device, args.model_impl)
+            specs = specs_for(arms, recipe, device, args.model_impl, args.profile)
             results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
         except ConfigError as exc:
             for problem in exc.problems:
@@ -498,6 +504,10 @@ def run(args) -> int:
                 status = 1
             else:
                 print(f"results written to {written}")
+        traces = {name: arm.get("profile_trace") for name, arm in summary["arms"].items()}
+        if any(traces.values()):
+            print("traces of one more step per arm, profiled after the measured ones (not in the statistics): "
+                  + ", ".join(f"{name} {path}" for name, path in traces.items() if path))  # fmt: skip
         if args.timeline:
             try:
                 draw_timeline(summary, args.timeline)

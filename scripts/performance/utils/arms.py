@@ -6,6 +6,7 @@ the baseline and overlap arms differ only in the overlap knobs.
 
 import dataclasses
 import hashlib
+import os
 import resource
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +32,7 @@ class ArmSpec:
     device: str
     progress: bool = True  # rank 0 prints each finished step (under torchrun; a local run's parent prints them)
     model_impl: str = "reference"
+    profile_dir: str | None = None  # one more step per arm, profiled, its trace written here (not in the statistics)
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -206,6 +208,25 @@ class _Arm:
         if spec.progress and self.rank == 0:
             print(step_line(report, spec.train.max_steps), flush=True)
 
+    def profiled_step(self, step: int) -> None:
+        """One more step, after the measured ones, under torch's profiler (host, and CUDA where it runs); rank 0
+        writes its Chrome trace. Nothing of it enters the statistics; both arms take it, so they stay matched."""
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        spec, device = self.spec, self.device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        data = microbatches(spec, self.data_rank, step, device)
+        dist.barrier()
+        with profile(activities=activities) as profiler, record_function(f"ProfilerStep#{step + 1}"):
+            self.engine.step(data)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        if self.rank == 0:
+            self.trace = os.path.join(spec.profile_dir, f"{spec.name}.json")
+            profiler.export_chrome_trace(self.trace)
+
     def result(self) -> dict:
         launches_off_host = self.engine.launches_off_host(self.device)
         return {
@@ -226,6 +247,7 @@ class _Arm:
             "placement": self.engine.placement.describe() if self.engine.placement else None,
             "launch_off_host": launches_off_host,  # as run (auto: whether it applied)
             "options": dataclasses.asdict(replace(self.engine.options, launch_off_host=launches_off_host)),
+            "profile_trace": getattr(self, "trace", None),  # rank 0's, with --profile
         }
 
 
@@ -237,7 +259,11 @@ def run_arms(rank: int, world: int, specs: list[ArmSpec]) -> dict[str, dict]:
     """
     device = torch.device("cuda", torch.cuda.current_device()) if specs[0].device == "cuda" else torch.device("cpu")
     arms = {spec.name: _Arm(spec, rank, device) for spec in specs}
-    for step in range(specs[0].train.max_steps):
+    steps = specs[0].train.max_steps
+    for step in range(steps):
         for name in arm_order(step, list(arms)):
             arms[name].step(step)
+    if specs[0].profile_dir:
+        for name in arm_order(steps, list(arms)):
+            arms[name].profiled_step(steps)
     return {name: arm.result() for name, arm in arms.items()}

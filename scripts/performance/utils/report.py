@@ -62,6 +62,7 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "host_waited_for_core_s": waited,  # None where the OS does not report it
         "attention_wgrad_window": per_rank[0].get("attention_wgrad_window"),  # as run (auto: as chosen)
         "launch_off_host": per_rank[0].get("launch_off_host"),  # as run (auto: whether it applied)
+        "profile_trace": per_rank[0].get("profile_trace"),  # --profile: rank 0's trace of its extra step
         "exposed_comm_s_by_phase": _exposed_breakdown(per_rank, warmup),
         "timeline": {r["rank"]: r["timeline"] for r in per_rank},
         "records": {r["rank"]: r["records"] for r in per_rank},

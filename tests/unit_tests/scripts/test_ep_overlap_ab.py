@@ -620,3 +620,21 @@ def test_the_console_counts_a_step_when_every_rank_finished_it(capsys):
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in printed] == ["  [baseline] step 1/4", "  [baseline] step 2/4"]
     assert progress.describe(4) == "baseline 2/4 on every rank (step 3 on 1 of 2 ranks)"
+
+
+def test_a_profiled_ab_writes_one_trace_per_arm_outside_the_statistics(tmp_path, capsys):
+    from utils.trace_overlap import analyze, read_trace
+
+    out = tmp_path / "prof"
+    assert (
+        ep_overlap_ab.main(TINY + ["--ab", "-ms", "3", "--profile", str(out), "--json", str(tmp_path / "ab.json")])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    summary = json.loads((tmp_path / "ab.json").read_text())
+    for arm in ("baseline", "overlap"):
+        trace = out / f"{arm}.json"
+        assert summary["arms"][arm]["profile_trace"] == str(trace) and str(trace) in printed
+        assert len(summary["arms"][arm]["step_times_s"]) == 3  # the profiled fourth step is in no statistic
+        (step,) = analyze(read_trace(str(trace)))  # the whole path: a 2-rank CPU run's trace through the tool
+        assert step.name == "ProfilerStep#4" and step.total.comm_s > 0 and step.total.compute_s > 0
