@@ -105,6 +105,8 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
         install_fake_deepep()
     init_megatron(case.world, pp, vpp if pp > 1 else None)
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups
@@ -112,6 +114,9 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
     groups = mcore_ep_groups(timedelta(seconds=30))
     data_rank = parallel_state.get_data_parallel_rank()
     out = {"data_rank": data_rank}
+    # What another driver left: every chunk of the rank puts back what it found, so these come back as they were.
+    found = (torch.tensor([7.0]), torch.tensor([9.0]))
+    MTPLossAutoScaler.main_loss_backward_scale, MoEAuxLossAutoScaler.main_loss_backward_scale = found
     for arm in arms:
         plans = build_plans(case, pp, vpp)
         engine = EPOverlapEngine(plans if pp > 1 else plans[0], groups, overlap=arm == "overlap")
@@ -127,6 +132,8 @@ def train(rank: int, world: int, case: McoreCase, pp: int, vpp: int, arms: tuple
             gen = torch.Generator().manual_seed(100 * step + data_rank)
             data.append([tuple(torch.randint(0, 64, (2, 2, 8), generator=gen)) for _ in range(case.microbatches)])
         out[arm] = train_recording(engine, optimizer, named, data)
+    left = (MTPLossAutoScaler.main_loss_backward_scale, MoEAuxLossAutoScaler.main_loss_backward_scale)
+    out["scales_restored"] = all(a is b for a, b in zip(found, left))
     return out
 
 
@@ -153,6 +160,7 @@ def test_mcore_chunks_pipelined_are_bitwise_equal_to_pp1(name):
     seen = set()
     for outcome in run_local_ranks(train, 4, (replace(case), 2, 2, ("plain", "overlap"))):
         ref = reference[outcome.result["data_rank"]]
+        assert outcome.result["scales_restored"], f"rank {outcome.rank}: the chunks left their own loss scales"
         for arm in ("plain", "overlap"):
             assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
             seen.update(outcome.result[arm]["params"])

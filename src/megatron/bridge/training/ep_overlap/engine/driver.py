@@ -242,7 +242,7 @@ class Engine:
             lane.close(failed=failed)
             if failed and held is not None:
                 held.restore(add=False)
-            for chunk in self.chunks:
+            for chunk in reversed(self.chunks):  # last started, first finished: each puts back what it found
                 finish_step = getattr(chunk, "finish_step", None)
                 if finish_step is not None:
                     finish_step()
