@@ -11,6 +11,7 @@ import dataclasses
 import os
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -231,9 +232,7 @@ class Progress:
         """Per arm, the last step every rank finished, and a later one only some ranks finished."""
         done = []
         for arm, reports in self.finished.items():
-            counts = {}
-            for r in reports:
-                counts[r["step"]] = counts.get(r["step"], 0) + 1
+            counts = Counter(r["step"] for r in reports)
             everyone = max((step for step, n in counts.items() if n >= self.ranks), default=0)
             line = f"{arm} {everyone}/{steps} on every rank"
             ahead = max(counts)

@@ -173,22 +173,20 @@ def read_measured(path: str) -> MeasuredRun:
             "to overlap: use an A/B run with EP 2 or more"
         )
     warmup, max_steps = need("config", "train", "warmup_steps"), need("config", "train", "max_steps")
+    num_microbatches, num_layers = need("config", "train", "num_microbatches"), need("config", "model", "num_layers")
+    link_gbps = need("config").get("link_gbps")
     fields = {
         "config.train.warmup_steps": (warmup, _whole(warmup, 0), "a whole number of 0 or more"),
         "config.train.max_steps": (max_steps, _whole(max_steps, 1), "a whole number of 1 or more"),
         "config.train.num_microbatches": (
-            need("config", "train", "num_microbatches"),
-            _whole(need("config", "train", "num_microbatches"), 1),
+            num_microbatches,
+            _whole(num_microbatches, 1),
             "a whole number of 1 or more",
         ),
-        "config.model.num_layers": (
-            need("config", "model", "num_layers"),
-            _whole(need("config", "model", "num_layers"), 1),
-            "a whole number of 1 or more",
-        ),
+        "config.model.num_layers": (num_layers, _whole(num_layers, 1), "a whole number of 1 or more"),
         "config.link_gbps": (
-            need("config").get("link_gbps"),
-            need("config").get("link_gbps") is None or _positive_number(need("config").get("link_gbps")),
+            link_gbps,
+            link_gbps is None or _positive_number(link_gbps),
             "a finite number above 0, or null (loopback)",
         ),
     }
@@ -208,9 +206,9 @@ def read_measured(path: str) -> MeasuredRun:
     return MeasuredRun(
         records=records[warmup:],
         step_times_s=times[warmup:],
-        link_gbps=need("config").get("link_gbps"),
-        num_layers=need("config", "model", "num_layers"),
-        num_microbatches=need("config", "train", "num_microbatches"),
+        link_gbps=link_gbps,
+        num_layers=num_layers,
+        num_microbatches=num_microbatches,
         first_step=warmup + 1,
         last_step=max_steps,
     )
