@@ -5,12 +5,14 @@
     python tools/upstream.py patch --against DIR  # a patch for the upstream source tree DIR (e.g. a checkout of
                                                   # main), and which hunks of the 0.6.2 patch need a rebase there
 
-The patch holds this project's new modules and its changes to upstream's ``training/comm_overlap.py`` and
-``training/flex_dispatcher_backend.py``, by default against the 0.6.2 sources (the registry's sdist, fetched here
-into build/, never committed). It is checked with ``git apply --check`` on a fresh copy of the tree it is made
-for before it is written. It passes upstream's repository checks: every new Python file starts with the license
-header upstream's copyright check expects (added here, so the project's own files stay as they are), and
-upstream's two files keep theirs.
+The patch holds this project's new modules, its changes to upstream's ``training/comm_overlap.py`` and
+``training/flex_dispatcher_backend.py`` (whole files here, supersets of upstream's), and the hunks for upstream
+files this project does not ship, stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped
+path gets the packed-sequence parameters, the plain path the loss mask when the model has MTP layers). It is made by
+default against the 0.6.2 sources (the registry's sdist, fetched here into build/, never committed), and checked
+with ``git apply --check`` on a fresh copy of the tree it is made for before it is written. It passes upstream's
+repository checks: every new Python file starts with the license header upstream's copyright check expects (added
+here, so the project's own files stay as they are), and upstream's two files keep theirs.
 """
 
 import argparse
@@ -28,6 +30,7 @@ VERSION = "0.6.2"
 CACHE = ROOT / "build" / f"megatron-bridge-{VERSION}"
 PATCH = ROOT / "dist" / "megatron-bridge-ep-overlap.patch"
 PACKAGE = Path("src/megatron/bridge")
+HUNKS = ROOT / "tools" / "upstream_hunks"
 LICENSE_HEADER = f"""# Copyright (c) {date.today().year}, NVIDIA CORPORATION.  All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
@@ -120,9 +123,26 @@ def _diff(relative: Path, upstream_root: Path) -> str:
 
 
 def make_patch(upstream_root: Path) -> str:
-    """The patch of every Python file of this project's package against the tree ``upstream_root``."""
+    """The patch of every Python file of this project's package against the tree ``upstream_root``, then the stored
+    hunks (:data:`HUNKS`) that apply there (:func:`hunks_that_do_not_apply` names the others)."""
     files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
-    return "".join(_diff(relative, upstream_root) for relative in files)
+    ours = "".join(_diff(relative, upstream_root) for relative in files)
+    skipped = set(hunks_that_do_not_apply(upstream_root))
+    return ours + "".join(h.read_text() for h in stored_hunks() if h.name not in skipped)
+
+
+def stored_hunks() -> list[Path]:
+    return sorted(HUNKS.glob("*.diff"))
+
+
+def hunks_that_do_not_apply(tree: Path) -> list[str]:
+    """The stored hunk files that do not apply to the source tree ``tree`` as they are (they need a rebase there)."""
+
+    def applies(hunk: str) -> bool:
+        targets = {line[6:].strip() for line in hunk.splitlines() if line.startswith("+++ b/")}
+        return all((tree / t).exists() for t in targets) and not hunks_needing_rebase(hunk, tree)
+
+    return [h.name for h in stored_hunks() if not applies(h.read_text())]
 
 
 def build_patch(path: Path = PATCH) -> Path:
@@ -191,6 +211,8 @@ def main(argv: list[str]) -> int:
             return 2
         path, rebase = patch_against(args.against)
         print(f"patch against {args.against} (applies cleanly): {path}")
+        for name in hunks_that_do_not_apply(args.against):
+            print(f"left out of that patch: tools/upstream_hunks/{name} does not apply there (rebase it)")
         if not rebase:
             print(f"the {VERSION} patch applies to {args.against} as it is")
         for relative, hunks in rebase.items():

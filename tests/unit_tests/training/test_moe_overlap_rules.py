@@ -162,6 +162,20 @@ def test_reference_engine_accepts_fp32(fake_versions):
     assert found == {}
 
 
+def test_a_registered_hook_says_which_schedule_runs_the_layers(fake_versions):
+    """A recipe's ``cfg.model.register_pre_wrap_hook(partial(use_ep_overlap_schedule, ...))`` runs before the hook
+    does, and already counts as this project's schedule; another hook does not."""
+    from functools import partial
+
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    ours = [lambda models: models, partial(use_ep_overlap_schedule, attention_wgrad_window=1)]
+    assert violated(fake_versions, {"bf16": False, "_pre_wrap_hooks": ours}, {}) == {}
+    assert violated(fake_versions, {"bf16": False, "_pre_wrap_hooks": [use_ep_overlap_schedule]}, {}) == {}
+    found = violated(fake_versions, {"bf16": False, "_pre_wrap_hooks": [lambda models: models]}, {})
+    assert list(found) == ["precision"]
+
+
 def test_te_version_rules_skip_pure_torch_grouped_gemm(fake_versions):
     # Without Transformer Engine the experts use torch grouped GEMMs, which have no TE version needs.
     found = violated(fake_versions, {"gradient_accumulation_fusion": True}, {"delay": True, "grad_reduce": True})
@@ -244,6 +258,7 @@ def test_graph_modules_count_without_cuda_graph_impl(fake_versions):
 # Names a fix may mention that are not config fields: functions of this project and Megatron-Bridge that do what the
 # fix asks.
 CALLABLES = {"apply_flex_dispatcher_backend", "use_bridge_schedule", "use_ep_overlap_schedule"}
+CALLABLES |= {"register_pre_wrap_hook"}
 
 
 def _existing_names() -> set[str]:

@@ -25,6 +25,7 @@ Two rules depend on what runs the layers, not on the config alone:
       Transformer Engine. Our pure-torch grouped GEMM has no Transformer Engine requirement.
 """
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -176,7 +177,7 @@ def gather_facts(
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
     }
     facts["model.cuda_graph_scope"] = graph_modules(model_config)
-    facts[SCHEDULE] = getattr(model_config, "ep_overlap_schedule", "mcore")
+    facts[SCHEDULE] = schedule_of(model_config)
     facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
     facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
     facts[OVERLAP_GRAD_REDUCE] = bool(overlap_grad_reduce)
@@ -198,6 +199,20 @@ def use_bridge_schedule(model_config: Any) -> Any:
     this first. Returns the config."""
     model_config.ep_overlap_schedule = "bridge"
     return model_config
+
+
+def schedule_of(model_config: Any) -> str:
+    """Which schedule runs the layers: "bridge" (this project's) where the config is marked
+    (:func:`use_bridge_schedule`) or a Megatron-Bridge recipe registered the hook that installs it
+    (``cfg.model.register_pre_wrap_hook``, the hook itself or a ``functools.partial`` of it); else "mcore"."""
+    if getattr(model_config, "ep_overlap_schedule", "mcore") == "bridge":
+        return "bridge"
+    for hook in getattr(model_config, "_pre_wrap_hooks", None) or ():
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        if getattr(hook, "runs_bridge_schedule", False):
+            return "bridge"
+    return "mcore"
 
 
 def _at_least(version: Version | None, minimum: str) -> bool:
@@ -276,7 +291,8 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         lambda f: bool(f["model.bf16"] or f["model.fp16"]),
         "Megatron-Core's own overlapped schedule is only supported when using bf16 or fp16 models.",
         "set bf16=True (or fp16=True); where this project's schedule runs the layers (EPOverlapEngine or "
-        "use_ep_overlap_schedule), say so first: use_bridge_schedule() on the model config, before setup.",
+        "use_ep_overlap_schedule), say so first: register the hook (cfg.model.register_pre_wrap_hook) or call "
+        "use_bridge_schedule() on the model config, before setup.",
     ),
     Rule(
         "torch_version",

@@ -370,3 +370,6 @@ def use_ep_overlap_schedule(
     for model in models:
         model.build_schedule_plan = EPOverlapPlanBuilder(model, session, attention_wgrad_window=attention_wgrad_window)
     return models
+
+
+use_ep_overlap_schedule.runs_bridge_schedule = True  # registered as a pre-wrap hook, it marks the config's schedule

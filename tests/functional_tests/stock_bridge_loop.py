@@ -1,0 +1,299 @@
+"""Stock Megatron-Bridge's own training loop on 2 gloo ranks, overlap off and with this project's hook (test-only).
+
+    python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook]
+
+Run by ``test_stock_bridge_loop.py`` with the scratch interpreter ``stock_bridge.py`` builds. ``TREE`` is the folder
+that holds the ``megatron/bridge`` package this run imports: a site-packages with stock 0.6.2 and our plugin wheel, or
+the ``src/`` of 0.6.2 with our patch applied. What runs is Bridge's and Megatron-Core's code:
+
+    * the config: a ``ConfigContainer`` with a shrunk ``OlMoEModelProvider`` (a local layer spec, since Transformer
+      Engine is not installed), validated by Bridge (``cfg.validate()``, which runs our ``EPOverlapCommOverlapConfig``
+      as the recipe's ``comm_overlap``);
+    * ``initialize_megatron``'s steps (not its last, compiling dataset helpers: see :func:`initialize_on_cpu`), then
+      ``setup()``'s model and optimizer steps: ``_build_distributed_model`` (``provide_distributed_model``,
+      ``get_model``, Megatron-Core's DDP), ``setup_optimizer`` (Megatron-Core's optimizer) and
+      ``_update_model_config_funcs`` (the grad-sync and finalize functions the driver calls), and ``train_step``
+      with Bridge's ``gpt_step.forward_step`` and ``get_batch``.
+
+The recipe lines are the README's first-screen snippet. Stand-ins: the tests' CPU stubs for CUDA streams and the
+current device (``mcore_cpu.install_cpu_stubs``) and the import-only Transformer Engine stand-in. Each arm writes,
+per step, the reduced losses, every ``main_grad`` and every parameter after the optimizer step.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ, MICRO_BATCH, MICROBATCHES, VOCAB = 8, 2, 3, 64
+
+
+def local_spec(config, vp_stage=None):
+    """Megatron-Core's local (non-Transformer-Engine) decoder block spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def local_mtp_provider():
+    """``OlMoEModelProvider`` whose MTP block has local layers: Bridge 0.6.2's ``mtp_block_spec`` always asks for the
+    Transformer Engine spec, so a recipe on a host without it provides the model itself (as a recipe may)."""
+    from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    class LocalMTPOlMoEProvider(OlMoEModelProvider):
+        def provide(self, pre_process=None, post_process=None, vp_stage=None):
+            block = local_spec(self, vp_stage=vp_stage)
+            return GPTModel(
+                self,
+                transformer_layer_spec=block,
+                vocab_size=self.vocab_size,
+                max_sequence_length=self.seq_length,
+                position_embedding_type=self.position_embedding_type,
+                rotary_base=self.rotary_base,
+                share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
+                pre_process=True if pre_process is None else pre_process,
+                post_process=True if post_process is None else post_process,
+                pg_collection=self._pg_collection,
+                vp_stage=vp_stage,
+                mtp_block_spec=get_gpt_mtp_block_spec(self, block.layer_specs[-1], use_transformer_engine=False),
+            )
+
+    return LocalMTPOlMoEProvider
+
+
+def recipe(arm: str, mtp: bool, steps: int):
+    """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines."""
+    import torch
+    from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
+    from megatron.bridge.training.config import (
+        CheckpointConfig,
+        ConfigContainer,
+        DistributedDataParallelConfig,
+        DistributedInitConfig,
+        LoggerConfig,
+        MockGPTDatasetConfig,
+        OptimizerConfig,
+        RNGConfig,
+        SchedulerConfig,
+        TokenizerConfig,
+        TrainingConfig,
+    )
+
+    model = (local_mtp_provider() if mtp else OlMoEModelProvider)(
+        transformer_layer_spec=local_spec,
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        moe_ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=2,
+        kv_channels=16,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        expert_model_parallel_size=2,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        use_cpu_initialization=True,
+        seq_length=SEQ,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=VOCAB,
+        bf16=True,  # Megatron-Core's config takes overlap_moe_expert_parallel_comm with bf16 or fp16 only
+        params_dtype=torch.bfloat16,
+        mtp_num_layers=1 if mtp else None,
+    )
+    cfg = ConfigContainer(
+        model=model,
+        train=TrainingConfig(
+            train_iters=steps, global_batch_size=MICRO_BATCH * MICROBATCHES * 2, micro_batch_size=MICRO_BATCH
+        ),  # fmt: skip
+        # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights
+        # with bf16 grads, in both arms alike.
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            min_lr=0.0,
+            bf16=False,
+            use_distributed_optimizer=False,
+            clip_grad=0.0,
+            weight_decay=0.0,
+        ),  # fmt: skip
+        scheduler=SchedulerConfig(
+            lr_decay_style="constant",
+            lr_warmup_iters=0,
+            start_weight_decay=0.0,
+            end_weight_decay=0.0,
+            weight_decay_incr_style="constant",
+        ),  # fmt: skip
+        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=False, use_distributed_optimizer=False),
+        dataset=MockGPTDatasetConfig(
+            random_seed=1, seq_length=SEQ, reset_attention_mask=False, reset_position_ids=False, eod_mask_loss=False
+        ),  # fmt: skip
+        logger=LoggerConfig(),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=VOCAB),
+        checkpoint=CheckpointConfig(),
+        rng=RNGConfig(seed=1234),
+        dist=DistributedInitConfig(distributed_backend="gloo"),
+    )
+    if arm == "hook":
+        # ---- the README's recipe lines ----
+        from functools import partial
+
+        from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+        from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
+
+        cfg.comm_overlap = EPOverlapCommOverlapConfig(  # every EP-overlap rule checked at setup: one error, each fix
+            tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+        )
+        cfg.model.register_pre_wrap_hook(partial(use_ep_overlap_schedule, attention_wgrad_window=1))
+        # ---- end of the recipe lines ----
+    return cfg
+
+
+def batches(rank: int, step: int, mask_every: int):
+    """One step's microbatches in the shape Bridge's ``get_batch`` reads (what its GPT datasets yield)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for _ in range(MICROBATCHES):
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
+        loss_mask = torch.ones(MICRO_BATCH, SEQ)
+        if mask_every:
+            loss_mask[:, ::mask_every] = 0.0  # some tokens do not count (padding, prompts)
+        out.append({
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(SEQ)[None].expand(MICRO_BATCH, SEQ).contiguous(),
+            "attention_mask": None,
+        })  # fmt: skip
+    return out
+
+
+def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int) -> dict:
+    import torch
+    from megatron.bridge.training.config import runtime_config_update
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.initialize import destroy_global_state
+    from megatron.bridge.training.optim import setup_optimizer
+    from megatron.bridge.training.setup import _build_distributed_model, _update_model_config_funcs
+    from megatron.bridge.training.state import GlobalState
+    from megatron.bridge.training.train import train_step
+    from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    cfg = recipe(arm, mtp, steps)
+    runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
+    state = GlobalState()
+    state.cfg = cfg
+    pg_collection = initialize_on_cpu(cfg)
+    _cpu_rng()
+    torch.manual_seed(1234)  # the same initial weights in both arms (CPU initialization)
+    model = _build_distributed_model(cfg, pg_collection)  # Megatron-Core's DDP, Bridge's pre-wrap hooks
+    optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model)
+    _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer, align_grad_reduce=cfg.dist.align_grad_reduce,
+                               pg_collection=pg_collection)  # fmt: skip
+    step_fn = prepare_forward_step_func(forward_step, state)
+    forward_backward = get_forward_backward_func()
+    p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model[0].config)
+    record = {"losses": [], "mtp_losses": [], "grads": [], "params": []}
+    record["overlap_flag"] = model[0].config.overlap_moe_expert_parallel_comm
+    for step in range(steps):
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+        loss, skipped, *_ = train_step(step_fn, iter(batches(rank, step, mask_every)), model, optimizer, scheduler,
+                                       state, pg_collection, forward_backward, p2p)  # fmt: skip
+        assert not skipped, f"step {step} was skipped"
+        named = list(model[0].named_parameters())
+        record["losses"].append({k: v.float().tolist() for k, v in loss.items()})
+        tracked = MTPLossLoggingHelper.tracker.get("loss_values")  # the MTP loss, summed over microbatches
+        record["mtp_losses"].append(None if tracked is None else tracked.float().tolist())
+        record["grads"].append({n: p.main_grad.float().flatten().tolist() for n, p in named})
+        record["params"].append({n: p.detach().float().flatten().tolist() for n, p in named})
+    built = getattr(getattr(model[0], "module", None), "module", None)  # DDP(Float16Module(GPTModel))
+    builder = getattr(built, "build_schedule_plan", None)
+    record["plan"] = type(builder).__name__
+    recorder = getattr(builder, "recorder", None)
+    record["dispatches"] = 0 if recorder is None else sum(r.op == "dispatch" for r in recorder.comm)
+    destroy_global_state()  # Bridge's teardown between runs in one process
+    return record
+
+
+def initialize_on_cpu(cfg):
+    """``initialize_megatron``'s steps but its last: it also compiles Megatron-Core's dataset helpers with ``make``,
+    and the Megatron-Core wheel ships no Makefile (the mock data here needs no helpers)."""
+    from megatron.bridge.training.initialize import init_rerun_state, torch_dist_init
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    train = cfg.train
+    init_num_microbatches_calculator(__import__("torch").distributed.get_rank(), train.rampup_batch_size,
+                                     train.global_batch_size, train.micro_batch_size, cfg.data_parallel_size,
+                                     train.decrease_batch_size_if_needed)  # fmt: skip
+    init_rerun_state(cfg.rerun_state_machine)
+    return torch_dist_init(model_config=cfg.model, dist_config=cfg.dist, rng_config=cfg.rng,
+                           micro_batch_size=train.micro_batch_size,
+                           num_distributed_optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
+                           get_embedding_ranks=None, get_position_embedding_ranks=None,
+                           skip_mpu_initialization=False)  # fmt: skip
+
+
+def _cpu_rng() -> None:
+    """Megatron-Core forks a CUDA RNG state for attention dropout: on CPU, a plain context (the tests' stub)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def _tensors_on_host() -> None:
+    """Tensors Megatron-Core makes on "cuda" (the optimizer's scale and found-inf flags, the default causal mask) go
+    to the current device, as ``install_cpu_stubs`` does for ``torch.zeros``."""
+    import torch
+
+    def on_host(make):
+        def made_on_host(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+        return made_on_host
+
+    torch.tensor, torch.ones = on_host(torch.tensor), on_host(torch.ones)
+
+
+def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int) -> dict:
+    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
+
+    install_cpu_stubs()
+    _tensors_on_host()
+    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every) for arm in arms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("tree", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mtp", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--mask_every", type=int, default=3)
+    parser.add_argument("--arms", default="plain,hook")
+    args = parser.parse_args()
+    from megatron.bridge.utils.multiprocess import run_local_ranks
+
+    outcomes = run_local_ranks(rank_main, 2, (args.arms.split(","), args.mtp, args.steps, args.mask_every),
+                               collective_timeout_s=120)  # fmt: skip
+    args.out.write_text(json.dumps([o.result for o in outcomes]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(1, str(ROOT))  # the tests' CPU stubs (tests/...); never src/, which the tree stands for
+    main()

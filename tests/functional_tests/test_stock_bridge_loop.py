@@ -1,0 +1,83 @@
+"""Stock Megatron-Bridge 0.6.2's own training loop runs this project's plan, bitwise, in both install modes.
+
+Each test runs ``stock_bridge_loop.py`` in the scratch interpreter of ``stock_bridge.py`` (upstream's wheel from the
+package registry; skipped with the reason when the registry cannot be reached): two gloo ranks, EP 2, Bridge's
+``train_step``, ``gpt_step.forward_step`` and ``get_batch``, Megatron-Core's driver, DDP and optimizer. The arms are
+overlap off and the README's recipe (``EPOverlapCommOverlapConfig`` plus the pre-wrap hook); both see the same data,
+in which every third token is masked out of the loss.
+"""
+
+import json
+
+import pytest
+
+from . import stock_bridge
+
+LOOP = stock_bridge.ROOT / "tests" / "functional_tests" / "stock_bridge_loop.py"
+
+
+@pytest.fixture(scope="module")
+def python():
+    try:
+        return stock_bridge.scratch_env()
+    except stock_bridge.RegistryUnreachable as exc:
+        pytest.skip(f"the package registry cannot be reached: {exc}")
+
+
+@pytest.fixture(scope="module")
+def plugin(python):
+    return stock_bridge.plugin_tree(python)
+
+
+@pytest.fixture(scope="module")
+def patched(python, tmp_path_factory):
+    return stock_bridge.patched_tree(tmp_path_factory.mktemp("patched"))
+
+
+def _arms(python, tree, out, *args) -> list[dict]:
+    run = stock_bridge.run(python, tree, LOOP, str(out), *args)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _assert_the_hook_ran_our_plan(rank: dict, steps: int) -> None:
+    plain, hook = rank["plain"], rank["hook"]
+    assert not plain["overlap_flag"] and plain["dispatches"] == 0
+    assert hook["overlap_flag"] and hook["plan"] == "EPOverlapPlanBuilder"
+    assert hook["dispatches"] == 3 * 2 * 2  # the last step: 3 microbatches x 2 MoE layers, forward and backward
+    assert len(hook["losses"]) == steps and all(any(v != 0.0 for v in g) for g in hook["grads"][-1].values())
+
+
+def test_the_readme_recipe_in_bridges_own_loop_is_bitwise_equal_as_a_plugin(python, plugin, tmp_path):
+    ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "3")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 3)
+        for what in ("losses", "grads", "params"):  # every main_grad and parameter after each step
+            assert rank["hook"][what] == rank["plain"][what], what
+
+
+def test_stock_0_6_2_gives_an_mtp_model_other_numbers_with_overlap_on(python, plugin, tmp_path):
+    """Upstream's bug: its plain path leaves the loss mask out of the model's forward, so Megatron-Core's MTP loss
+    counts the masked tokens there, and not in the overlapped path (which hands the mask over)."""
+    ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "2", "--mtp")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        plain, hook = rank["plain"], rank["hook"]
+        assert plain["mtp_losses"][0] != hook["mtp_losses"][0]
+        assert plain["grads"][0] != hook["grads"][0]
+
+
+def test_with_the_patch_an_mtp_model_gets_one_set_of_numbers(python, patched, tmp_path):
+    ranks = _arms(python, patched, tmp_path / "out.json", "--steps", "2", "--mtp")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        for what in ("losses", "mtp_losses", "grads", "params"):
+            assert rank["hook"][what] == rank["plain"][what], what
+
+
+def test_without_a_loss_mask_stock_and_patched_mtp_numbers_agree(python, plugin, tmp_path):
+    """The patch's plain-path hunk changes nothing when every token counts (the mask is then all ones)."""
+    ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "1", "--mtp", "--mask_every", "0")
+    for rank in ranks:
+        assert rank["hook"]["mtp_losses"] == rank["plain"]["mtp_losses"]
+        assert rank["hook"]["grads"] == rank["plain"]["grads"]
