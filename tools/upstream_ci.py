@@ -10,7 +10,8 @@ since each run puts its own copy's ``src/`` first on the path.
 What it does:
     * Selects the upstream test files that import a module the patch changes or that upstream's recipes and
       training config run through: ``training.comm_overlap``, ``training.flex_dispatcher_backend``,
-      ``training.config`` and ``megatron.bridge.recipes`` (or the FILEs given, relative to ``tests/unit_tests``).
+      ``training.gpt_step`` (the stored hunk), ``training.config`` and ``megatron.bridge.recipes`` (or the FILEs
+      given, relative to ``tests/unit_tests``).
     * Copies the tree twice into ``--out``: as it is, and with the patch ``tools/upstream.py`` makes for this very
       tree applied (it must apply; a tree the patch needs a rebase for is refused with what does not apply).
     * Runs every selected file whole in each copy, ``pytest -m "not gpu and not pleasefixme"``, at most
@@ -39,6 +40,7 @@ import upstream  # noqa: E402
 TOUCHED = (
     "megatron.bridge.training.comm_overlap",
     "megatron.bridge.training.flex_dispatcher_backend",
+    "megatron.bridge.training.gpt_step",
     "megatron.bridge.training.config",
     "megatron.bridge.recipes",
 )
