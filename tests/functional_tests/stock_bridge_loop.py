@@ -158,8 +158,9 @@ def recipe(arm: str, mtp: bool, steps: int):
     return cfg
 
 
-def batches(rank: int, step: int, mask_every: int):
-    """One step's microbatches in the shape Bridge's ``get_batch`` reads (what its GPT datasets yield)."""
+def batches(rank: int, step: int, mask_every: int, packed: bool = False):
+    """One step's microbatches in the shape Bridge's ``get_batch`` reads (what its GPT datasets yield); ``packed``:
+    each row holds two documents, with the boundaries Bridge's packed datasets add (``cu_seqlens_q``, ...)."""
     import torch
 
     gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -176,10 +177,14 @@ def batches(rank: int, step: int, mask_every: int):
             "position_ids": torch.arange(SEQ)[None].expand(MICRO_BATCH, SEQ).contiguous(),
             "attention_mask": None,
         })  # fmt: skip
+        if packed:
+            cu_seqlens = torch.tensor([0, 5, SEQ], dtype=torch.int32)
+            out[-1] |= {"cu_seqlens_q": cu_seqlens, "cu_seqlens_kv": cu_seqlens, "max_seqlen_q": torch.tensor(5),
+                        "max_seqlen_kv": torch.tensor(5)}  # fmt: skip
     return out
 
 
-def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int) -> dict:
+def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
     import torch
     from megatron.bridge.training.config import runtime_config_update
     from megatron.bridge.training.gpt_step import forward_step
@@ -211,8 +216,9 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
     record["overlap_flag"] = model[0].config.overlap_moe_expert_parallel_comm
     for step in range(steps):
         MTPLossLoggingHelper.clean_metrics_in_tracker()
-        loss, skipped, *_ = train_step(step_fn, iter(batches(rank, step, mask_every)), model, optimizer, scheduler,
-                                       state, pg_collection, forward_backward, p2p)  # fmt: skip
+        data = iter(batches(rank, step, mask_every, packed))
+        loss, skipped, *_ = train_step(step_fn, data, model, optimizer, scheduler, state, pg_collection,
+                                       forward_backward, p2p)  # fmt: skip
         assert not skipped, f"step {step} was skipped"
         named = list(model[0].named_parameters())
         record["losses"].append({k: v.float().tolist() for k, v in loss.items()})
@@ -270,12 +276,12 @@ def _tensors_on_host() -> None:
     torch.tensor, torch.ones = on_host(torch.tensor), on_host(torch.ones)
 
 
-def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int) -> dict:
+def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
     from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
 
     install_cpu_stubs()
     _tensors_on_host()
-    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every) for arm in arms}
+    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed) for arm in arms}
 
 
 def main() -> None:
@@ -286,11 +292,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mask_every", type=int, default=3)
     parser.add_argument("--arms", default="plain,hook")
+    parser.add_argument("--packed", action="store_true")
     args = parser.parse_args()
     from megatron.bridge.utils.multiprocess import run_local_ranks
 
-    outcomes = run_local_ranks(rank_main, 2, (args.arms.split(","), args.mtp, args.steps, args.mask_every),
-                               collective_timeout_s=120)  # fmt: skip
+    arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed)
+    outcomes = run_local_ranks(rank_main, 2, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 
 

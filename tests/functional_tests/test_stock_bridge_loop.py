@@ -81,3 +81,24 @@ def test_without_a_loss_mask_stock_and_patched_mtp_numbers_agree(python, plugin,
     for rank in ranks:
         assert rank["hook"]["mtp_losses"] == rank["plain"]["mtp_losses"]
         assert rank["hook"]["grads"] == rank["plain"]["grads"]
+
+
+def test_a_packed_run_stops_before_its_first_step_as_a_plugin_naming_the_fix(python, plugin, tmp_path):
+    """Stock 0.6.2's forward step would hand our plan a packed microbatch without its document boundaries: the plan
+    builder sees that in Bridge's own call and refuses it, on every rank, before any optimizer step. (The other side,
+    no false alarm on padded data through the same forward step, is every other test of this file.)"""
+    run = stock_bridge.run(python, plugin, LOOP, str(tmp_path / "out.json"), "--steps", "1", "--arms", "hook",
+                           "--packed")  # fmt: skip
+    assert run.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert run.stderr.count("2 of 2 ranks failed") == 1
+    assert run.stderr.count("Megatron-Bridge's gpt_step forward step (0.6.2, unpatched)") >= 2  # both ranks
+    assert "fix: apply this project's patch (tools/upstream.py patch" in run.stderr
+    assert "optimizer.step" not in run.stderr and "in _forward_step_common" in run.stderr
+
+
+def test_with_the_patch_the_packed_parameters_reach_the_plan(python, patched, tmp_path):
+    run = stock_bridge.run(python, patched, LOOP, str(tmp_path / "out.json"), "--steps", "1", "--arms", "hook",
+                           "--packed")  # fmt: skip
+    assert run.returncode != 0
+    assert "gpt_step forward step (0.6.2, unpatched)" not in run.stderr
+    assert "packed_seq_params: packed (THD) sequences are not scheduled" in run.stderr  # refused by the plan itself

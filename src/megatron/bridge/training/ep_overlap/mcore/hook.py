@@ -43,6 +43,7 @@ from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, Microbatch
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
 from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
+from megatron.bridge.training.ep_overlap.mcore.packed_guard import DROPPED, dropped_packed_sequence
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
@@ -319,6 +320,8 @@ class EPOverlapPlanBuilder:
         if decoder_input is not None:
             given.insert(0, "decoder_input")
         missing = []
+        if dropped_packed_sequence(unsupported.get("packed_seq_params")):
+            missing.append(DROPPED)
         if self.plan.pre_process and input_ids is None:
             missing.append("input_ids are required on the first chunk")
         if self.plan.post_process and labels is None:
