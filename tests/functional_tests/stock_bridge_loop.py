@@ -30,10 +30,13 @@ SEQ, MICRO_BATCH, MICROBATCHES, VOCAB = 8, 2, 3, 64
 
 
 def local_spec(config, vp_stage=None):
-    """Megatron-Core's local (non-Transformer-Engine) decoder block spec."""
+    """Megatron-Core's local (non-Transformer-Engine) decoder block spec; its core attention the tests' THD stand-in
+    (causal within each packed document; the local attention unchanged for padded microbatches)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    from tests.unit_tests.training.ep_overlap.thd_attention import with_packed_attention
+
+    return with_packed_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage))
 
 
 def local_mtp_provider():
@@ -64,7 +67,7 @@ def local_mtp_provider():
     return LocalMTPOlMoEProvider
 
 
-def recipe(arm: str, mtp: bool, steps: int):
+def recipe(arm: str, mtp: bool, steps: int, micro_batch: int):
     """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines."""
     import torch
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
@@ -113,7 +116,7 @@ def recipe(arm: str, mtp: bool, steps: int):
     cfg = ConfigContainer(
         model=model,
         train=TrainingConfig(
-            train_iters=steps, global_batch_size=MICRO_BATCH * MICROBATCHES * 2, micro_batch_size=MICRO_BATCH
+            train_iters=steps, global_batch_size=micro_batch * MICROBATCHES * 2, micro_batch_size=micro_batch
         ),  # fmt: skip
         # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights
         # with bf16 grads, in both arms alike.
@@ -166,19 +169,21 @@ def batches(rank: int, step: int, mask_every: int, packed: bool = False):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     out = []
     for _ in range(MICROBATCHES):
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
-        loss_mask = torch.ones(MICRO_BATCH, SEQ)
+        rows = 1 if packed else MICRO_BATCH  # a packed microbatch is one row of documents
+        tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+        loss_mask = torch.ones(rows, SEQ)
         if mask_every:
             loss_mask[:, ::mask_every] = 0.0  # some tokens do not count (padding, prompts)
         out.append({
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
             "loss_mask": loss_mask,
-            "position_ids": torch.arange(SEQ)[None].expand(MICRO_BATCH, SEQ).contiguous(),
+            "position_ids": torch.arange(SEQ)[None].expand(rows, SEQ).contiguous(),
             "attention_mask": None,
         })  # fmt: skip
         if packed:
             cu_seqlens = torch.tensor([0, 5, SEQ], dtype=torch.int32)
+            out[-1]["position_ids"] = torch.cat([torch.arange(5), torch.arange(SEQ - 5)])[None]
             out[-1] |= {"cu_seqlens_q": cu_seqlens, "cu_seqlens_kv": cu_seqlens, "max_seqlen_q": torch.tensor(5),
                         "max_seqlen_kv": torch.tensor(5)}  # fmt: skip
     return out
@@ -198,7 +203,7 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    cfg = recipe(arm, mtp, steps)
+    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg

@@ -96,9 +96,11 @@ def test_a_packed_run_stops_before_its_first_step_as_a_plugin_naming_the_fix(pyt
     assert "optimizer.step" not in run.stderr and "in _forward_step_common" in run.stderr
 
 
-def test_with_the_patch_the_packed_parameters_reach_the_plan(python, patched, tmp_path):
-    run = stock_bridge.run(python, patched, LOOP, str(tmp_path / "out.json"), "--steps", "1", "--arms", "hook",
-                           "--packed")  # fmt: skip
-    assert run.returncode != 0
-    assert "gpt_step forward step (0.6.2, unpatched)" not in run.stderr
-    assert "packed_seq_params: packed (THD) sequences are not scheduled" in run.stderr  # refused by the plan itself
+def test_with_the_patch_packed_documents_train_bitwise_equal_through_bridges_loop(python, patched, tmp_path):
+    """The patched gpt_step hands the plan the packed parameters; with the tests' THD core attention (causal within
+    each document) both arms train the same numbers."""
+    ranks = _arms(python, patched, tmp_path / "out.json", "--steps", "2", "--packed")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        for what in ("losses", "grads", "params"):
+            assert rank["hook"][what] == rank["plain"][what], what

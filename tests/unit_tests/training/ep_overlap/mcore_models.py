@@ -38,6 +38,7 @@ class McoreCase:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float | None = None
     per_token_loss: bool = False  # calculate_per_token_loss
+    packed: bool = False  # core attention that runs packed (THD) microbatches (thd_attention.py)
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -126,6 +127,10 @@ def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     spec = gpt_block_spec(config, vp_stage=vp_stage)
+    if case.packed:
+        from .thd_attention import with_packed_attention
+
+        with_packed_attention(spec)
     mtp = None
     if case.mtp:
         mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, vp_stage)
@@ -203,6 +208,10 @@ def build_hybrid(
         mamba = dict(mamba_head_dim=16, mamba_num_groups=1, mamba_state_dim=16)
     else:
         dense, moe = get_gpt_layer_local_spec().submodules, get_gpt_layer_local_spec(num_experts=experts).submodules
+        if case.packed:
+            from .thd_attention import PackedCausalAttention
+
+            dense.self_attention.submodules.core_attention = PackedCausalAttention
         hybrid_block.TENorm = dense.input_layernorm
         layers = dict(
             attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(

@@ -325,12 +325,13 @@ def build_with(rank: int, world: int, argument: str) -> str:
     use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
     tokens = torch.zeros(MICRO_BATCH, SEQ, dtype=torch.long)
     extra = {
-        "packed_seq_params": PackedSeqParams(qkv_format="thd"),
+        "packed_seq_params": PackedSeqParams(qkv_format="thd"),  # but two rows: packed microbatches have one
+        "packed_seq_params_sbhd": PackedSeqParams(qkv_format="sbhd"),
         "decoder_input": torch.zeros(SEQ, MICRO_BATCH, 32),
         "padding_mask": torch.zeros(MICRO_BATCH, SEQ, dtype=torch.bool),  # as Megatron-Bridge main passes it
     }[argument]
     try:
-        model.build_schedule_plan(tokens, None, None, labels=tokens, **{argument: extra})
+        model.build_schedule_plan(tokens, None, None, labels=tokens, **{argument.removesuffix("_sbhd"): extra})
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -339,7 +340,8 @@ def build_with(rank: int, world: int, argument: str) -> str:
 @pytest.mark.parametrize(
     "argument, line",
     [
-        ("packed_seq_params", "packed_seq_params: packed (THD) sequences are not scheduled"),
+        ("packed_seq_params", "packed_seq_params: input_ids of 2 rows: a packed (THD) microbatch is one row"),
+        ("packed_seq_params_sbhd", "packed_seq_params: qkv_format='sbhd': the plan runs packed microbatches in the"),
         ("decoder_input", "decoder_input: the plan embeds input_ids on the first chunk"),
         ("padding_mask", "padding_mask: padded tokens would still be routed and counted"),
     ],

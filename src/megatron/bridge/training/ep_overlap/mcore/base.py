@@ -131,6 +131,7 @@ class McorePlan:
         # Set by embed() (only one microbatch's forward runs at a time); a chunk without the embedding computes it
         # once, for the plan's sequence length, as the model's forward does from the activation it receives.
         self.rotary_pos_emb = None
+        self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
         if not self.pre_process:
             self.rotary_pos_emb = self._rotary(torch.empty(seq, 1, 0, device=device))
         self.layers, self.layer_numbers = self._build_units()
@@ -151,10 +152,12 @@ class McorePlan:
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def _rotary(self, x_SBH: torch.Tensor):
+    def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         """The rotary embedding the layers read for the hidden states ``x_SBH`` (None without one)."""
         raise NotImplementedError
 
@@ -261,9 +264,10 @@ class McorePlan:
         loss_mask_BS: torch.Tensor | None = None,
         position_ids_BS: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
         """Final norm, the MTP layer and its loss (given ``tokens_BS``), output layer and cross-entropy: what the
-        model's forward returns when given labels."""
+        model's forward returns when given labels (and, for a packed microbatch, its packed-sequence parameters)."""
         model = self.model
         aliases = {name: tied.alias() for name, tied in self._tied.items()}
         weight = None
@@ -280,6 +284,7 @@ class McorePlan:
                 hidden_states=x_SBH,
                 attention_mask=self.attention_mask if attention_mask is None else attention_mask,
                 rotary_pos_emb=self.rotary_pos_emb,
+                packed_seq_params=packed_seq_params,
                 embedding=lambda **inputs: torch.func.functional_call(model.embedding, aliases, (), inputs),
             )
             x_SBH = process_mtp_loss(
@@ -296,6 +301,7 @@ class McorePlan:
                 tp_group=model.tp_group,
                 scale_logits_fn=model._scale_logits if self.config.use_mup else None,
                 input_ids=tokens_BS,
+                packed_seq_params=packed_seq_params,
             )
         logits, _ = model.output_layer(x_SBH, weight=weight)
         return model.compute_language_model_loss(labels_BS, model._scale_logits(logits))

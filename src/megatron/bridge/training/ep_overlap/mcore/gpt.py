@@ -38,13 +38,19 @@ class McoreGPTPlan(McorePlan):
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self.model.decoder.final_layernorm(x_SBH)
 
-    def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
+    ) -> torch.Tensor:
         """``GPTModel._preprocess``: the embedding, and the rotary embedding the next forward's layers read."""
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
-        x_SBH, self.rotary_pos_emb, *_ = self.model._preprocess(input_ids=tokens_BS, position_ids=positions)
+        x_SBH, self.rotary_pos_emb, *_ = self.model._preprocess(
+            input_ids=tokens_BS, position_ids=positions, packed_seq_params=packed_seq_params
+        )
         return x_SBH
 
-    def _rotary(self, x_SBH: torch.Tensor):
+    def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         """``GPTModel._preprocess`` given the hidden states: only its rotary embedding."""
-        _, rotary_pos_emb, *_ = self.model._preprocess(input_ids=None, position_ids=None, decoder_input=x_SBH)
+        _, rotary_pos_emb, *_ = self.model._preprocess(
+            input_ids=None, position_ids=None, decoder_input=x_SBH, packed_seq_params=packed_seq_params
+        )
         return rotary_pos_emb

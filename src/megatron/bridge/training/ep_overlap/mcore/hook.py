@@ -43,7 +43,11 @@ from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, Microbatch
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
 from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
-from megatron.bridge.training.ep_overlap.mcore.packed_guard import DROPPED, dropped_packed_sequence
+from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
+    DROPPED,
+    dropped_packed_sequence,
+    packed_problems,
+)
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
@@ -68,11 +72,6 @@ class _HostEvent:
 
 # A forward argument the plan does not take: why, and the fix (others: not scheduled by the plan; pass None).
 _UNSCHEDULED = {
-    "packed_seq_params": (
-        "packed (THD) sequences are not scheduled: the plan runs one causal mask and rotary embedding for padded "
-        "sequences of its sequence length (and Megatron-Core's local attention has no THD path)",
-        "pad the sequences and pass packed_seq_params=None",
-    ),
     "decoder_input": (
         "the plan embeds input_ids on the first chunk and receives the activation on the others",
         "pass decoder_input=None",
@@ -87,7 +86,8 @@ _UNSCHEDULED = {
 
 
 class _MicrobatchModel:
-    """One microbatch's view of a plan: its position ids, attention mask and rotary embedding."""
+    """One microbatch's view of a plan: its position ids, attention mask, rotary embedding and, for a packed (THD)
+    microbatch, its packed-sequence parameters (the document boundaries every attention and the MTP layer read)."""
 
     def __init__(
         self,
@@ -95,16 +95,23 @@ class _MicrobatchModel:
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         loss_mask: torch.Tensor | None = None,
+        packed_seq_params=None,
     ):
         self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
-        self.loss_mask = loss_mask
+        self.loss_mask, self.packed_seq_params = loss_mask, packed_seq_params
         self.pre_process, self.post_process = plan.pre_process, plan.post_process
         self.layer_numbers = plan.layer_numbers
-        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_pos_emb  # set by embed() on the first chunk
+        self.rotary_pos_emb = None  # set by embed() on the first chunk
+        if not plan.pre_process:
+            self.rotary_pos_emb = plan.rotary_pos_emb
+            if packed_seq_params is not None:  # as the model's forward computes it for the activation it receives
+                device = next(plan.parameters()).device
+                hidden_SBH = torch.empty(plan.sequence_length, 1, 0, device=device)
+                self.rotary_pos_emb = plan._rotary(hidden_SBH, packed_seq_params)
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_SBH = self.plan.embed(tokens_BS, self.position_ids)
+        x_SBH = self.plan.embed(tokens_BS, self.position_ids, self.packed_seq_params)
         self.rotary_pos_emb = self.plan.rotary_pos_emb
         return x_SBH
 
@@ -113,7 +120,7 @@ class _MicrobatchModel:
     ) -> torch.Tensor:
         """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
         return self.plan.per_token_losses(
-            x_SBH, labels_BS, tokens_BS, self.loss_mask, self.position_ids, self.attention_mask
+            x_SBH, labels_BS, tokens_BS, self.loss_mask, self.position_ids, self.attention_mask, self.packed_seq_params
         )
 
 
@@ -313,6 +320,7 @@ class EPOverlapPlanBuilder:
         decoder_input: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
+        packed_seq_params=None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
         """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward."""
@@ -320,8 +328,10 @@ class EPOverlapPlanBuilder:
         if decoder_input is not None:
             given.insert(0, "decoder_input")
         missing = []
-        if dropped_packed_sequence(unsupported.get("packed_seq_params")):
+        if dropped_packed_sequence(packed_seq_params):
             missing.append(DROPPED)
+        elif packed_seq_params is not None:
+            missing += packed_problems(self.plan, packed_seq_params, input_ids)
         if self.plan.pre_process and input_ids is None:
             missing.append("input_ids are required on the first chunk")
         if self.plan.post_process and labels is None:
@@ -343,7 +353,7 @@ class EPOverlapPlanBuilder:
         index = self._next_microbatch
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
-        view = _MicrobatchModel(self.plan, position_ids, attention_mask, loss_mask)
+        view = _MicrobatchModel(self.plan, position_ids, attention_mask, loss_mask, packed_seq_params)
         nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor

@@ -72,19 +72,22 @@ class McoreHybridPlan(McorePlan):
         decoder = self.model.decoder
         return decoder.final_norm(x_SBH) if decoder.post_layer_norm else x_SBH
 
-    def embed(self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
+    ) -> torch.Tensor:
         """What ``HybridModel.forward`` does before the stack: the embedding, and the rotary embedding the next
         forward's layers read."""
         model = self.model
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
         x_SBH = model.embedding(input_ids=tokens_BS, position_ids=positions)
-        self.rotary_pos_emb = self._rotary(x_SBH)
+        self.rotary_pos_emb = self._rotary(x_SBH, packed_seq_params)
         return x_SBH
 
-    def _rotary(self, x_SBH: torch.Tensor):
+    def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         model, kind = self.model, self.model.position_embedding_type
         if not ((kind == "rope" and not self.config.multi_latent_attention) or kind == "yarn"):
             return None
-        length = model.rotary_pos_emb.get_rotary_seq_len(None, model.decoder, x_SBH, self.config, None)
-        emb = model.rotary_pos_emb(length, packed_seq=False)
+        length = model.rotary_pos_emb.get_rotary_seq_len(None, model.decoder, x_SBH, self.config, packed_seq_params)
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        emb = model.rotary_pos_emb(length, packed_seq=thd)
         return emb[0] if kind == "yarn" else emb  # yarn also returns its mscale

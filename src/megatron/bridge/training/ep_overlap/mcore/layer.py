@@ -51,10 +51,17 @@ def uses_transformer_engine(module: torch.nn.Module) -> bool:
     return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in module.modules())
 
 
-def run_stack_layer(layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb) -> torch.Tensor:
+def run_stack_layer(
+    layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb, packed_seq_params=None
+) -> torch.Tensor:
     """One decoder layer whole, called as Megatron-Core's stacks call it (``TransformerBlock``, ``HybridStack``)."""
     if isinstance(layer, TransformerLayer):
-        out, _ = layer(hidden_states=x_SBH, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        out, _ = layer(
+            hidden_states=x_SBH,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+        )
     else:  # Mamba, GDN: no rotary embedding
         out = layer(hidden_states=x_SBH, attention_mask=attention_mask)
     return out[0] if isinstance(out, tuple) else out
@@ -113,14 +120,16 @@ class _Unit:
     plan: object
 
     def bound_to(self, context):
-        """The same unit, reading its attention mask and rotary embedding from ``context`` (one microbatch's)."""
+        """The same unit, reading its attention mask, rotary embedding and packed-sequence parameters from
+        ``context`` (one microbatch's)."""
         bound = copy.copy(self)
         bound.plan = context
         return bound
 
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
         for layer in layers:
-            x_SBH = run_stack_layer(layer, x_SBH, self.plan.attention_mask, self.plan.rotary_pos_emb)
+            plan = self.plan
+            x_SBH = run_stack_layer(layer, x_SBH, plan.attention_mask, plan.rotary_pos_emb, plan.packed_seq_params)
         return x_SBH
 
     def delayable_linears(self) -> list:
@@ -176,7 +185,10 @@ class McoreLayer(_Unit):
             )
         x_SBH = self._run(self.before, x_SBH)
         h, _ = layer._forward_attention(
-            hidden_states=x_SBH, attention_mask=self.plan.attention_mask, rotary_pos_emb=self.plan.rotary_pos_emb
+            hidden_states=x_SBH,
+            attention_mask=self.plan.attention_mask,
+            rotary_pos_emb=self.plan.rotary_pos_emb,
+            packed_seq_params=self.plan.packed_seq_params,
         )
         normed = layer._forward_pre_mlp_layernorm(h)
         if isinstance(normed, tuple):

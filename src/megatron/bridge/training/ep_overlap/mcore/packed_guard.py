@@ -38,3 +38,26 @@ def dropped_packed_sequence(packed_seq_params, *, depth: int = 2) -> bool:
             return frame.f_locals.get("packed_seq_metadata") is not None
         frame = frame.f_back
     return False
+
+
+def packed_problems(plan, packed_seq_params, input_ids) -> list[str]:
+    """What keeps the plan from running this packed microbatch as the model's forward would (empty when it can):
+    Megatron-Core packs THD microbatches into one row, and the plan runs them in that layout."""
+    problems = []
+    layout = getattr(packed_seq_params, "qkv_format", None)
+    if layout != "thd":
+        problems.append(
+            f"packed_seq_params: qkv_format={layout!r}: the plan runs packed microbatches in the THD layout; fix: "
+            "pass qkv_format='thd' (what Megatron-Bridge's get_packed_seq_params builds)"
+        )
+    if input_ids is not None and input_ids.shape[0] != 1:
+        problems.append(
+            f"packed_seq_params: input_ids of {input_ids.shape[0]} rows: a packed (THD) microbatch is one row of "
+            "concatenated documents; fix: micro_batch_size=1 with packed sequences"
+        )
+    if getattr(plan.config, "context_parallel_size", 1) > 1:
+        problems.append(
+            "packed_seq_params with context_parallel_size > 1: the plan does not partition packed rows across "
+            "context-parallel ranks; fix: context_parallel_size=1, or turn overlap_moe_expert_parallel_comm off"
+        )
+    return problems
