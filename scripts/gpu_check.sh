@@ -18,6 +18,12 @@ if [ "$gpus" -ge 2 ]; then
             --device cuda --model_impl "$impl" --expert_model_parallel_size "$gpus" --num_moe_experts $((2 * gpus)) \
             --precision bf16 -ms 6 || status=1
     done
+    if "$py" -c "import megatron.bridge.training.pretrain, transformer_engine.pytorch" 2>/dev/null; then
+        echo "== Megatron-Bridge's pretrain() with EP overlap, upstream's L2 form (tests/functional_tests)"
+        PYTHON="$py" bash tests/functional_tests/L2_Launch_ep_overlap.sh || status=1
+    else
+        echo "   L2 pretrain() check skipped: needs Megatron-Bridge's training loop (plugin or patch) and Transformer Engine"
+    fi
     if "$py" -c "import deep_ep" 2>/dev/null; then
         for backend in deepep hybridep; do
             echo "== A/B of Megatron-Core's flex dispatcher ($backend) on $gpus GPUs"
