@@ -12,8 +12,10 @@ the ``src/`` of 0.6.2 with our patch applied. What runs is Bridge's and Megatron
     * ``initialize_megatron``'s steps (not its last, compiling dataset helpers: see :func:`initialize_on_cpu`), then
       ``setup()``'s model and optimizer steps: ``_build_distributed_model`` (``provide_distributed_model``,
       ``get_model``, Megatron-Core's DDP), ``setup_optimizer`` (Megatron-Core's optimizer) and
-      ``_update_model_config_funcs`` (the grad-sync and finalize functions the driver calls), and ``train_step``
-      with Bridge's ``gpt_step.forward_step`` and ``get_batch``.
+      ``_update_model_config_funcs`` (the grad-sync and finalize functions the driver calls);
+    * Bridge's training loop ``train()`` with Bridge's ``gpt_step.forward_step`` (and its ``get_batch``), a
+      callback recording each step. ``setup()`` is the first function that does not run on a CPU host: its
+      ``initialize_megatron`` asserts CUDA (see ``docs/training/install.md``).
 
 The recipe lines are the README's first-screen snippet. Stand-ins: the tests' CPU stubs for CUDA streams and the
 current device (``mcore_cpu.install_cpu_stubs``) and the import-only Transformer Engine stand-in. Each arm writes,
@@ -197,10 +199,7 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
     from megatron.bridge.training.optim import setup_optimizer
     from megatron.bridge.training.setup import _build_distributed_model, _update_model_config_funcs
     from megatron.bridge.training.state import GlobalState
-    from megatron.bridge.training.train import train_step
-    from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.bridge.training.train import train
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH)
@@ -214,23 +213,34 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
     optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model)
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer, align_grad_reduce=cfg.dist.align_grad_reduce,
                                pg_collection=pg_collection)  # fmt: skip
-    step_fn = prepare_forward_step_func(forward_step, state)
-    forward_backward = get_forward_backward_func()
-    p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model[0].config)
     record = {"losses": [], "mtp_losses": [], "grads": [], "params": []}
     record["overlap_flag"] = model[0].config.overlap_moe_expert_parallel_comm
-    for step in range(steps):
-        MTPLossLoggingHelper.clean_metrics_in_tracker()
-        data = iter(batches(rank, step, mask_every, packed))
-        loss, skipped, *_ = train_step(step_fn, data, model, optimizer, scheduler, state, pg_collection,
-                                       forward_backward, p2p)  # fmt: skip
-        assert not skipped, f"step {step} was skipped"
-        named = list(model[0].named_parameters())
-        record["losses"].append({k: v.float().tolist() for k, v in loss.items()})
-        tracked = MTPLossLoggingHelper.tracker.get("loss_values")  # the MTP loss, summed over microbatches
-        record["mtp_losses"].append(None if tracked is None else tracked.float().tolist())
-        record["grads"].append({n: p.main_grad.float().flatten().tolist() for n, p in named})
-        record["params"].append({n: p.detach().float().flatten().tolist() for n, p in named})
+
+    # Imported after the config: imported before it (with the Transformer Engine stand-in), checkpointing reaches
+    # Megatron-Core's megatron.training package, which then asks for Transformer Engine's package metadata.
+    from megatron.bridge.training.callbacks import Callback, normalize_callbacks
+    from megatron.bridge.training.checkpointing import create_checkpoint_manager
+
+    class Keep(Callback):
+        """Each step's reduced losses, MTP loss, every main_grad and every parameter after the optimizer step."""
+
+        def on_train_step_start(self, context):
+            MTPLossLoggingHelper.clean_metrics_in_tracker()
+
+        def on_train_step_end(self, context):
+            assert not context.skipped_iter, "a step was skipped"
+            named = list(context.model[0].named_parameters())
+            record["losses"].append({k: v.float().tolist() for k, v in context.loss_dict.items()})
+            tracked = MTPLossLoggingHelper.tracker.get("loss_values")  # the MTP loss, summed over microbatches
+            record["mtp_losses"].append(None if tracked is None else tracked.float().tolist())
+            record["grads"].append({n: p.main_grad.float().flatten().tolist() for n, p in named})
+            record["params"].append({n: p.detach().float().flatten().tolist() for n, p in named})
+
+    data = iter([mb for step in range(steps) for mb in batches(rank, step, mask_every, packed)])
+    # Bridge's loop itself: train_step per iteration (zero_grad_buffer, the driver, optimizer.step), logging, exit.
+    train(forward_step, model, optimizer, scheduler, data, None, state, create_checkpoint_manager(cfg.checkpoint),
+          pg_collection, callback_manager=normalize_callbacks([Keep()]))  # fmt: skip
+    assert len(record["losses"]) == steps, record["losses"]
     built = getattr(getattr(model[0], "module", None), "module", None)  # DDP(Float16Module(GPTModel))
     builder = getattr(built, "build_schedule_plan", None)
     record["plan"] = type(builder).__name__
