@@ -243,7 +243,8 @@ def build_hybrid(
         moe_router_pre_softmax=case.topk == 1, moe_router_load_balancing_type="none",
         expert_model_parallel_size=case.world, moe_token_dispatcher_type=case.dispatcher, use_cpu_initialization=True,
         add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
-        overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp,
+        overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
+        params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
     )  # fmt: skip
     torch.manual_seed(1234)
@@ -259,7 +260,8 @@ def build_hybrid(
         post_process=post_process,
         vp_stage=vp_stage,
     )
-    return model.to(case.device)
+    model = model.to(case.device)
+    return model.bfloat16() if case.bf16 else model  # what Megatron's Float16Module does to the module
 
 
 def _local_hybrid_mtp_spec():

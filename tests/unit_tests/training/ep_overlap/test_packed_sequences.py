@@ -24,10 +24,10 @@ from .test_numerics import assert_bitwise
 SEQ, DOCUMENTS = 8, (0, 5, 8)
 
 
-def packed_params():
+def packed_params(device="cpu"):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu_seqlens = torch.tensor(DOCUMENTS, dtype=torch.int32)
+    cu_seqlens = torch.tensor(DOCUMENTS, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(DOCUMENTS[:-1], DOCUMENTS[1:]))
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
@@ -36,10 +36,11 @@ def packed_params():
 def packed_forward_step(packed: bool, data_iterator, model, return_schedule_plan: bool = False):
     tokens, labels = next(data_iterator)  # one row: a packed microbatch is one row of concatenated documents
     loss_mask = (labels % 5 != 0).float()
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS[:-1], DOCUMENTS[1:])])[None]
-    kwargs = dict(labels=labels, loss_mask=loss_mask, packed_seq_params=packed_params() if packed else None)
+    device = tokens.device
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(DOCUMENTS[:-1], DOCUMENTS[1:])])[None].to(device)
+    kwargs = dict(labels=labels, loss_mask=loss_mask, packed_seq_params=packed_params(device) if packed else None)
     # Unpacked: one causal mask over the whole row (what a plan that dropped the boundaries would run).
-    mask = None if packed else torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = None if packed else torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).triu(1)[None, None]
     loss_func = partial(masked_token_loss, loss_mask)
     if return_schedule_plan:
         return model.build_schedule_plan(tokens, positions, mask, **kwargs), loss_func
@@ -47,7 +48,11 @@ def packed_forward_step(packed: bool, data_iterator, model, return_schedule_plan
 
 
 def train_packed(rank: int, world: int, case: McoreCase) -> dict:
-    install_cpu_stubs()
+    if case.device == "cuda":
+        torch.cuda.set_device(0)
+        torch.use_deterministic_algorithms(True)
+    else:
+        install_cpu_stubs()
     init_megatron(world)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -62,7 +67,8 @@ def train_packed(rank: int, world: int, case: McoreCase) -> dict:
         losses, grads = [], []
         for step in range(2):
             gen = torch.Generator().manual_seed(100 * step + rank)
-            data = [tuple(torch.randint(0, 64, (2, 1, SEQ), generator=gen)) for _ in range(case.microbatches)]
+            data = [tuple(torch.randint(0, 64, (2, 1, SEQ), generator=gen).to(case.device))
+                    for _ in range(case.microbatches)]  # fmt: skip
             store = get_forward_backward_func()(
                 forward_step_func=partial(packed_forward_step, arm != "plain_unpacked"),
                 data_iterator=iter(data),
@@ -86,9 +92,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_packed_microbatches_run_through_the_plan_bitwise_equal(name):
-    for rank in run_local_ranks(train_packed, 2, (CASES[name],), collective_timeout_s=60):
+def check_packed(name: str, case: McoreCase, **launch) -> None:
+    for rank in run_local_ranks(train_packed, 2, (case,), collective_timeout_s=60, **launch):
         plain, overlap, unpacked = (rank.result[arm] for arm in ("plain", "overlap", "plain_unpacked"))
         for step in range(2):
             where = f"{name} rank {rank.rank} step {step}"
@@ -97,3 +102,19 @@ def test_packed_microbatches_run_through_the_plan_bitwise_equal(name):
             for param, grad in plain["grads"][step].items():
                 assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
         assert not torch.equal(plain["losses"][0], unpacked["losses"][0])  # the boundaries change the numbers
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_packed_microbatches_run_through_the_plan_bitwise_equal(name):
+    check_packed(name, CASES[name])
+
+
+@pytest.mark.gpu
+def test_packed_microbatches_with_transformer_engine_attention_on_one_gpu():
+    """Transformer Engine's attention runs THD itself (no stand-in): Megatron-Core's hybrid TE spec, 2 gloo ranks."""
+    pytest.importorskip("transformer_engine.pytorch")
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    case = HybridCase(pattern="*E*E", te=True, rope=True, bf16=True, device="cuda", microbatches=3)
+    check_packed("hybrid-te-*E*E", case, start_method="spawn")
