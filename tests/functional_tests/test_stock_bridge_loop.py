@@ -104,3 +104,20 @@ def test_with_the_patch_packed_documents_train_bitwise_equal_through_bridges_loo
         _assert_the_hook_ran_our_plan(rank, 2)
         for what in ("losses", "grads", "params"):
             assert rank["hook"][what] == rank["plain"][what], what
+
+
+def test_the_readme_recipe_is_the_one_these_tests_run():
+    """The README's first-screen snippet, line for line, is the recipe ``stock_bridge_loop.py`` runs; its last line,
+    ``pretrain(cfg, forward_step)``, is what that script runs step by step up to ``train()`` (``setup()`` needs
+    CUDA)."""
+    import re
+    import textwrap
+
+    readme = (stock_bridge.ROOT / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    *recipe, last = [line for line in snippet.splitlines() if line.strip()]
+    assert last.startswith("pretrain(cfg, forward_step)")
+    script = LOOP.read_text()
+    block = script[script.index("# ---- the README's recipe lines ----") : script.index("# ---- end of the recipe")]
+    ours = [line for line in textwrap.dedent(block.split("\n", 1)[1]).splitlines() if line.strip()]
+    assert ours == recipe
