@@ -48,8 +48,9 @@ def _assert_the_hook_ran_our_plan(rank: dict, steps: int) -> None:
     assert len(hook["losses"]) == steps and all(any(v != 0.0 for v in g) for g in hook["grads"][-1].values())
 
 
-def test_the_readme_recipe_in_bridges_own_loop_is_bitwise_equal_as_a_plugin(python, plugin, tmp_path):
-    ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "3")
+@pytest.mark.parametrize("mode", ["plugin", "patched"])
+def test_the_readme_recipe_in_bridges_own_loop_is_bitwise_equal(python, mode, request, tmp_path):
+    ranks = _arms(python, request.getfixturevalue(mode), tmp_path / "out.json", "--steps", "3")
     for rank in ranks:
         _assert_the_hook_ran_our_plan(rank, 3)
         for what in ("losses", "grads", "params"):  # every main_grad and parameter after each step
