@@ -59,12 +59,19 @@ class RegistryUnreachable(RuntimeError):
     pass
 
 
+# What pip says when it cannot reach an index (any other failure is an error of the test environment, not a skip).
+_UNREACHABLE = ("Could not fetch URL", "Failed to establish a new connection", "Temporary failure in name resolution",
+                "Network is unreachable", "No matching distribution found", "Read timed out")  # fmt: skip
+
+
 def _pip(python: Path, *args: str) -> None:
     try:
         subprocess.run([sys.executable, "-m", "pip", "-q", "--python", str(python), *args], check=True,
                        capture_output=True, text=True)  # fmt: skip
     except subprocess.CalledProcessError as exc:
-        raise RegistryUnreachable(exc.stderr.strip().splitlines()[-1:]) from exc
+        if any(sign in exc.stderr for sign in _UNREACHABLE):
+            raise RegistryUnreachable(exc.stderr.strip().splitlines()[-1:]) from exc
+        raise RuntimeError(f"pip {' '.join(args)} failed: {exc.stderr.strip()[-2000:]}") from exc
 
 
 def scratch_env() -> Path:

@@ -73,19 +73,8 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int):
     """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines."""
     import torch
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        DistributedDataParallelConfig,
-        DistributedInitConfig,
-        LoggerConfig,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        RNGConfig,
-        SchedulerConfig,
-        TokenizerConfig,
-        TrainingConfig,
-    )
+
+    from tests.functional_tests.bridge_config import small_config
 
     model = (local_mtp_provider() if mtp else OlMoEModelProvider)(
         transformer_layer_spec=local_spec,
@@ -115,39 +104,11 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int):
         params_dtype=torch.bfloat16,
         mtp_num_layers=1 if mtp else None,
     )
-    cfg = ConfigContainer(
-        model=model,
-        train=TrainingConfig(
-            train_iters=steps, global_batch_size=micro_batch * MICROBATCHES * 2, micro_batch_size=micro_batch
-        ),  # fmt: skip
-        # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights
-        # with bf16 grads, in both arms alike.
-        optimizer=OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            min_lr=0.0,
-            bf16=False,
-            use_distributed_optimizer=False,
-            clip_grad=0.0,
-            weight_decay=0.0,
-        ),  # fmt: skip
-        scheduler=SchedulerConfig(
-            lr_decay_style="constant",
-            lr_warmup_iters=0,
-            start_weight_decay=0.0,
-            end_weight_decay=0.0,
-            weight_decay_incr_style="constant",
-        ),  # fmt: skip
-        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=False, use_distributed_optimizer=False),
-        dataset=MockGPTDatasetConfig(
-            random_seed=1, seq_length=SEQ, reset_attention_mask=False, reset_position_ids=False, eod_mask_loss=False
-        ),  # fmt: skip
-        logger=LoggerConfig(),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=VOCAB),
-        checkpoint=CheckpointConfig(),
-        rng=RNGConfig(seed=1234),
-        dist=DistributedInitConfig(distributed_backend="gloo"),
-    )
+    # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights with
+    # bf16 grads, in both arms alike.
+    cfg = small_config(model, steps=steps, global_batch=micro_batch * MICROBATCHES * 2, micro_batch=micro_batch,
+                       seq=SEQ, vocab=VOCAB, lr=1e-2, bf16_optimizer=False, clip_grad=0.0, grad_reduce_in_fp32=False,
+                       dist={"distributed_backend": "gloo"})  # fmt: skip
     if arm == "hook":
         # ---- the README's recipe lines ----
         from functools import partial

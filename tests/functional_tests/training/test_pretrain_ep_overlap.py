@@ -43,61 +43,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_missing() is not None, reason
 
 def _recipe(arm: str):
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
-    from megatron.bridge.training.config import (
-        CheckpointConfig,
-        ConfigContainer,
-        DistributedDataParallelConfig,
-        DistributedInitConfig,
-        LoggerConfig,
-        MockGPTDatasetConfig,
-        OptimizerConfig,
-        RNGConfig,
-        SchedulerConfig,
-        TokenizerConfig,
-        TrainingConfig,
-    )
 
     from megatron.bridge.training.comm_overlap import CommOverlapConfig
+    from tests.functional_tests.bridge_config import small_config
 
     world = torch.distributed.get_world_size()
     model = OlMoEModelProvider(num_layers=2, hidden_size=256, ffn_hidden_size=512, moe_ffn_hidden_size=128,
                                num_attention_heads=4, num_query_groups=4, kv_channels=64, num_moe_experts=2 * world,
                                moe_router_topk=2, expert_model_parallel_size=world, seq_length=SEQ, vocab_size=1024,
                                make_vocab_size_divisible_by=128, bf16=True, params_dtype=torch.bfloat16)  # fmt: skip
-    cfg = ConfigContainer(
-        model=model,
-        train=TrainingConfig(train_iters=ITERATIONS, global_batch_size=8 * world, micro_batch_size=1),
-        optimizer=OptimizerConfig(
-            optimizer="adam",
-            lr=3e-4,
-            min_lr=0.0,
-            bf16=True,
-            use_distributed_optimizer=False,
-            clip_grad=1.0,
-            weight_decay=0.0,
-        ),  # fmt: skip
-        scheduler=SchedulerConfig(
-            lr_decay_style="constant",
-            lr_warmup_iters=0,
-            start_weight_decay=0.0,
-            end_weight_decay=0.0,
-            weight_decay_incr_style="constant",
-        ),  # fmt: skip
-        ddp=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
-        dataset=MockGPTDatasetConfig(
-            random_seed=1234,
-            seq_length=SEQ,
-            reset_attention_mask=False,
-            reset_position_ids=False,
-            eod_mask_loss=False,
-            num_workers=0,
-        ),  # fmt: skip
-        logger=LoggerConfig(log_interval=1),
-        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=1024),
-        checkpoint=CheckpointConfig(),
-        rng=RNGConfig(seed=1234),
-        dist=DistributedInitConfig(distributed_timeout_minutes=TIMEOUT_MINUTES),
-    )
+    cfg = small_config(model, steps=ITERATIONS, global_batch=8 * world, micro_batch=1, seq=SEQ, vocab=1024, lr=3e-4,
+                       bf16_optimizer=True, clip_grad=1.0, grad_reduce_in_fp32=True, log_interval=1,
+                       dist={"distributed_timeout_minutes": TIMEOUT_MINUTES})  # fmt: skip
     if arm == "mcore":
         cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True)
     elif arm in ("hook", "hook_delayed"):
