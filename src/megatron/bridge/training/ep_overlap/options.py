@@ -8,6 +8,8 @@ problem with its fix, the same line wherever it is checked.
 from dataclasses import dataclass
 from typing import Any
 
+WGRAD_WINDOWS = (1, 2)  # where a paired layer step may put the previous layer's delayed attention wgrad
+
 
 @dataclass(frozen=True)
 class EPOverlapOptions:

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
 from megatron.bridge.training.ep_overlap.engine import Engine, StepRecorder, StepResult
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, step_by_wgrad_window
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 

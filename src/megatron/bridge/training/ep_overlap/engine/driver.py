@@ -53,6 +53,7 @@ from megatron.bridge.training.ep_overlap.engine.plain import PlainRun, PlainTime
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder, StepStats
 from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import OPS, ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
@@ -87,7 +88,7 @@ def _group_size(group) -> int:
 
 
 # Where a P2P transfer of each kind meets a unit's chunk I/O: (what it receives into, what sends it).
-_IO = {"F": ("input", "send_output"), "B": ("grad", "send_grad")}
+_IO = {FORWARD: ("input", "send_output"), BACKWARD: ("grad", "send_grad")}
 
 
 def _connect(step: Step, runners: dict, p2p: PipelineP2P) -> None:
@@ -308,7 +309,7 @@ class Engine:
                     _connect(step, bound, p2p)
                 run_ops(step.ops, bound)
                 for member in step.units:
-                    if member.role == "F" and self.chunks[member.virtual].post_process:
+                    if member.role == FORWARD and self.chunks[member.virtual].post_process:
                         losses.setdefault(member.microbatch, []).append(bound[member.unit].loss)
                     if member.done:
                         del runners[(member.unit, member.virtual)]

@@ -43,6 +43,7 @@ from megatron.bridge.training.ep_overlap.engine.records import (
     HostClock,
     StepRecorder,
 )
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.utils.multiprocess import heartbeat
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
 
@@ -97,7 +98,7 @@ def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | No
     """The NVTX range of a node: ``ep_overlap/<compute|comm|p2p>/<F|B>.<node>/L<layer>/mb<microbatch>``; a backward
     or wgrad node is ``B`` (``combine_bwd`` -> ``B.combine``) unless ``role`` says, the embedding (layer -1) and a
     pipeline transfer have no ``L``."""
-    role = role or ("B" if name.endswith(("_bwd", "wgrad")) else "F")
+    role = role or (BACKWARD if name.endswith(("_bwd", "wgrad")) else FORWARD)
     base = name[: -len("_bwd")] if name.endswith("_bwd") else name
     where = f"/L{layer}" if layer >= 0 else ""
     return f"ep_overlap/{kind}/{role}.{base}{where}/mb{microbatch}"

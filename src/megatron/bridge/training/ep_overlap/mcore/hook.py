@@ -36,7 +36,6 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
 from megatron.bridge.training.ep_overlap.engine.driver import run_ops
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
@@ -48,7 +47,8 @@ from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     dropped_packed_sequence,
     packed_problems,
 )
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.logging import warn_rank0
@@ -210,14 +210,14 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         # Megatron-Core's P2P hooks run once per forward and per backward, activation first: they also post the
         # receives of later steps. The first and last chunks send nothing (None), as in Megatron-Core's plan.
         def post_f(x: torch.Tensor | None) -> None:
-            posted.add("F")
+            posted.add(FORWARD)
             if post_forward is not None:
                 post_forward(x, f_schedule_plan.vp_stage)
 
         def post_b(grad: torch.Tensor | None) -> None:
-            if f is not None and "F" not in posted:
+            if f is not None and FORWARD not in posted:
                 post_f(None)
-            posted.add("B")
+            posted.add(BACKWARD)
             if post_backward is not None:
                 post_backward(grad, b_schedule_plan.vp_stage)
 
@@ -261,9 +261,9 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
             window=builder.options.attention_wgrad_window,
         )
         run_ops([op for window in windows for op in window.ops], {0: f, 1: b})
-        if f is not None and "F" not in posted:
+        if f is not None and FORWARD not in posted:
             post_f(None)
-        if b is not None and "B" not in posted:
+        if b is not None and BACKWARD not in posted:
             post_b(None)
         if b is not None:
             session.in_flight.discard((id(b_schedule_plan.builder), b.mb))
@@ -371,8 +371,10 @@ def use_ep_overlap_schedule(
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the model is outside what the plan supports (another model class, MTP, tied embeddings,
-            biases, a dispatcher other than ``alltoall``, RoPE on a chunk without the embedding).
+        ValueError: When the model is outside what the plan supports (another model class, more than one MTP layer,
+            biases, fused residual norms, full recompute, selective recompute of ``moe`` or ``layernorm``, NCCL EP's
+            zero-copy buffers, multimodal rotary positions; the list with what is supported, MTP, tied embeddings,
+            the flex dispatcher and packed sequences among them: ``docs/training/megatron-core-integration.md``).
     """
     config = models[0].config
     groups = mcore_ep_groups(timeout)

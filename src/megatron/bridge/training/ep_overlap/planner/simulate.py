@@ -27,8 +27,8 @@ Contract:
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from megatron.bridge.training.ep_overlap.contract import WGRAD_WINDOWS
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Op, program, unit_ops
 
 PHASES = ("warmup", "paired", "cooldown", "plain")
@@ -188,7 +188,7 @@ _BYTES = {"dispatch": "dispatch_bytes", "dispatch_bwd": "dispatch_bytes", "combi
 def _charge(sim: _Sim, op: Op, costs: StepCosts, shape: ChunkShape, delay: bool) -> None:
     """What ``op`` costs one rank (P2P ops do not occur: the planner simulates PP = 1)."""
     if op.kind == "plain":  # a whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once
-        for sub in unit_ops("F" if op.name == "forward" else "B", op.unit, shape, delay=False):
+        for sub in unit_ops(FORWARD if op.name == "forward" else BACKWARD, op.unit, shape, delay=False):
             _charge(sim, sub, costs, shape, delay=False)
         return
     layer = None if op.layer is None else costs.layers[op.layer]

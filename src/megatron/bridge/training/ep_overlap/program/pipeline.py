@@ -21,8 +21,17 @@ Contract:
 """
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-FORWARD, BACKWARD = "F", "B"
+
+class Role(StrEnum):
+    """Which half of a microbatch's work: its forward or its backward (the letters of the text forms)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+FORWARD, BACKWARD = Role.FORWARD, Role.BACKWARD
 
 
 @dataclass(frozen=True)

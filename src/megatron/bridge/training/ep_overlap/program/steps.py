@@ -28,7 +28,7 @@ import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD, Transfer, pipeline_schedule
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Transfer, pipeline_schedule
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 
 # (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation, "g" the gradient.
@@ -226,7 +226,7 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay: bool) -> list[Op]:
 
 
 def _alone(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
-    role, (u,), shape = (FORWARD, f, fs) if f else ("B", b, bs)
+    role, (u,), shape = (FORWARD, f, fs) if f else (BACKWARD, b, bs)
     return [Window("alone", tuple(unit_ops(role, u, shape, delay)))]
 
 
@@ -357,9 +357,9 @@ def program(
         edge_pairing=options.edge_pairing,
     )  # fmt: skip
     for s in steps:
-        sides = [(FORWARD, s.forward), ("B", s.backward), (FORWARD if s.forward else "B", s.partner)]
+        sides = [(FORWARD, s.forward), (BACKWARD, s.backward), (FORWARD if s.forward else BACKWARD, s.partner)]
         members = [
-            StepUnit(role, u, unit.microbatch, unit.half, at[1], role == "B" or forward_only)
+            StepUnit(role, u, unit.microbatch, unit.half, at[1], role == BACKWARD or forward_only)
             for role, at in sides
             if at is not None
             for u, unit in of[at[0]]
@@ -367,7 +367,7 @@ def program(
         if len({m.unit for m in members}) != len(members):  # ops name their unit: a step holds each unit once
             raise RuntimeError(f"pipeline step {s} runs a unit twice")
         f = [m.unit for m in members if m.role == FORWARD]
-        b = [m.unit for m in members if m.role == "B"]
+        b = [m.unit for m in members if m.role == BACKWARD]
         fs = shapes[s.forward[1]] if s.forward else None
         bs = shapes[s.backward[1]] if s.backward else (shapes[s.partner[1]] if s.partner else None)
         if not overlap:
