@@ -17,7 +17,6 @@ from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipe
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.training.ep_overlap.program.pipeline import (
     pipeline_schedule,
-    schedule_actions,
     simulate,
     virtual_order,
     warmup_count,
@@ -39,9 +38,6 @@ def test_pp1_is_the_engines_microbatch_order():
             ("warmup", (0, 0), None),
             *(("paired", (i + 1, 0), (i, 0)) for i in range(n - 1)),
             ("cooldown", None, (n - 1, 0)),
-        ]
-        assert [(a.forward, a.backward) for a in schedule_actions(n)] == [
-            (None if s.forward is None else s.forward[0], None if s.backward is None else s.backward[0]) for s in steps
         ]
         assert all(not s.recv and not s.send for s in steps)
 

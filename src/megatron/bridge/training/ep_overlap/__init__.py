@@ -1,14 +1,6 @@
-"""EP overlap: a rank's training step as one schedule program, run three ways.
-
-    program/    the schedule as data: which units each step runs, and its windows of ops (no torch)
-    engine/     executes the program with torch: nodes, comm lanes, P2P, records, the plain path
-    planner/    prices the program before a run (no torch)
-    mcore/      Megatron-Core models, and the hook that runs the program's steps inside Megatron-Core's driver
-    options.py  the schedule's options; contract.py what a model implements; placement.py the engine users
-                build (``EPOverlapEngine``)
-
-Beside it, for Megatron-Bridge: ``training/ep_overlap_config.py`` (the recipe's config) and
-``training/ep_overlap_step.py`` (Bridge-style ``forward_step``/``train_step``).
+"""EP overlap: a rank's training step as one schedule program, run three ways: ``program/`` (the schedule as data),
+``engine/`` (executes it), ``planner/`` (prices it) and ``mcore/`` (Megatron-Core models, and the hook that runs the
+program's steps inside Megatron-Core's driver). What each file holds: the README's Layout table.
 
 Names are loaded on first use, so importing the planner or the program loads no torch.
 """
@@ -17,8 +9,6 @@ import importlib
 
 _NAMES = {
     "IGNORE_INDEX": "contract",
-    "Action": "program.pipeline",
-    "schedule_actions": "program.pipeline",
     "layer_step": "program.steps",
     "program": "program.steps",
     "EPOverlapOptions": "options",

@@ -229,28 +229,3 @@ def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
         *(PipelineStep("paired", (i + 2, 0), (i, 0)) for i in range(n - 2)),
         PipelineStep("cooldown", None, (n - 2, 0), partner=(n - 1, 0)),
     ]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of the PP = 1 driver: the forward of a microbatch, its backward, or both paired."""
-
-    phase: str  # "warmup", "paired" or "cooldown"
-    forward: int | None
-    backward: int | None
-    partner: int | None = None  # a second forward (warm-up) or backward (cool-down) under edge pairing
-
-
-def schedule_actions(num_microbatches: int, edge_pairing: bool = False) -> list[Action]:
-    """:func:`pipeline_schedule` for PP = 1 with overlap, by microbatch (what the planner simulates): F(0); F(i+1)
-    paired with B(i) for i = 0..N-2; B(N-1). With one microbatch nothing is paired. With ``edge_pairing``:
-    F(0) with F(1); F(i+2) with B(i); B(N-2) with B(N-1)."""
-    return [
-        Action(
-            step.phase,
-            None if step.forward is None else step.forward[0],
-            None if step.backward is None else step.backward[0],
-            None if step.partner is None else step.partner[0],
-        )
-        for step in pipeline_schedule(1, 1, num_microbatches, 0, overlap=True, edge_pairing=edge_pairing)
-    ]
