@@ -80,3 +80,16 @@ def test_auto_placement_with_pipelines_is_refused():
 def test_a_window_that_is_not_one_or_two_or_none_is_refused(window):
     with pytest.raises(ValueError, match=r"\[attention_wgrad_window\] ep_overlap.attention_wgrad_window="):
         EPOverlapEngine(_chunk(), None, overlap=True, attention_wgrad_window=window)
+
+
+def test_a_chunk_without_the_declared_hooks_is_refused_naming_the_base_class():
+    # The engine calls every chunk's hooks (contract.ChunkHooks) and reads every layer's (LayerHooks) directly.
+    with pytest.raises(TypeError, match=r"SimpleNamespace: a model chunk the engine runs inherits .*ChunkHooks"):
+        EPOverlapEngine(_chunk(), None, overlap=True)
+    from megatron.bridge.training.ep_overlap.contract import ChunkHooks
+
+    class Chunk(ChunkHooks):
+        config, layers = _chunk().config, [SimpleNamespace()]
+
+    with pytest.raises(TypeError, match=r"SimpleNamespace: a layer the engine runs inherits .*LayerHooks"):
+        EPOverlapEngine(Chunk(), None, overlap=True)

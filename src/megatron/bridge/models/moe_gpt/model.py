@@ -52,6 +52,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     start_split_exchange,
     unpermute,
 )
+from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
@@ -123,7 +124,7 @@ def _causal_attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.
     return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
 
 
-class TransformerLayer(torch.nn.Module):
+class TransformerLayer(LayerHooks, torch.nn.Module):
     """One layer: attention and a dense or MoE MLP, split into the schedule's node functions."""
 
     def __init__(self, config: MoEGPTConfig, layer_number: int, groups: EPGroups):
@@ -314,7 +315,7 @@ def _generator(seed: int, *key: int) -> torch.Generator:
 EMBEDDING_KEY, HEAD_KEY = -1, -2  # generator keys of the non-layer weights
 
 
-class MoEGPTModel(torch.nn.Module):
+class MoEGPTModel(ChunkHooks, torch.nn.Module):
     """Embedding, transformer layers, final norm, untied LM head and token-summed cross-entropy.
 
     Args:

@@ -64,12 +64,8 @@ class ChunkModel(Protocol):
     input, for a head that reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation
     between chunks; a whole model also a plain ``__call__(tokens, labels, normalizer)``.
 
-    Optional: ``start_step(loss)``, called before a step's first op with the step's :class:`StepLoss` (a chunk whose
-    auxiliary losses set their own backward scale sets it from there), to drop what a failed step left, and
-    ``finish_step()``, called when the step ended (done or failed), to put back what ``start_step`` changed
-    outside the chunk; ``sync_pipeline_copies(groups)``,
-    called with the data-parallel gradient sum, for a weight this chunk shares with a chunk on another pipeline
-    stage; and ``update_router_biases(groups)``, called once per training step after the gradient sync."""
+    A chunk class also inherits :class:`ChunkHooks` (the hooks the engine calls on every chunk, with no-op
+    defaults), and each of its layers :class:`LayerHooks`."""
 
     config: Any
     vocab_size: int
@@ -96,6 +92,59 @@ class StepLoss:
     units: int  # microbatches that carry a loss (a chunked one's halves count two)
     data_parallel: int  # ranks the engine sums non-expert gradients over
     tokens: float  # tokens that count, over every microbatch of every rank
+
+
+class ChunkHooks:
+    """The hooks the engine calls on every chunk besides :class:`ChunkModel`'s functions, declared once with no-op
+    defaults; a chunk class inherits this and overrides what it needs."""
+
+    sequence_length: int | None = None  # the sequence length the chunk takes (None: any)
+
+    def start_step(self, loss: StepLoss) -> None:
+        """Called before a step's first op with the step's :class:`StepLoss`: a chunk whose auxiliary losses set their
+        own backward scale sets it here, and drops what a failed step left."""
+
+    def finish_step(self) -> None:
+        """Called when the step ended (done or failed), last started first: puts back what :meth:`start_step`
+        changed outside the chunk."""
+
+    def sync_pipeline_copies(self, groups: Any) -> None:
+        """Called after the data-parallel gradient sum: sums the gradients of a weight this chunk shares with a
+        chunk on another pipeline stage."""
+
+    def update_router_biases(self, groups: Any) -> None:
+        """Called once per training step after the gradient sync: aux-loss-free load balancing moves its biases."""
+
+
+class LayerHooks:
+    """What the engine reads on every layer besides :class:`LayerFunctions`, with its defaults; a layer class
+    inherits this and sets what differs."""
+
+    owns_comm: bool = False  # the layer's own functions run its all-to-alls (a fused dispatcher's), not the lane
+    exchange_splits_off_host: bool = False  # exchange_splits touches only its routing and the EP metadata group, so
+    # a lane may run it off the host thread
+
+
+def check_contract(chunks: list) -> None:
+    """Every chunk inherits :class:`ChunkHooks` and every layer :class:`LayerHooks` (the engine calls their hooks
+    without asking whether they are there).
+
+    Raises:
+        TypeError: Naming the class that does not, and the fix.
+    """
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkHooks):
+            raise TypeError(
+                f"{type(chunk).__name__}: a model chunk the engine runs inherits "
+                "megatron.bridge.training.ep_overlap.contract.ChunkHooks (its hooks, with no-op defaults); fix: add "
+                "it to the class's bases"
+            )
+        for layer in chunk.layers:
+            if not isinstance(layer, LayerHooks):
+                raise TypeError(
+                    f"{type(layer).__name__}: a layer the engine runs inherits "
+                    "megatron.bridge.training.ep_overlap.contract.LayerHooks; fix: add it to the class's bases"
+                )
 
 
 class DelayableLinear(Protocol):

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import StepLoss, check_no_pending_wgrads
+from megatron.bridge.training.ep_overlap.contract import StepLoss, check_contract, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.engine.grads import HeldGradients, delayable_linears, sync_grads
 from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, check_finite, loss_token_count
 from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
@@ -142,9 +142,10 @@ class Engine:
         options = options or EPOverlapOptions(**fields)
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         config = self.chunks[0].config
-        violations = check_ep_overlap_options(config, options)
+        violations = check_ep_overlap_options(config, options)  # the options first: they need only the config
         if violations:
             raise CommOverlapConfigError(violations)
+        check_contract(self.chunks)
         problems = _layout_problems(self.chunks, config, groups)
         if problems:
             raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))
@@ -170,7 +171,7 @@ class Engine:
             return "it launches the overlapped schedule's all-to-alls, and overlap is off"
         if device.type != "cpu":
             return f"it is the CPU lane's; this model is on {device.type}"
-        if not all(getattr(layer, "exchange_splits_off_host", False) for c in self.chunks for layer in c.layers):
+        if not all(layer.exchange_splits_off_host for c in self.chunks for layer in c.layers):
             return "a layer of this model does not allow its split exchange off the host (exchange_splits_off_host)"
         return None
 
@@ -220,9 +221,7 @@ class Engine:
         held = None if forward_only else HeldGradients(self._named_parameters())
         loss = StepLoss(len(microbatches) + len(split), _group_size(self.groups.dp_group), normalizer)
         for chunk in self.chunks:
-            start_step = getattr(chunk, "start_step", None)
-            if start_step is not None:
-                start_step(loss)
+            chunk.start_step(loss)
         failed = True
         saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
         lane.saved = saved
@@ -234,9 +233,7 @@ class Engine:
             if held is not None:
                 for chunk in self.chunks:
                     sync_grads(chunk, self.groups)
-                    sync_pipeline_copies = getattr(chunk, "sync_pipeline_copies", None)
-                    if sync_pipeline_copies is not None:
-                        sync_pipeline_copies(self.groups)
+                    chunk.sync_pipeline_copies(self.groups)
                 held.restore(add=True)
             failed = False
         finally:
@@ -244,14 +241,10 @@ class Engine:
             if failed and held is not None:
                 held.restore(add=False)
             for chunk in reversed(self.chunks):  # last started, first finished: each puts back what it found
-                finish_step = getattr(chunk, "finish_step", None)
-                if finish_step is not None:
-                    finish_step()
+                chunk.finish_step()
         if not forward_only:
             for chunk in self.chunks:
-                update_router_biases = getattr(chunk, "update_router_biases", None)
-                if update_router_biases is not None:
-                    update_router_biases(self.groups)
+                chunk.update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder, saved.peak_bytes)

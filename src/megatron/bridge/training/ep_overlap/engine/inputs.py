@@ -88,7 +88,7 @@ def loss_token_count(microbatches: list[Microbatch], chunks: list, split: set[in
     """
     rank, world = _rank_and_world()
     chunk = chunks[0]
-    problems = _microbatch_problems(microbatches, chunk.vocab_size, getattr(chunk, "sequence_length", None), split)
+    problems = _microbatch_problems(microbatches, chunk.vocab_size, chunk.sequence_length, split)
     problems = [f"rank {rank}: {p}" for p in problems]
     # [tokens that count, then per rank: a "bad input" flag and its shape]: one small collective for all of it.
     per_rank = 1 + len(AGREED)

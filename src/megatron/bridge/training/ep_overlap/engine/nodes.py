@@ -65,7 +65,7 @@ class LayerNodes:
     def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
         self.routing = None
-        self.owns_comm = getattr(layer, "owns_comm", False)
+        self.owns_comm = layer.owns_comm
 
     @property
     def _fused(self) -> bool:

@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, process_mtp_loss
 
-from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, StepLoss
+from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
@@ -79,7 +79,7 @@ class TiedWeight:
         return grad + self.held.popleft() if self.held else None
 
 
-class McorePlan:
+class McorePlan(ChunkHooks):
     """A Megatron-Core language model (or a pipeline chunk) for the engine. Subclasses set ``layers`` (the
     schedule's units) and ``layer_numbers`` in :meth:`_build_units`, and give :meth:`embed` and :meth:`_final_norm`.
 

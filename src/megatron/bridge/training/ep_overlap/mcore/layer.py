@@ -40,6 +40,8 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.bridge.training.ep_overlap.contract import LayerHooks
+
 
 def _as_list(splits) -> list[int]:
     if isinstance(splits, torch.Tensor | np.ndarray):
@@ -113,7 +115,7 @@ class McoreRouting:
         self.save()
 
 
-class _Unit:
+class _Unit(LayerHooks):
     """What every unit shares: a name, the plan it reads masks from (or one microbatch's view), the stack call."""
 
     name: str
