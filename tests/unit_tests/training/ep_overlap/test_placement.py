@@ -84,12 +84,15 @@ def test_a_window_that_is_not_one_or_two_or_none_is_refused(window):
 
 def test_a_chunk_without_the_declared_hooks_is_refused_naming_the_base_class():
     # The engine calls every chunk's hooks (contract.ChunkHooks) and reads every layer's (LayerHooks) directly.
-    with pytest.raises(TypeError, match=r"SimpleNamespace: a model chunk the engine runs inherits .*ChunkHooks"):
-        EPOverlapEngine(_chunk(), None, overlap=True)
     from megatron.bridge.training.ep_overlap.contract import ChunkHooks
 
+    chunk = _chunk()
+    chunk.config.bf16, chunk.config.ep_overlap_schedule = True, "bridge"
+    with pytest.raises(TypeError, match=r"SimpleNamespace: a model chunk the engine runs inherits .*ChunkHooks"):
+        EPOverlapEngine(chunk, None, overlap=True)
+
     class Chunk(ChunkHooks):
-        config, layers = _chunk().config, [SimpleNamespace()]
+        config, layers = chunk.config, [SimpleNamespace()]
 
     with pytest.raises(TypeError, match=r"SimpleNamespace: a layer the engine runs inherits .*LayerHooks"):
         EPOverlapEngine(Chunk(), None, overlap=True)
