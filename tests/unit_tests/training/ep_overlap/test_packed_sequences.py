@@ -118,3 +118,82 @@ def test_packed_microbatches_with_transformer_engine_attention_on_one_gpu():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     case = HybridCase(pattern="*E*E", te=True, rope=True, bf16=True, device="cuda", microbatches=3)
     check_packed("hybrid-te-*E*E", case, start_method="spawn")
+
+
+def train_packed_engine(rank: int, world: int, case: McoreCase) -> dict:
+    """The engine (``EPOverlapEngine``) on ``(tokens, labels, packed_seq_params)`` microbatches: plain and overlapped,
+    and the same rows unpacked."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+
+    groups = mcore_ep_groups(timedelta(seconds=30))
+    out = {}
+    for arm in ("plain", "overlap", "plain_unpacked"):
+        model = build_model(case)
+        engine = EPOverlapEngine(plan_for(model), groups, overlap=arm == "overlap")
+        losses, grads = [], []
+        for step in range(2):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            data = [tuple(torch.randint(0, 64, (2, 1, SEQ), generator=gen)) for _ in range(case.microbatches)]
+            if arm != "plain_unpacked":
+                data = [(tokens, labels, packed_params()) for tokens, labels in data]
+            losses.append(torch.stack(engine.step(data).losses))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            model.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads}
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt-rope", "hybrid-*E*E-rope"])
+def test_the_engine_runs_packed_microbatches_bitwise_equal(name):
+    for rank in run_local_ranks(train_packed_engine, 2, (CASES[name],), collective_timeout_s=60):
+        plain, overlap, unpacked = (rank.result[arm] for arm in ("plain", "overlap", "plain_unpacked"))
+        for step in range(2):
+            where = f"{name} engine rank {rank.rank} step {step}"
+            assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} losses")
+            for param, grad in plain["grads"][step].items():
+                assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+        assert not torch.equal(plain["losses"][0], unpacked["losses"][0])
+
+
+def test_the_reference_model_refuses_packed_microbatches_naming_the_fix():
+    from megatron.bridge.models.moe_gpt import MoEGPTModel
+
+    from .workers import Case
+
+    model = MoEGPTModel(Case(world=1, ep=1).config())
+    with pytest.raises(ValueError, match=r"MoEGPTModel: packed \(THD\) microbatches need a model whose attention"):
+        model.with_packed_sequences(packed_params())
+
+
+def _refused(rank: int, world: int, kind: str) -> str:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+
+    rows, packed = (2, packed_params()) if kind == "rows" else (1, PackedSeqParams(qkv_format="sbhd"))
+    engine = EPOverlapEngine(plan_for(build_model(McoreCase(packed=True))), mcore_ep_groups(timedelta(seconds=30)),
+                             overlap=True)  # fmt: skip
+    tokens = torch.zeros(rows, SEQ, dtype=torch.long)
+    try:
+        engine.step([(tokens, tokens, packed)])
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    "kind, line",
+    [
+        ("rows", "microbatch 0: a packed (THD) microbatch is one row of concatenated documents, got tokens (2, 8)"),
+        ("layout", "microbatch 0: packed_seq_params with qkv_format='sbhd'; fix: qkv_format='thd'"),
+    ],
+)
+def test_the_engine_refuses_a_packed_microbatch_it_cannot_run(kind, line):
+    for outcome in run_local_ranks(_refused, 2, (kind,)):
+        assert line in outcome.result, outcome.result

@@ -115,6 +115,14 @@ class ChunkHooks:
     def update_router_biases(self, groups: Any) -> None:
         """Called once per training step after the gradient sync: aux-loss-free load balancing moves its biases."""
 
+    def with_packed_sequences(self, packed_seq_params: Any) -> "ChunkModel":
+        """This chunk for one packed (THD) microbatch (the engine's ``(tokens, labels, packed_seq_params)``): a view
+        whose attention reads the document boundaries. By default refused: the model must run THD itself."""
+        raise ValueError(
+            f"{type(self).__name__}: packed (THD) microbatches need a model whose attention runs them; fix: pad the "
+            "sequences and pass (tokens, labels), or run a Megatron-Core model (ep_overlap.mcore.plan_for)"
+        )
+
 
 class LayerHooks:
     """What the engine reads on every layer besides :class:`LayerFunctions`, with its defaults; a layer class

@@ -274,7 +274,9 @@ class Engine:
             key = (member.unit, member.virtual)
             if key not in runners:
                 chunk = self.chunks[member.virtual]
-                tokens, labels = microbatches[member.microbatch]
+                tokens, labels, *packed = microbatches[member.microbatch]
+                if packed and packed[0] is not None:  # a packed (THD) microbatch: the chunk's view of it
+                    chunk = chunk.with_packed_sequences(packed[0])
                 rows = Unit(member.microbatch, member.half).rows(tokens.shape[0])
                 args = (chunk, member.unit, tokens[rows], labels[rows], normalizer)
                 runners[key] = (

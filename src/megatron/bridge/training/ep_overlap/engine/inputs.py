@@ -13,7 +13,8 @@ import torch
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
-Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [B, S], labels [B, S])
+# (tokens [B, S], labels [B, S]), or with the packed-sequence parameters of a packed (THD) microbatch (B = 1)
+Microbatch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, object]
 TOKEN_DTYPES = {torch.int64: 1, torch.int32: 2}  # what an embedding takes, coded for the all-reduce
 AGREED = ("microbatches per step", "sequence length", "token dtype")  # what the ranks must agree on
 
@@ -25,8 +26,24 @@ def _microbatch_problems(
     ``split`` are chunked and need two sequences or more."""
     problems = []
     flags = []
-    for i, (tokens, labels) in enumerate(microbatches):
-        if tokens.dim() != 2 or tokens.shape != labels.shape:
+    for i, (tokens, labels, *packed) in enumerate(microbatches):
+        packed = packed[0] if packed else None
+        if packed is not None and (tokens.dim() != 2 or tokens.shape[0] != 1):
+            problems.append(
+                f"microbatch {i}: a packed (THD) microbatch is one row of concatenated documents, got tokens "
+                f"{tuple(tokens.shape)}; fix: tokens and labels of shape [1, S]"
+            )
+        elif packed is not None and getattr(packed, "qkv_format", None) != "thd":
+            problems.append(
+                f"microbatch {i}: packed_seq_params with qkv_format={getattr(packed, 'qkv_format', None)!r}; "
+                "fix: qkv_format='thd'"
+            )
+        elif packed is not None and i in split:
+            problems.append(
+                f"microbatch {i}: moe_ep_overlap_chunks=2 splits microbatches along the batch, and a packed one has "
+                "one row; fix: set moe_ep_overlap_chunks=1"
+            )
+        elif tokens.dim() != 2 or tokens.shape != labels.shape:
             problems.append(
                 f"microbatch {i}: tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]"
             )
@@ -52,7 +69,7 @@ def _microbatch_problems(
     if flags:
         found = torch.stack([f for _, f in flags]).tolist()  # one host sync for every microbatch
         for (i, _), (bad_tokens, bad_labels) in zip(flags, found):
-            tokens, labels = microbatches[i]
+            tokens, labels = microbatches[i][:2]
             if bad_tokens:
                 problems.append(
                     f"microbatch {i}: token ids must be in [0, {vocab_size}), found {int(tokens.min())}.."
@@ -95,7 +112,7 @@ def loss_token_count(microbatches: list[Microbatch], chunks: list, split: set[in
     tally = torch.zeros(1 + world * per_rank, dtype=torch.float64, device=device)
     tally[1 + rank * per_rank : 1 + (rank + 1) * per_rank] = torch.tensor([bool(problems), *_shape(microbatches)])
     if not problems and chunks[-1].post_process:  # every pipeline stage has the data; one counts it
-        tally[0] = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in microbatches]).sum()
+        tally[0] = torch.stack([(mb[1] != IGNORE_INDEX).sum() for mb in microbatches]).sum()
     if torch.distributed.is_initialized():
         all_reduce(tally, None, op="loss token count", timeout=groups.timeout)
     counted, *rest = tally.tolist()  # the step's one host sync for this

@@ -307,23 +307,70 @@ class McorePlan(ChunkHooks):
         return model.compute_language_model_loss(labels_BS, model._scale_logits(logits))
 
     def head_loss(
-        self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, tokens_BS: torch.Tensor | None = None
+        self,
+        x_SBH: torch.Tensor,
+        labels_BS: torch.Tensor,
+        normalizer: float,
+        tokens_BS: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
         labels_BS, keep_BS = self._masked(labels_BS)
-        losses = self.per_token_losses(x_SBH, labels_BS, tokens_BS, keep_BS.float())
+        losses = self.per_token_losses(
+            x_SBH, labels_BS, tokens_BS, keep_BS.float(), packed_seq_params=packed_seq_params
+        )
         return (losses * keep_BS).sum() / normalizer
 
-    def __call__(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """The plain path: the model's own forward returns per-token losses."""
+    def __call__(
+        self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, packed_seq_params=None
+    ) -> torch.Tensor:
+        """The plain path: the model's own forward returns per-token losses (a packed microbatch: no attention
+        mask, its document boundaries instead)."""
         labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.model(
             input_ids=tokens_BS,
             position_ids=self._positions(tokens_BS),
-            attention_mask=self.attention_mask,
+            attention_mask=self.attention_mask if packed_seq_params is None else None,
             labels=labels_BS,
             loss_mask=keep_BS.float(),
+            packed_seq_params=packed_seq_params,
         )
         return (losses * keep_BS).sum() / normalizer
+
+    def with_packed_sequences(self, packed_seq_params) -> "PackedMicrobatch":
+        return PackedMicrobatch(self, packed_seq_params)
+
+    def rotary_for(self, packed_seq_params=None):
+        """On a chunk without the embedding: the rotary embedding its layers read for one microbatch, computed as the
+        model's forward computes it for the activation it receives (from the packed-sequence parameters, if any)."""
+        if packed_seq_params is None:
+            return self.rotary_pos_emb
+        device = next(self.parameters()).device
+        return self._rotary(torch.empty(self.sequence_length, 1, 0, device=device), packed_seq_params)
+
+
+class PackedMicrobatch:
+    """One packed (THD) microbatch's view of a plan under the engine: every attention, the rotary embedding and the
+    MTP layer read its packed-sequence parameters, and no attention mask is given (the THD attention masks each
+    document), as the model's forward runs it. Everything else is the plan's."""
+
+    def __init__(self, plan: McorePlan, packed_seq_params):
+        self.plan, self.packed_seq_params, self.attention_mask = plan, packed_seq_params, None
+        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
+        self.layers = [layer.bound_to(self) for layer in plan.layers]
+
+    def __getattr__(self, name: str):
+        return getattr(self.plan, name)
+
+    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x_SBH = self.plan.embed(tokens_BS, None, self.packed_seq_params)
+        self.rotary_pos_emb = self.plan.rotary_pos_emb
+        return x_SBH
+
+    def head_loss(self, x_SBH, labels_BS, normalizer: float, tokens_BS=None) -> torch.Tensor:
+        return self.plan.head_loss(x_SBH, labels_BS, normalizer, tokens_BS, self.packed_seq_params)
+
+    def __call__(self, tokens_BS, labels_BS, normalizer: float) -> torch.Tensor:
+        return self.plan(tokens_BS, labels_BS, normalizer, self.packed_seq_params)
 
 
 def gloo_group_like(group, timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:

@@ -101,13 +101,7 @@ class _MicrobatchModel:
         self.loss_mask, self.packed_seq_params = loss_mask, packed_seq_params
         self.pre_process, self.post_process = plan.pre_process, plan.post_process
         self.layer_numbers = plan.layer_numbers
-        self.rotary_pos_emb = None  # set by embed() on the first chunk
-        if not plan.pre_process:
-            self.rotary_pos_emb = plan.rotary_pos_emb
-            if packed_seq_params is not None:  # as the model's forward computes it for the activation it receives
-                device = next(plan.parameters()).device
-                hidden_SBH = torch.empty(plan.sequence_length, 1, 0, device=device)
-                self.rotary_pos_emb = plan._rotary(hidden_SBH, packed_seq_params)
+        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
