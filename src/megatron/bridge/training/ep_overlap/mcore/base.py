@@ -336,8 +336,8 @@ class McorePlan(ChunkHooks):
         )
         return (losses * keep_BS).sum() / normalizer
 
-    def with_packed_sequences(self, packed_seq_params) -> "PackedMicrobatch":
-        return PackedMicrobatch(self, packed_seq_params)
+    def with_packed_sequences(self, packed_seq_params) -> "MicrobatchView":
+        return MicrobatchView(self, packed_seq_params=packed_seq_params)
 
     def rotary_for(self, packed_seq_params=None):
         """On a chunk without the embedding: the rotary embedding its layers read for one microbatch, computed as the
@@ -348,13 +348,16 @@ class McorePlan(ChunkHooks):
         return self._rotary(torch.empty(self.sequence_length, 1, 0, device=device), packed_seq_params)
 
 
-class PackedMicrobatch:
-    """One packed (THD) microbatch's view of a plan under the engine: every attention, the rotary embedding and the
-    MTP layer read its packed-sequence parameters, and no attention mask is given (the THD attention masks each
-    document), as the model's forward runs it. Everything else is the plan's."""
+class MicrobatchView:
+    """One microbatch's view of a plan: its position ids (None: the plan's), attention mask, rotary embedding and, for
+    a packed (THD) microbatch, its packed-sequence parameters, which every attention, the rotary embedding and the
+    MTP layer read (the model's forward gives a packed microbatch no attention mask). The plan's layers are bound to
+    it; everything else is the plan's. Under the engine, ``head_loss`` and the plain ``__call__`` reduce the loss as
+    the plan's do."""
 
-    def __init__(self, plan: McorePlan, packed_seq_params):
-        self.plan, self.packed_seq_params, self.attention_mask = plan, packed_seq_params, None
+    def __init__(self, plan: McorePlan, position_ids=None, attention_mask=None, packed_seq_params=None):
+        self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
+        self.packed_seq_params = packed_seq_params
         self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 
@@ -362,7 +365,7 @@ class PackedMicrobatch:
         return getattr(self.plan, name)
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_SBH = self.plan.embed(tokens_BS, None, self.packed_seq_params)
+        x_SBH = self.plan.embed(tokens_BS, self.position_ids, self.packed_seq_params)
         self.rotary_pos_emb = self.plan.rotary_pos_emb
         return x_SBH
 

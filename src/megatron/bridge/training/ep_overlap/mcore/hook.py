@@ -40,7 +40,7 @@ from megatron.bridge.training.ep_overlap.engine.driver import run_ops
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, gloo_group_like, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, MicrobatchView, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
@@ -85,29 +85,13 @@ _UNSCHEDULED = {
 }
 
 
-class _MicrobatchModel:
-    """One microbatch's view of a plan: its position ids, attention mask, rotary embedding and, for a packed (THD)
-    microbatch, its packed-sequence parameters (the document boundaries every attention and the MTP layer read)."""
+class _MicrobatchModel(MicrobatchView):
+    """One microbatch's view of a plan under Megatron-Core's driver: also its loss mask, and a head that returns
+    per-token losses (the recipe's loss function reduces them)."""
 
-    def __init__(
-        self,
-        plan: McorePlan,
-        position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        loss_mask: torch.Tensor | None = None,
-        packed_seq_params=None,
-    ):
-        self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
-        self.loss_mask, self.packed_seq_params = loss_mask, packed_seq_params
-        self.pre_process, self.post_process = plan.pre_process, plan.post_process
-        self.layer_numbers = plan.layer_numbers
-        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
-        self.layers = [layer.bound_to(self) for layer in plan.layers]
-
-    def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_SBH = self.plan.embed(tokens_BS, self.position_ids, self.packed_seq_params)
-        self.rotary_pos_emb = self.plan.rotary_pos_emb
-        return x_SBH
+    def __init__(self, plan: McorePlan, position_ids, attention_mask, loss_mask=None, packed_seq_params=None):
+        super().__init__(plan, position_ids, attention_mask, packed_seq_params)
+        self.loss_mask = loss_mask
 
     def head_loss(
         self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None, tokens_BS: torch.Tensor | None
