@@ -163,12 +163,14 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
     from megatron.bridge.training.train import train
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
+
     cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg
     pg_collection = initialize_on_cpu(cfg)
-    _cpu_rng()
+    plain_cuda_rng()  # Megatron-Core forks a CUDA RNG state for attention dropout
     torch.manual_seed(1234)  # the same initial weights in both arms (CPU initialization)
     model = _build_distributed_model(cfg, pg_collection)  # Megatron-Core's DDP, Bridge's pre-wrap hooks
     optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model)
@@ -229,34 +231,15 @@ def initialize_on_cpu(cfg):
                            skip_mpu_initialization=False)  # fmt: skip
 
 
-def _cpu_rng() -> None:
-    """Megatron-Core forks a CUDA RNG state for attention dropout: on CPU, a plain context (the tests' stub)."""
-    import contextlib
-
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
-
-
-def _tensors_on_host() -> None:
-    """Tensors Megatron-Core makes on "cuda" (the optimizer's scale and found-inf flags, the default causal mask) go
-    to the current device, as ``install_cpu_stubs`` does for ``torch.zeros``."""
+def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
     import torch
 
-    def on_host(make):
-        def made_on_host(*args, device=None, **kwargs):
-            return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-        return made_on_host
-
-    torch.tensor, torch.ones = on_host(torch.tensor), on_host(torch.ones)
-
-
-def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
-    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
+    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs, made_on_host
 
     install_cpu_stubs()
-    _tensors_on_host()
+    # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda", and its local attention the default
+    # causal mask: the host, as install_cpu_stubs does for torch.zeros.
+    torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
     return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed) for arm in arms}
 
 

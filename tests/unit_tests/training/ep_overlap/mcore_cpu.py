@@ -56,12 +56,7 @@ def install_cpu_stubs() -> None:
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the last stage's embedding copy is synced "on CUDA"
-    zeros = torch.zeros
-
-    def zeros_on_host(*args, device=None, **kwargs):  # Megatron-Core's schedules put a token counter on "cuda"
-        return zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-    torch.zeros = zeros_on_host
+    torch.zeros = made_on_host(torch.zeros)  # Megatron-Core's schedules put a token counter on "cuda"
     all_to_all_single = dist.all_to_all_single
 
     def lists(splits):
@@ -73,9 +68,24 @@ def install_cpu_stubs() -> None:
     dist.all_to_all_single = all_to_all_with_list_splits
 
 
+def made_on_host(make):
+    """``make`` (``torch.zeros``, ``torch.tensor``, ...) with ``device="cuda"`` taken as the host."""
+
+    def on_host(*args, device=None, **kwargs):
+        return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    return on_host
+
+
+def plain_cuda_rng() -> None:
+    """Megatron-Core forks a CUDA RNG state for attention dropout: on CPU, a plain context."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+
+
 def init_megatron(expert_model_parallel_size: int, pipeline: int = 1, virtual: int | None = None) -> None:
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     parallel_state.initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
@@ -84,7 +94,7 @@ def init_megatron(expert_model_parallel_size: int, pipeline: int = 1, virtual: i
     )
     from megatron.core.tensor_parallel import random
 
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    plain_cuda_rng()
     # Megatron-Core's checkpoint (selective recompute) saves and restores the CUDA RNG state around the recompute.
     random._get_cuda_rng_state = lambda *args, **kwargs: None
     random._set_cuda_rng_state = lambda *args, **kwargs: None
