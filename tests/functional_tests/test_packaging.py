@@ -19,11 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import upstream  # noqa: E402
-
-VENV_SITE = next((ROOT / ".venv" / "lib").glob("python3.*/site-packages"))
+from .stock_bridge import ROOT, VENV_SITE, _pip, site_packages, upstream
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +36,10 @@ def scratch(wheels, tmp_path_factory):
     env = tmp_path_factory.mktemp("scratch")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
-    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        text=True).strip())  # fmt: skip
+    site = site_packages(python)
     (site / "base.pth").write_text(f"{VENV_SITE}\n")  # a path entry: the .pth files inside it are not read
     _pip(python, "install", "--no-deps", str(wheels[0]))
     return python, site
-
-
-def _pip(python: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "-q", "--python", str(python), *args], check=True,
-                   capture_output=True, text=True)  # fmt: skip
 
 
 def _record(site: Path, distribution: str) -> dict[str, str]:
