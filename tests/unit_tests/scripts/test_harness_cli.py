@@ -327,12 +327,15 @@ def test_no_interval_from_fewer_than_three_steady_steps():
         (["model.moe_layer_freq=[2,0]"], "error: model.moe_layer_freq=[2, 0]: entries must be 0 (dense) or 1 (MoE)"),
         (["model.add_bias_linear=true"], "error: model.add_bias_linear=True: the EP-overlap models run bias-free"),
         # Model fields the reference model does not compute with are refused by name, not run as the default.
-        (["model.moe_z_loss_coeff=0.001"], "error: model.moe_z_loss_coeff=0.001: the reference MoE GPT does not"),
         (["model.moe_expert_capacity_factor=1.0"], "error: model.moe_expert_capacity_factor=1.0: the reference MoE"),
-        (["model.moe_shared_expert_intermediate_size=64"], "error: model.moe_shared_expert_intermediate_size=64: "),
+        (["model.moe_shared_expert_gate=true"], "error: model.moe_shared_expert_gate=True: the reference MoE GPT"),
         (
-            ["model.moe_router_load_balancing_type=aux_loss", "model.moe_aux_loss_coeff=0.01"],
-            "error: model.moe_aux_loss_coeff=0.01 with moe_router_load_balancing_type='aux_loss': the reference",
+            ["model.moe_router_load_balancing_type=global_aux_loss", "model.moe_aux_loss_coeff=0.01"],
+            "error: model.moe_router_load_balancing_type='global_aux_loss': the reference MoE GPT computes the",
+        ),
+        (
+            ["model.moe_router_load_balancing_type=none", "model.moe_aux_loss_coeff=0.01"],
+            "error: model.moe_aux_loss_coeff=0.01: moe_router_load_balancing_type='none' computes no load-balancing",
         ),
     ],
 )  # fmt: skip

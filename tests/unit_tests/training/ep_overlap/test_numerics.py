@@ -38,6 +38,12 @@ EXPERT_BIAS = {
     "moe_router_enable_expert_bias": True,
     "moe_router_bias_update_rate": 0.05,
 }
+ROUTER_LOSSES_AND_SHARED = {
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.1,
+    "moe_z_loss_coeff": 0.01,
+    "moe_shared_expert_intermediate_size": 24,
+}
 CASES = {
     "ep2-fp32-top1-N1": Case(topk=1, microbatches=1),
     "ep2-fp32-top2-N2": Case(microbatches=2),
@@ -65,6 +71,16 @@ CASES = {
     "ep4-bf16-top1-expert-bias": Case(
         world=4, ep=4, experts=8, bf16=True, topk=1, layer_freq=(1, 1), extra=EXPERT_BIAS
     ),
+    # Router losses (their backward scale set per engine step) and shared experts (kept for combine beside probs).
+    "ep2-fp32-router-losses-shared-mixed": Case(layer_freq=(1, 0, 1), extra=ROUTER_LOSSES_AND_SHARED),
+    "ep2-bf16-seq-aux-loss-sigmoid": Case(
+        bf16=True,
+        extra={
+            "moe_router_load_balancing_type": "seq_aux_loss",
+            "moe_aux_loss_coeff": 0.1,
+            "moe_router_score_function": "sigmoid",
+        },
+    ),  # fmt: skip
 }
 
 

@@ -62,6 +62,11 @@ CASES = {  # (case, modules)
     "layernorm-core-attn-bf16": (Case(bf16=True), ("layernorm", "core_attn")),
     "all": (Case(extra=GROUPED), ("layernorm", "core_attn", "moe_act", "mlp", "moe")),
     "layernorm-moe-act": (Case(extra=GROUPED), ("layernorm", "moe_act")),
+    # The MLP norm's output is read by the router and the shared experts: rebuilt before the first of their backwards.
+    "layernorm-shared-experts-router-losses": (
+        Case(extra={**GROUPED, "moe_shared_expert_intermediate_size": 24, "moe_z_loss_coeff": 0.01}),
+        ("layernorm",),
+    ),
 }
 
 

@@ -8,6 +8,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bridge.models.moe_gpt.recompute import RECOMPUTABLE
+from megatron.bridge.models.moe_gpt.router_losses import LOAD_BALANCING
 
 
 @dataclass
@@ -21,16 +22,17 @@ class MoEGPTConfig(TransformerConfig):
     (softmax or sigmoid), ``moe_router_pre_softmax`` (softmax only), ``moe_router_enable_expert_bias`` and
     ``moe_router_bias_update_rate`` (aux-loss-free load balancing, sigmoid only), ``layernorm_epsilon``,
     ``normalization`` (LayerNorm or RMSNorm), ``num_query_groups`` (grouped-query attention) and ``kv_channels``
-    (the heads' width), selective
-    ``recompute_granularity``/``recompute_modules``, plus ``vocab_size`` and ``seq_length`` below (the set
-    :data:`READ`).
+    (the heads' width), ``moe_router_load_balancing_type`` (``aux_loss``, ``seq_aux_loss`` or ``none``) with
+    ``moe_aux_loss_coeff``, ``moe_z_loss_coeff`` (the router losses, ``router_losses.py``), shared experts
+    (``moe_shared_expert_intermediate_size``), selective ``recompute_granularity``/``recompute_modules``, plus
+    ``vocab_size`` and ``seq_length`` below (the set :data:`READ`).
 
     Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core
-    model, the harness's ``--model_impl mcore``, does): an auxiliary load-balancing loss (``moe_aux_loss_coeff``
-    above 0), ``moe_z_loss_coeff``, ``moe_expert_capacity_factor``, shared experts
-    (``moe_shared_expert_intermediate_size``), dropout, biases, tensor and
-    context parallelism, multi-token prediction, hybrid patterns, full and layer recompute; and every other field
-    set to a value other than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
+    model, the harness's ``--model_impl mcore``, does): ``global_aux_loss``, sinkhorn and lists of load-balancing
+    types, a load-balancing coefficient with no load-balancing type (it would be ignored),
+    ``moe_expert_capacity_factor``, a shared-expert gate, dropout, biases, tensor and context parallelism,
+    multi-token prediction, hybrid patterns, full and layer recompute; and every other field set to a value other
+    than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
     """
 
     vocab_size: int = 1024
@@ -134,6 +136,59 @@ _FEATURE_RULES = (
 )
 
 
+def _non_negative(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+# Router losses and shared experts the reference model computes (router_losses.py): (field, is the value one it
+# cannot run or would ignore, why, fix).
+_LOSS_RULES = (
+    (
+        "moe_router_load_balancing_type",
+        lambda c: (
+            not isinstance(c.moe_router_load_balancing_type, str)
+            or c.moe_router_load_balancing_type not in (*LOAD_BALANCING, "none")
+        ),
+        f"the reference MoE GPT computes the {' and '.join(LOAD_BALANCING)} load-balancing losses only (one type)",
+        f"use one of {', '.join(repr(k) for k in (*LOAD_BALANCING, 'none'))} (or moe_router_enable_expert_bias), "
+        "or run --model_impl mcore",
+    ),
+    (
+        "moe_aux_loss_coeff",
+        lambda c: not _non_negative(c.moe_aux_loss_coeff),
+        "the load-balancing coefficient must be one number, 0 or more",
+        "set a number such as 1e-2 (0: no load-balancing loss)",
+    ),
+    (
+        "moe_aux_loss_coeff",
+        lambda c: (
+            _non_negative(c.moe_aux_loss_coeff)
+            and c.moe_aux_loss_coeff > 0
+            and c.moe_router_load_balancing_type == "none"
+        ),
+        "moe_router_load_balancing_type='none' computes no load-balancing loss, so the coefficient would be ignored",
+        "set moe_router_load_balancing_type='aux_loss' (or 'seq_aux_loss'), or moe_aux_loss_coeff=0",
+    ),
+    (
+        "moe_z_loss_coeff",
+        lambda c: c.moe_z_loss_coeff is not None and not _non_negative(c.moe_z_loss_coeff),
+        "the z-loss coefficient must be a number, 0 or more",
+        "set a number such as 1e-3, or None (no z-loss)",
+    ),
+    (
+        "moe_shared_expert_intermediate_size",
+        lambda c: (
+            c.moe_shared_expert_intermediate_size is not None
+            and not (
+                isinstance(c.moe_shared_expert_intermediate_size, int) and c.moe_shared_expert_intermediate_size > 0
+            )
+        ),
+        "the shared experts' width must be a positive integer",
+        "set a positive integer, or None (no shared experts)",
+    ),
+)
+
+
 # Every field of MoEGPTConfig is in exactly one place (tests check the union is the dataclass's fields):
 #   READ       the reference model computes with it (the class docstring says how);
 #   ELSEWHERE  the engine, the EP-overlap rules or the harness act on it, or _FEATURE_RULES / _ROUTER_RULES check it;
@@ -148,7 +203,8 @@ READ = frozenset(
         "bf16", "fp16", "params_dtype", "init_method_std", "layernorm_epsilon", "moe_router_score_function",
         "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
         "recompute_granularity", "recompute_modules", "vocab_size", "seq_length", "num_query_groups", "kv_channels",
-        "normalization",
+        "normalization", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_shared_expert_intermediate_size",
     }
 )  # fmt: skip
 ELSEWHERE = frozenset(
@@ -176,7 +232,6 @@ DERIVED = frozenset(
         "output_layer_init_method", "embedding_init_method", "embedding_init_method_std", "cuda_graph_modules",
         "inference_cuda_graph_scope", "moe_grad_scale_func", "mtp_grad_scale_func",
         "experimental_attention_variant_loss_scale_func", "config_logger_dir", "_cpu_offloading_context",
-        "moe_router_load_balancing_type", "moe_aux_loss_coeff",  # inert without a coefficient (checked below)
         "bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion",
         "gradient_accumulation_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion", "moe_permute_fusion",
         "moe_router_fusion", "attention_backend", "attention_softmax_in_fp32", "barrier_with_L1_time",
@@ -212,20 +267,9 @@ def _unimplemented(config: MoEGPTConfig) -> list[str]:
             f"normalization={config.normalization!r}: the reference MoE GPT normalizes with LayerNorm or RMSNorm; "
             "use one of them, or run --model_impl mcore"
         )
-    aux = config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss")
-    coeff = config.moe_aux_loss_coeff
-    if aux and _differs(coeff, 0.0) and coeff:
-        problems.append(
-            f"moe_aux_loss_coeff={coeff!r} with moe_router_load_balancing_type="
-            f"{config.moe_router_load_balancing_type!r}: the reference MoE GPT computes no auxiliary load-balancing "
-            "loss; set moe_aux_loss_coeff=0 (its expert bias balances load: moe_router_enable_expert_bias), or run "
-            "--model_impl mcore"
-        )
-    elif config.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
-        problems.append(
-            f"moe_router_load_balancing_type={config.moe_router_load_balancing_type!r}: the reference MoE GPT "
-            "does not implement it; use 'none' (or moe_router_enable_expert_bias), or run --model_impl mcore"
-        )
+    problems += [
+        f"{field}={getattr(config, field)!r}: {why}; {fix}" for field, wrong, why, fix in _LOSS_RULES if wrong(config)
+    ]
     return problems
 
 

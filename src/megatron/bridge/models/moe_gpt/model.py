@@ -9,11 +9,11 @@ Contract:
     * A layer exposes the node functions the overlap schedule calls, and ``forward`` composes exactly the same
       functions with a blocking differentiable all-to-all (the plain path). Both paths therefore run the same
       kernels on the same operands:
-          pre_dispatch(x)            -> h, tokens, probs, routing   (attention, pre-MLP norm, router, permute)
+          pre_dispatch(x)            -> h, tokens, kept, routing    (attention, norm, shared experts, router, permute)
           all-to-all(tokens)         -> received                    (dispatch; identity for dense layers)
           experts(received, routing) -> expert_out                  (sort by local expert, grouped GEMMs, unsort)
           all-to-all(expert_out)     -> back                        (combine; identity for dense layers)
-          combine(back, probs, h, routing) -> layer output          (unpermute weighted by probs, residual add)
+          combine(back, kept, h, routing) -> layer output           (unpermute weighted by probs, + shared, + h)
     * Dense weights are identical on every rank: each layer's are drawn from a generator keyed by ``seed`` and
       the layer's global number (the embeddings' and the head's by their own keys); expert e's weights depend
       only on ``seed``, the layer and e. So a model is the same whatever the EP or pipeline layout. Expert
@@ -28,6 +28,12 @@ Contract:
       (called by the engine once per training step) moves the bias toward balance, as Megatron-Core's
       aux-loss-free load balancing does. Every path and schedule counts the same tokens, so the biases stay
       bitwise equal too.
+    * Router losses (``router_losses.py``): the z-loss (``moe_z_loss_coeff``) and the load-balancing loss
+      (``moe_router_load_balancing_type`` ``aux_loss`` or ``seq_aux_loss`` with ``moe_aux_loss_coeff``), as
+      Megatron-Core computes them; under the engine :meth:`MoEGPTModel.start_step` sets their backward scale per
+      step. Used directly (outside an engine step), a model gives them whatever scale the process holds.
+    * Shared experts (``moe_shared_expert_intermediate_size``): an MLP of that width on the router's input, whose
+      output is added to the routed experts' before the residual, as Megatron-Core's ``MoELayer`` adds it.
     * No biases (``add_bias_linear`` is not supported by the reference model).
 
 Shape suffixes: B microbatch size, S sequence, T = B*S tokens, D hidden, H heads, F FFN hidden, V vocab,
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 from megatron.bridge.models.moe_gpt import recompute
 from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, model_feature_problems, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
+from megatron.bridge.models.moe_gpt.router_losses import RouterLosses
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
     CommObserver,
     Routing,
@@ -52,7 +59,8 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     start_split_exchange,
     unpermute,
 )
-from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks
+from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, StepLoss
+from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
@@ -167,6 +175,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
             self.fc2_in = Fe
             self.router = torch.nn.Linear(D, E, bias=False)
+            self.router_losses = RouterLosses.of(config)
             expert_linear = functools.partial(
                 make_expert_linear,
                 use_transformer_engine=config.moe_grouped_gemm,
@@ -177,6 +186,13 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             self.fc2 = expert_linear(E // ep, Fe, D, name=f"{name}.experts.fc2")
             for param in self.fc1.group_weights + self.fc2.group_weights:
                 param.allreduce = False
+            # Shared experts (Megatron-Core's SharedExpertMLP): an MLP every token goes through, on the same norm
+            # output as the router; their output is added to the routed experts' before the residual.
+            Fs = config.moe_shared_expert_intermediate_size
+            if Fs:
+                self.shared_fc1 = Linear(D, 2 * Fs if self.gated else Fs, name=f"{name}.shared_experts.fc1")
+                self.shared_fc2 = Linear(Fs, D, name=f"{name}.shared_experts.fc2")
+            self.has_shared_experts = bool(Fs)
         else:
             Fd = config.ffn_hidden_size
             self.fc1 = Linear(D, 2 * Fd if self.gated else Fd, name=f"{name}.mlp.fc1")
@@ -186,12 +202,12 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
 
     def pre_dispatch(
         self, x_TD: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None, Routing | None]:
-        """Attention, pre-MLP norm, router, permute.
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None, Routing | None]:
+        """Attention, pre-MLP norm, shared experts, router (and its auxiliary losses), permute.
 
         Returns:
-            (residual h, tensors to dispatch: the permuted tokens, tensor kept for combine: the router probs,
-            routing; None for dense layers).
+            (residual h, tensors to dispatch: the permuted tokens, tensors kept for combine: the router probs and the
+            shared experts' output, routing; None for dense layers).
         """
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.ln1.normalized_shape[0]:
             raise ValueError(
@@ -207,15 +223,24 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             return h_TD, (recompute.run(norms, self.ln2, h_TD),), None, None
         norm2 = recompute.OutputRecompute(norms)
         n_TD = norm2.run(self.ln2, h_TD)
+        keep = ()
+        readers = ()  # outputs of the linears that saved the norm's output as their input
+        if self.has_shared_experts:
+            shared_in_TF = self.shared_fc1(n_TD)
+            keep, readers = (self.shared_fc2(_activation(shared_in_TF, self.gated)),), (shared_in_TF,)
         logits_TE = self.router(n_TD)
-        probs_TK, experts_TK = self._route(logits_TE)
+        losses = self.router_losses if self.training and torch.is_grad_enabled() else None
+        scored_TE = logits_TE if losses is None else losses.with_z_loss(logits_TE)
+        probs_TK, experts_TK = self._route(scored_TE)
+        if losses is not None:
+            probs_TK = losses.with_load_balancing(probs_TK, scored_TE)
         probs_TK = probs_TK.to(n_TD.dtype)
         routing = Routing.build(experts_TK, self.num_experts, self.groups.ep_size)
         if self.tokens_per_expert_E is not None and torch.is_grad_enabled():  # training forwards only
             self.tokens_per_expert_E += routing.counts_E
         permuted_PD = permute(n_TD, routing, self.topk)
-        norm2.discard(logits_TE)  # the router's input; the permute's backward does not read it
-        return h_TD, (permuted_PD,), probs_TK, routing
+        norm2.discard(logits_TE, *readers)  # the permute's backward does not read the norm's output
+        return h_TD, (permuted_PD,), (probs_TK, *keep), routing
 
     def _route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights, with Megatron-Core's score functions (in fp32)."""
@@ -263,12 +288,14 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         return y_RD.index_select(0, routing.unsort_R)
 
     def combine(
-        self, back_PD: torch.Tensor, probs_TK: torch.Tensor | None, h_TD: torch.Tensor, routing: Routing | None
+        self, back_PD: torch.Tensor, keep: tuple[torch.Tensor, ...] | None, h_TD: torch.Tensor, routing: Routing | None
     ) -> torch.Tensor:
-        """Unpermute weighted by router probs and add the residual."""
+        """Unpermute weighted by router probs, add the shared experts' output, then the residual."""
         if routing is None:
             return h_TD + back_PD
-        return h_TD + unpermute(back_PD, probs_TK, routing)
+        probs_TK, *shared = keep
+        out_TD = unpermute(back_PD, probs_TK, routing)
+        return h_TD + (out_TD + shared[0] if shared else out_TD)
 
     # ---- delayed weight gradients -------------------------------------------------------------------
 
@@ -288,7 +315,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
     # ---- plain path -----------------------------------------------------------------------------------
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        h_TD, (tokens_PD,), probs_TK, routing = self.pre_dispatch(x_TD)
+        h_TD, (tokens_PD,), keep, routing = self.pre_dispatch(x_TD)
         if routing is None:
             return self.combine(self.experts((tokens_PD,), None), None, h_TD, None)
         self.exchange_splits(routing, op=f"{self.name} split exchange")
@@ -301,7 +328,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             out_RD, routing.in_splits, routing.out_splits, self.groups, op="combine", where=self.name,
             observer=self.comm_observer,
         )  # fmt: skip
-        return self.combine(back_PD, probs_TK, h_TD, routing)
+        return self.combine(back_PD, keep, h_TD, routing)
 
 
 def _generator(seed: int, *key: int) -> torch.Generator:
@@ -366,6 +393,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
             self.final_ln = norm(config, D)
             self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
         self._initialize(seed, groups)
+        self._scales = StepScales()  # the router losses' backward scale of an engine step, until finish_step
         self.to(config.activation_dtype())
         for layer in self.layers:
             if getattr(layer, "expert_bias_E", None) is not None:
@@ -401,6 +429,16 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
                 for le in range(local):
                     gen = _generator(seed, layer_number, groups.ep_rank * local + le, which)
                     fc.load_group_weight(le, torch.randn(shape, generator=gen) * std)
+
+    def start_step(self, loss: StepLoss) -> None:
+        """An engine step starts: the router losses' backward scale is set as Megatron-Core's ``forward_step`` and its
+        DDP weigh them (``loss_scales.backward_scales``); :meth:`finish_step` puts back what it found."""
+        if any(getattr(layer, "router_losses", None) is not None for layer in self.layers):
+            mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss)
+            self._scales.set(mtp, moe, next(self.parameters()).device)
+
+    def finish_step(self) -> None:
+        self._scales.restore()
 
     @torch.no_grad()
     def update_router_biases(self, groups: EPGroups) -> None:

@@ -64,9 +64,10 @@ class _NoGraph(torch.autograd.Function):
 
 class OutputRecompute:
     """One use of a part whose output is not kept (Megatron-Core's ``CheckpointWithoutOutput``): ``run(fn, *inputs)``
-    computes it without a graph; after the ops that read the output ran, ``discard(hook)`` frees its storage and
-    rebuilds it (and the part's graph) when the gradient of ``hook`` (the output of the op that saved it) is ready,
-    i.e. just before that op's backward. Disabled (or without grad): ``run`` is ``fn`` and ``discard`` does nothing.
+    computes it without a graph; after the ops that read the output ran, ``discard(*hooks)`` frees its storage and
+    rebuilds it (and the part's graph) when the gradient of the first of ``hooks`` (the outputs of the ops that saved
+    it) is ready, i.e. just before the first of those ops' backward. Disabled (or without grad): ``run`` is ``fn``
+    and ``discard`` does nothing.
     """
 
     def __init__(self, enabled: bool):
@@ -82,15 +83,19 @@ class OutputRecompute:
         self.output = _NoGraph.apply(fn, self, *inputs)
         return self.output
 
-    def discard(self, hook: torch.Tensor) -> None:
+    def discard(self, *hooks: torch.Tensor) -> None:
         if not self.enabled:
             return
         output, storage = self.output, self.output.untyped_storage()
         self.output, nbytes = None, storage.nbytes()
         token = DiscardedStorage.discard(output)
         storage.resize_(0)
+        pending = [True]  # the first hook's gradient rebuilds; the others find it done
 
         def rebuild(grad: torch.Tensor) -> torch.Tensor:
+            if not pending:
+                return grad
+            pending.clear()
             self.rebuilt_inputs = [t.detach().requires_grad_(t.requires_grad) for t in self._inputs]
             with torch.enable_grad():
                 self.rebuilt = self.fn(*self.rebuilt_inputs)
@@ -99,4 +104,5 @@ class OutputRecompute:
             DiscardedStorage.restore(token)
             return grad
 
-        hook.register_hook(rebuild)
+        for hook in hooks:
+            hook.register_hook(rebuild)

@@ -25,7 +25,8 @@ class LayerFunctions(Protocol):
     """One layer's node functions; ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
 
     ``pre_dispatch(x) -> (h, send, keep, routing)``: attention, pre-MLP norm, router, permute; ``send`` is the tuple
-    of tensors to dispatch, ``keep`` stays on this rank for combine. ``start_split_exchange(routing)`` sends the split
+    of tensors to dispatch, ``keep`` (None, a tensor, or a tuple of tensors) stays on this rank for combine, which
+    gets it in the same structure. ``start_split_exchange(routing)`` sends the split
     sizes without blocking (may do nothing); ``exchange_splits(routing, op=...)`` finishes it (or does all of it).
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``: unpermute and residual add.
     ``exchange_splits_off_host`` True lets a CPU lane finish the split exchange on its helper thread (it must then

@@ -36,6 +36,18 @@ def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
+def _kept(keep) -> list:
+    """What ``pre_dispatch`` keeps for combine (None, one tensor or a tuple of them), as a list of tensors."""
+    if keep is None:
+        return []
+    return list(keep) if isinstance(keep, tuple) else [keep]
+
+
+def _leaves(keep):
+    """Node inputs cut from each kept tensor, in the structure ``pre_dispatch`` gave them."""
+    return tuple(_leaf(t) for t in keep) if isinstance(keep, tuple) else _leaf(keep)
+
+
 def _backward(outputs: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
     pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None and o.requires_grad]
     if pairs:
@@ -191,7 +203,7 @@ class LayerNodes:
             elif self.routing is not None:
                 _free(self.expert_out)
                 back.requires_grad_(self.grad)
-            self.h_in, self.keep_in = _leaf(self.h), _leaf(self.keep)
+            self.h_in, self.keep_in = _leaf(self.h), _leaves(self.keep)
             with torch.set_grad_enabled(self.grad):
                 self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
             if self.routing is not None:
@@ -267,7 +279,8 @@ class LayerNodes:
     def compute_pre_dispatch_bwd(self) -> torch.Tensor:
         """Attention/router/norm dgrad (attention wgrad too, unless delayed). Returns the layer input's gradient."""
         with self._compute("pre_dispatch_bwd"):
-            _backward([self.h, *self.send, self.keep], [self.h_in.grad, *self._grad_send, _grad(self.keep_in)])
+            kept, kept_grads = _kept(self.keep), [_grad(t) for t in _kept(self.keep_in)]
+            _backward([self.h, *self.send, *kept], [self.h_in.grad, *self._grad_send, *kept_grads])
         grad_in = self.x.grad
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self._grad_send = None
         return grad_in

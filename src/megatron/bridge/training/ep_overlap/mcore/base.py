@@ -20,10 +20,10 @@ from collections import deque
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, process_mtp_loss
+from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
+from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
@@ -31,22 +31,6 @@ from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 logger = logging.getLogger(__name__)
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
-
-
-def aux_loss_scales(config, loss: StepLoss) -> tuple[float, float]:
-    """The backward scales (MTP, MoE aux/z-loss) that give, under the engine, the gradients Megatron-Core gives.
-
-    Megatron-Core's ``forward_step`` scales an auxiliary loss by ``1 / num_microbatches`` (the MoE one also by the
-    context-parallel size) and its DDP averages the gradients over the data-parallel ranks; with
-    ``calculate_per_token_loss`` the scale is 1 and ``finalize_model_grads`` divides every gradient by the step's
-    token count. The engine sums gradients over its data-parallel ranks and divides the main loss by the step's
-    token count itself, so the same weights are ``1 / (units * dp)`` (``cp / (units * dp)``), or ``1 / tokens``.
-    """
-    if config.calculate_per_token_loss:
-        return 1.0 / loss.tokens, 1.0 / loss.tokens
-    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    mtp = 1.0 / (loss.units * loss.data_parallel)
-    return mtp, cp * mtp
 
 
 class TiedWeight:
@@ -120,7 +104,7 @@ class McorePlan(ChunkHooks):
         if self.pre_process and self.mtp:
             shared |= {name for name, _ in model.embedding.named_parameters()}
         self._tied = {name: TiedWeight(model.embedding.get_parameter(name)) for name in sorted(shared)}
-        self._found_scales = None  # the auxiliary-loss scales start_step replaced, until finish_step
+        self._scales = StepScales()  # the auxiliary-loss scales of an engine step, until finish_step
         self.model, self.config = model, config
         self.vocab_size = model.vocab_size
         self.sequence_length = model.max_sequence_length  # the plan's attention mask is built for it
@@ -231,30 +215,19 @@ class McorePlan(ChunkHooks):
     def start_step(self, loss: StepLoss | None = None) -> None:
         """A new step: head gradients a failed step held for tied weights are dropped. Under the engine (``loss``
         given) the MTP and MoE auxiliary-loss scales are set for this step as Megatron-Core's ``forward_step``
-        sets them and its DDP then averages (:func:`aux_loss_scales`), and :meth:`finish_step` puts back what it
-        found; under Megatron-Core's driver (None) its ``forward_step`` sets them per microbatch."""
+        sets them and its DDP then averages (``loss_scales.backward_scales``), and :meth:`finish_step` puts back
+        what it found; under Megatron-Core's driver (None) its ``forward_step`` sets them per microbatch."""
         for tied in self._tied.values():
             tied.held.clear()
         if loss is None:
             return
-        device = next(self.model.parameters()).device
-        mtp, moe = aux_loss_scales(self.config, loss)
-        if self._found_scales is None:
-            self._found_scales = (
-                MTPLossAutoScaler.main_loss_backward_scale,
-                MoEAuxLossAutoScaler.main_loss_backward_scale,
-            )
-        # New tensors of Megatron-Core's shape ([1]): another driver's tensor is never written into.
-        MTPLossAutoScaler.main_loss_backward_scale = torch.tensor([mtp], dtype=torch.float32, device=device)
-        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor([moe], dtype=torch.float32, device=device)
+        cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss, context_parallel=cp)
+        self._scales.set(mtp, moe, next(self.model.parameters()).device)
 
     def finish_step(self) -> None:
         """Puts back the auxiliary-loss scales :meth:`start_step` found, so another driver sees its own."""
-        if self._found_scales is not None:
-            MTPLossAutoScaler.main_loss_backward_scale, MoEAuxLossAutoScaler.main_loss_backward_scale = (
-                self._found_scales
-            )
-            self._found_scales = None
+        self._scales.restore()
 
     def per_token_losses(
         self,

@@ -57,6 +57,9 @@ class ActivationShape:
         recompute: Megatron-Core's ``recompute_modules`` (selective), as the reference model recomputes them.
         rms_norm: RMSNorm instead of LayerNorm: torch's RMSNorm keeps an fp32 statistic per token and an fp32
             normalized copy (and, for a 16-bit input, the input upcast to fp32).
+        load_balancing: The router's load-balancing loss, "aux_loss" or "seq_aux_loss" (None: none); it keeps the
+            fp32 scores over all experts and their per-expert (per-sequence, per-expert) token counts.
+        z_loss: The router's z-loss: it keeps the router logits and their log-sum-exp.
     """
 
     moe: tuple[bool, ...]
@@ -79,6 +82,8 @@ class ActivationShape:
     received_rows_factor: float | None = None
     recompute: frozenset[str] = frozenset()
     rms_norm: bool = False
+    load_balancing: str | None = None
+    z_loss: bool = False
 
     def __post_init__(self):
         if self.router not in ("softmax", "softmax_pre", "sigmoid"):
@@ -116,6 +121,11 @@ class ActivationShape:
             # grouped-query attention: the key and value heads repeated for the query heads, saved by the attention
             extra_attention_width=2 * heads * head_dim if groups < heads else 0,
             rms_norm=getattr(config, "normalization", "LayerNorm") == "RMSNorm",
+            shared_ffn=config.moe_shared_expert_intermediate_size or 0,
+            load_balancing=config.moe_router_load_balancing_type
+            if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff
+            else None,
+            z_loss=config.moe_z_loss_coeff is not None,
         )
 
     def received_rows(self, T: int) -> int:
@@ -206,10 +216,10 @@ class ActivationShape:
             saved = [item for item in saved if item[0] not in ("x", "h")]
         if self.extra_attention_width:
             saved.append(("attention_extra", T * self.extra_attention_width * es))
-        if self.shared_ffn:
-            saved += self._mlp("shared", T, self.shared_ffn, es)
         if not moe:
             return saved
+        if self.shared_ffn:  # on the MLP norm's output ("n"), saved by the router too
+            saved += self._mlp("shared", T, self.shared_ffn, es)
         K, E, P = self.topk, self.experts, T * self.topk
         saved += [("n", T * D * es), ("route_index", T * K * INDEX_BYTES)]
         if self.router == "softmax":
@@ -218,7 +228,23 @@ class ActivationShape:
             saved.append(("scores", T * E * FP32))
             if self.router == "sigmoid" and K > 1:  # normalized over the top-k: the sum and the top-k scores
                 saved += [("score_sum", T * FP32), ("top_scores", T * K * FP32)]
-        return saved + [("permute_index", P * INDEX_BYTES)]
+        return (
+            saved + self._router_losses(T, es, sequences=T // self.seq_length) + [("permute_index", P * INDEX_BYTES)]
+        )
+
+    def _router_losses(self, T: int, es: int, sequences: int) -> list[tuple[str, int]]:
+        """What the z-loss and the load-balancing loss keep (``models/moe_gpt/router_losses.py``), with the loss
+        each hands its scaler."""
+        E, saved = self.experts, []
+        if self.z_loss:  # the log-sum-exp keeps the logits and its result, which the square reads
+            saved += [("z_logits", T * E * es), ("z_logsumexp", T * es), ("z_loss", es)]
+        if self.load_balancing:
+            saved.append(("aux_scores", T * E * FP32))
+            if self.router == "sigmoid":  # normalized over all experts: their sum
+                saved.append(("aux_score_sum", T * FP32))
+            counts = E if self.load_balancing == "aux_loss" else E * sequences
+            saved += [("aux_counts", counts * INDEX_BYTES), ("aux_loss", FP32)]
+        return saved
 
     def _experts(self, T: int, D: int, es: int, moe: bool) -> list[tuple[str, int]]:
         if not moe:
