@@ -47,7 +47,7 @@ def test_a_field_the_reference_model_would_ignore_is_refused_by_name(fields):
 def test_grouped_query_attention_and_head_width_compute_as_defined(groups, width):
     # H = 4 query heads; G key/value heads, each shared by H / G consecutive query heads; d = kv_channels wide;
     # softmax scale 1 / sqrt(d) (Megatron-Core's definitions), checked against attention written out head by head.
-    from megatron.bridge.models.moe_gpt.model import Attention
+    from megatron.bridge.models.moe_gpt.attention import Attention
 
     config = MoEGPTConfig(**BASE, num_query_groups=groups, kv_channels=width, seq_length=6)
     assert model_feature_problems(config) == []

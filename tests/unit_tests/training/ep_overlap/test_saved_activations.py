@@ -136,7 +136,7 @@ def _measured_and_planned(rank: int, world: int, config, microbatches: int) -> d
         ]
         measured = engine.step(data).activation_peak_bytes
         steps = engine.schedule(microbatches)
-        planned = activation_peak(shape, steps, ChunkShape.of(model), delay_wgrad=engine.options.delay_wgrad)
+        planned = activation_peak(shape, steps, ChunkShape.of(model))
         out[name] = (measured, planned)
     return out
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.bridge.models.moe_gpt import recompute
+from megatron.bridge.models.moe_gpt.attention import Attention, Linear, activation, norm
 from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, model_feature_problems, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.router_losses import RouterLosses
@@ -63,73 +64,6 @@ from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks,
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
-
-
-class Linear(GroupedLinear):
-    """A bias-free linear with delayable weight gradient (a grouped linear with one group)."""
-
-    def __init__(self, in_features: int, out_features: int, *, name: str):
-        super().__init__(1, in_features, out_features, name=name)
-
-    def forward(self, x_TK: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x_TK, (x_TK.shape[0],))
-
-
-def _activation(x: torch.Tensor, gated: bool) -> torch.Tensor:
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(x)
-
-
-class Attention(torch.nn.Module):
-    """Causal self-attention; q/k/v and output projections are delayable linears. ``num_query_groups`` (G) key/value
-    heads, each shared by H / G query heads (grouped-query attention; G = H is multi-head), of ``kv_channels`` (d)
-    each; softmax scale 1 / sqrt(d), as Megatron-Core defines them."""
-
-    def __init__(self, config: MoEGPTConfig, name: str):
-        super().__init__()
-        D, H = config.hidden_size, config.num_attention_heads
-        G = config.num_query_groups or H
-        if (config.kv_channels is None and D % H) or H % G:
-            raise ValueError(
-                f"{name}: hidden_size={D} and num_query_groups={G} must divide num_attention_heads={H} "
-                "(without kv_channels, hidden_size must be divisible by the heads)"
-            )
-        self.heads, self.groups, self.seq_length = H, G, config.seq_length
-        self.head_dim = config.kv_channels or D // H
-        d = self.head_dim
-        self.qkv = Linear(D, (H + 2 * G) * d, name=f"{name}.qkv")  # [q (H x d) | k (G x d) | v (G x d)] per token
-        self.proj = Linear(H * d, D, name=f"{name}.proj")
-        self.recompute_core = "core_attn" in recompute.recompute_modules(config)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv(x_TD))
-
-    def attend(self, qkv_TQ: torch.Tensor) -> torch.Tensor:
-        """Everything after the q/k/v projection: the causal attention and the output projection."""
-        T, S, H, G, d = qkv_TQ.shape[0], self.seq_length, self.heads, self.groups, self.head_dim
-        if G == H:
-            q_BHSd, k_BHSd, v_BHSd = qkv_TQ.view(T // S, S, 3, H, d).permute(2, 0, 3, 1, 4)
-        else:
-            q_TQ, k_TQ, v_TQ = qkv_TQ.split([H * d, G * d, G * d], dim=-1)
-            q_BHSd = q_TQ.view(T // S, S, H, d).transpose(1, 2)
-            # each key/value head serves H / G consecutive query heads, as Megatron-Core repeats them
-            k_BHSd = k_TQ.view(T // S, S, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
-            v_BHSd = v_TQ.view(T // S, S, G, d).transpose(1, 2).repeat_interleave(H // G, dim=1)
-        o_BHSd = recompute.run(self.recompute_core, _causal_attention, q_BHSd, k_BHSd, v_BHSd)
-        return self.proj(o_BHSd.transpose(1, 2).reshape(T, H * d))
-
-
-def norm(config: MoEGPTConfig, D: int) -> torch.nn.Module:
-    """``normalization``: LayerNorm, or RMSNorm (x / sqrt(mean(x^2) + eps) * weight), with ``layernorm_epsilon``."""
-    if config.normalization == "RMSNorm":
-        return torch.nn.RMSNorm(D, eps=config.layernorm_epsilon)
-    return torch.nn.LayerNorm(D, eps=config.layernorm_epsilon)
-
-
-def _causal_attention(q_BHSd: torch.Tensor, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
 
 
 class TransformerLayer(LayerHooks, torch.nn.Module):
@@ -227,7 +161,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         readers = ()  # outputs of the linears that saved the norm's output as their input
         if self.has_shared_experts:
             shared_in_TF = self.shared_fc1(n_TD)
-            keep, readers = (self.shared_fc2(_activation(shared_in_TF, self.gated)),), (shared_in_TF,)
+            keep, readers = (self.shared_fc2(activation(shared_in_TF, self.gated)),), (shared_in_TF,)
         logits_TE = self.router(n_TD)
         losses = self.router_losses if self.training and torch.is_grad_enabled() else None
         scored_TE = logits_TE if losses is None else losses.with_z_loss(logits_TE)
@@ -276,13 +210,13 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         return recompute.run("moe" in self.recompute, functools.partial(self._experts, routing), received_RD)
 
     def _dense_mlp(self, n_TD: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_activation(self.fc1(n_TD), self.gated))
+        return self.fc2(activation(self.fc1(n_TD), self.gated))
 
     def _experts(self, routing: Routing, received_RD: torch.Tensor) -> torch.Tensor:
         sizes = routing.local_group_sizes
         x_RD = received_RD.index_select(0, routing.sort_R)
         act = recompute.OutputRecompute("moe_act" in self.recompute)
-        a_RF = act.run(functools.partial(_activation, gated=self.gated), self.fc1(x_RD, sizes))
+        a_RF = act.run(functools.partial(activation, gated=self.gated), self.fc1(x_RD, sizes))
         y_RD = self.fc2(a_RF, sizes)
         act.discard(y_RD)  # fc2's input
         return y_RD.index_select(0, routing.unsort_R)

@@ -3,8 +3,8 @@
 Contract:
     * :class:`Engine` runs the steps :func:`~megatron.bridge.training.ep_overlap.program.program` yields for this
       rank: it binds each unit to its nodes (or, with overlap off, to the plain path) and calls every op's method
-      in the program's order (:func:`run_ops`). It knows no variant of the schedule: edge pairing, chunking,
-      forward-only steps and pipeline parallelism are inputs of the program.
+      in the program's order (``program.interpreter.run_ops``, the planner's loop too). It knows no variant of the
+      schedule: edge pairing, chunking, forward-only steps and pipeline parallelism are inputs of the program.
     * Losses and every gradient are bitwise equal between the overlapped and the plain path, and across pipeline
       layouts; ``moe_ep_overlap_chunks=2`` is the one option that is not (``program/units.py``).
     * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
@@ -53,8 +53,9 @@ from megatron.bridge.training.ep_overlap.engine.plain import PlainRun, PlainTime
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder, StepStats
 from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.training.ep_overlap.program.steps import OPS, ChunkShape, Step, program
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.process_groups import EPGroups
@@ -68,19 +69,6 @@ class StepResult:
     stats: StepStats
     recorder: StepRecorder
     activation_peak_bytes: int = 0  # the most held for backward at once on this rank (``saved.SavedActivations``)
-
-
-def run_ops(ops, runners: dict) -> None:
-    """Runs ``ops`` in order: op ``(kind, name)`` of unit u is ``runners[u]``'s (or its layer's) ``<kind>_<name>``;
-    the activation and gradient an op writes go to the next op of that unit that reads them (``program.OPS``)."""
-    values = {}
-    for op in ops:
-        target = runners[op.unit] if op.layer is None else runners[op.unit].layers[op.layer]
-        reads, writes = OPS[(op.kind, op.name)]
-        method = getattr(target, op.method)
-        out = method(values.pop((op.unit, reads))) if reads else method()
-        if writes:
-            values[(op.unit, writes)] = out
 
 
 def _group_size(group) -> int:
@@ -227,7 +215,7 @@ class Engine:
         lane.saved = saved
         try:
             with torch.no_grad() if forward_only else nullcontext(), saved:
-                losses = self._run(steps, microbatches, normalizer, lane, device, options, forward_only)
+                losses = self._run(steps, microbatches, normalizer, lane, device, forward_only)
             if options.check_for_nan_in_loss_and_grad:
                 check_finite(losses, held.contributions() if held else [], self.groups, device)
             if held is not None:
@@ -258,7 +246,21 @@ class Engine:
             if param.requires_grad
         ]
 
-    def _run(self, steps, microbatches, normalizer, lane, device, options, forward_only) -> list[torch.Tensor]:
+    def _unit_runner(
+        self, member, microbatch, normalizer, lane, timeline, *, grad: bool
+    ) -> MicrobatchNodes | PlainRun:
+        """A unit's nodes on its chunk, or its plain run there (``timeline`` given: overlap off)."""
+        chunk = self.chunks[member.virtual]
+        tokens, labels, *packed = microbatch
+        if packed and packed[0] is not None:  # a packed (THD) microbatch: the chunk's view of it
+            chunk = chunk.with_packed_sequences(packed[0])
+        rows = Unit(member.microbatch, member.half).rows(tokens.shape[0])
+        args = (chunk, member.unit, tokens[rows], labels[rows], normalizer)
+        if timeline is not None:
+            return PlainRun(*args, ChunkIO(), timeline)
+        return MicrobatchNodes(*args, lane, ChunkIO(), grad=grad)
+
+    def _run(self, steps, microbatches, normalizer, lane, device, forward_only) -> list[torch.Tensor]:
         """Executes ``steps``; returns the losses per microbatch (last pipeline stage only)."""
         P, V = self.groups.pp_size, len(self.chunks)
         p2p = PipelineP2P(self.groups, lane, P * V, device) if P > 1 else None
@@ -273,17 +275,8 @@ class Engine:
             """The nodes (or plain run) of a unit on its chunk, made when the unit first reaches the chunk."""
             key = (member.unit, member.virtual)
             if key not in runners:
-                chunk = self.chunks[member.virtual]
-                tokens, labels, *packed = microbatches[member.microbatch]
-                if packed and packed[0] is not None:  # a packed (THD) microbatch: the chunk's view of it
-                    chunk = chunk.with_packed_sequences(packed[0])
-                rows = Unit(member.microbatch, member.half).rows(tokens.shape[0])
-                args = (chunk, member.unit, tokens[rows], labels[rows], normalizer)
-                runners[key] = (
-                    PlainRun(*args, ChunkIO(), timeline)
-                    if plain
-                    else MicrobatchNodes(*args, lane, ChunkIO(), grad=not forward_only)
-                )
+                runners[key] = self._unit_runner(member, microbatches[member.microbatch], normalizer, lane, timeline,
+                                                 grad=not forward_only)  # fmt: skip
             return runners[key]
 
         def shape_of(transfer) -> tuple[int, ...]:
@@ -292,7 +285,7 @@ class Engine:
         dtype = next(self.chunks[0].parameters()).dtype
         try:
             for linear in linears:
-                linear.delay_wgrad = not plain and options.delay_wgrad
+                linear.delay_wgrad = any(step.delay_wgrad for step in steps)
             if p2p is not None and steps:
                 p2p.post(steps[0].recv, shape_of, dtype)
             for i, step in enumerate(steps):

@@ -19,6 +19,45 @@ TOKEN_DTYPES = {torch.int64: 1, torch.int32: 2}  # what an embedding takes, code
 AGREED = ("microbatches per step", "sequence length", "token dtype")  # what the ranks must agree on
 
 
+def _layout_problem(i: int, microbatch: Microbatch, sequence_length: int | None, split: set[int]) -> str | None:
+    """The first thing wrong with microbatch ``i``'s shapes and dtypes (None when nothing is)."""
+    tokens, labels, *packed = microbatch
+    packed = packed[0] if packed else None
+    if packed is not None and (tokens.dim() != 2 or tokens.shape[0] != 1):
+        return (
+            f"microbatch {i}: a packed (THD) microbatch is one row of concatenated documents, got tokens "
+            f"{tuple(tokens.shape)}; fix: tokens and labels of shape [1, S]"
+        )
+    if packed is not None and getattr(packed, "qkv_format", None) != "thd":
+        return (
+            f"microbatch {i}: packed_seq_params with qkv_format={getattr(packed, 'qkv_format', None)!r}; "
+            "fix: qkv_format='thd'"
+        )
+    if packed is not None and i in split:
+        return (
+            f"microbatch {i}: moe_ep_overlap_chunks=2 splits microbatches along the batch, and a packed one has "
+            "one row; fix: set moe_ep_overlap_chunks=1"
+        )
+    if tokens.dim() != 2 or tokens.shape != labels.shape:
+        return f"microbatch {i}: tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]"
+    if sequence_length is not None and tokens.shape[1] != sequence_length:
+        return (
+            f"microbatch {i}: sequences of {tokens.shape[1]} tokens, but the model takes {sequence_length} (its "
+            f"position embedding and attention mask); fix: give sequences of {sequence_length} tokens"
+        )
+    if i in split and tokens.shape[0] < 2:
+        return (
+            f"microbatch {i}: moe_ep_overlap_chunks=2 splits it in two along the batch, but it has "
+            f"{tokens.shape[0]} sequence; fix: give it at least 2, or set moe_ep_overlap_chunks=1"
+        )
+    if tokens.dtype not in TOKEN_DTYPES or labels.dtype != torch.int64:
+        return (
+            f"microbatch {i}: tokens must be int64 or int32 ids and labels int64, not {tokens.dtype}/"
+            f"{labels.dtype}; fix: convert them, e.g. tokens.long()"
+        )
+    return None
+
+
 def _microbatch_problems(
     microbatches: list[Microbatch], vocab_size: int, sequence_length: int | None, split: set[int]
 ) -> list[str]:
@@ -26,46 +65,15 @@ def _microbatch_problems(
     ``split`` are chunked and need two sequences or more."""
     problems = []
     flags = []
-    for i, (tokens, labels, *packed) in enumerate(microbatches):
-        packed = packed[0] if packed else None
-        if packed is not None and (tokens.dim() != 2 or tokens.shape[0] != 1):
-            problems.append(
-                f"microbatch {i}: a packed (THD) microbatch is one row of concatenated documents, got tokens "
-                f"{tuple(tokens.shape)}; fix: tokens and labels of shape [1, S]"
-            )
-        elif packed is not None and getattr(packed, "qkv_format", None) != "thd":
-            problems.append(
-                f"microbatch {i}: packed_seq_params with qkv_format={getattr(packed, 'qkv_format', None)!r}; "
-                "fix: qkv_format='thd'"
-            )
-        elif packed is not None and i in split:
-            problems.append(
-                f"microbatch {i}: moe_ep_overlap_chunks=2 splits microbatches along the batch, and a packed one has "
-                "one row; fix: set moe_ep_overlap_chunks=1"
-            )
-        elif tokens.dim() != 2 or tokens.shape != labels.shape:
-            problems.append(
-                f"microbatch {i}: tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [B, S]"
-            )
-        elif sequence_length is not None and tokens.shape[1] != sequence_length:
-            problems.append(
-                f"microbatch {i}: sequences of {tokens.shape[1]} tokens, but the model takes {sequence_length} (its "
-                f"position embedding and attention mask); fix: give sequences of {sequence_length} tokens"
-            )
-        elif i in split and tokens.shape[0] < 2:
-            problems.append(
-                f"microbatch {i}: moe_ep_overlap_chunks=2 splits it in two along the batch, but it has "
-                f"{tokens.shape[0]} sequence; fix: give it at least 2, or set moe_ep_overlap_chunks=1"
-            )
-        elif tokens.dtype not in TOKEN_DTYPES or labels.dtype != torch.int64:
-            problems.append(
-                f"microbatch {i}: tokens must be int64 or int32 ids and labels int64, not {tokens.dtype}/"
-                f"{labels.dtype}; fix: convert them, e.g. tokens.long()"
-            )
-        else:
-            bad_tokens = ((tokens < 0) | (tokens >= vocab_size)).any()
-            bad_labels = (((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)).any()
-            flags.append((i, torch.stack([bad_tokens, bad_labels])))
+    for i, microbatch in enumerate(microbatches):
+        problem = _layout_problem(i, microbatch, sequence_length, split)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        tokens, labels = microbatch[:2]
+        bad_tokens = ((tokens < 0) | (tokens >= vocab_size)).any()
+        bad_labels = (((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= vocab_size)).any()
+        flags.append((i, torch.stack([bad_tokens, bad_labels])))
     if flags:
         found = torch.stack([f for _, f in flags]).tolist()  # one host sync for every microbatch
         for (i, _), (bad_tokens, bad_labels) in zip(flags, found):

@@ -36,7 +36,6 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.engine.driver import run_ops
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
@@ -48,6 +47,7 @@ from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     packed_problems,
 )
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options

@@ -69,14 +69,19 @@ def costs_from_records(
         b_head=seg("plain combine_bwd", moe[-1]) if moe else 0.0,
         other_s=statistics.median(other),
     )
-    samples = [sample for values in comm.values() for sample in values]
+    return costs, _link_of([sample for values in comm.values() for sample in values], link_gbps, meta)
+
+
+def _link_of(samples: list[tuple[float, float]], link_gbps: float | None, meta: list[float]) -> Link:
+    """The link from the all-to-alls' (bytes, seconds): at ``link_gbps`` with the median excess as latency, or, rate
+    unknown, the bandwidth that fits them with no latency; a split-size round trip is the median of ``meta``."""
     if link_gbps:
         bandwidth = link_gbps * 1e9 / 8
         latency = max(0.0, statistics.median(t - b / bandwidth for b, t in samples)) if samples else 0.0
     else:
         bandwidth = sum(b for b, _ in samples) / max(sum(t for _, t in samples), 1e-12) if samples else 1e12
         latency = 0.0
-    return costs, Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=statistics.median(meta) if meta else 0.0)
+    return Link(bandwidth_Bps=bandwidth, latency_s=latency, meta_s=statistics.median(meta) if meta else 0.0)
 
 
 def comm_kind(op: str) -> str:

@@ -23,7 +23,9 @@ Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x
 
 from dataclasses import dataclass
 
+from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, NoPipeline, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
+from megatron.bridge.training.ep_overlap.program.units import Unit
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
 FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32
@@ -301,53 +303,53 @@ class _Count:
             self.current -= self.sizes.pop(key)
 
 
-def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape, *, delay_wgrad: bool) -> int:
-    """The most bytes held for backward at any moment of one rank's step (``steps``, a PP = 1 program over
-    ``chunk``); ``delay_wgrad`` as the overlapped steps run (plain steps never delay)."""
-    count = _Count()
-    sequences = {}  # unit -> (microbatch, sequences of the unit)
-    for step in steps:
-        for member in step.units:
-            half = shape.sequences if member.half is None else _half_rows(shape.sequences, member.half)
-            sequences[member.unit] = (member.microbatch, half)
-    saved: dict[tuple, list[tuple[tuple, int]]] = {}  # (unit, layer, node) -> the keys it holds
-    wgrad: dict[tuple, list[tuple]] = {}  # (unit, layer, "experts"/"attention") -> keys a delayed wgrad holds
+class _UnitHolds:
+    """What one unit of the step holds for backward, node by node, in the step's :class:`_Count`."""
 
-    def key(unit: int, layer: int | None, name: str) -> tuple:
-        return ("microbatch", sequences[unit][0], name) if name in ("tokens", "labels") else (unit, layer, name)
+    def __init__(self, shape: ActivationShape, count: _Count, unit: int, microbatch: int, sequences: int):
+        self.shape, self.count, self.unit, self.microbatch, self.sequences = shape, count, unit, microbatch, sequences
+        self.tokens = sequences * shape.seq_length
+        self.saved: dict[tuple, list[tuple[tuple, int]]] = {}  # (layer, node) -> the keys it holds
+        self.wgrad: dict[tuple, list[tuple]] = {}  # (layer, "experts"/"attention") -> keys a delayed wgrad holds
 
-    def forward(unit: int, layer: int | None, node: str) -> None:
-        held = [(key(unit, layer, name), nbytes) for name, nbytes in shape.saved(node, layer, sequences[unit][1])]
-        saved[(unit, layer, node)] = held
+    def key(self, layer: int | None, name: str) -> tuple:
+        """A storage: the token ids and labels are the microbatch's (a half's rows are a view of them)."""
+        return ("microbatch", self.microbatch, name) if name in ("tokens", "labels") else (self.unit, layer, name)
+
+    def forward(self, layer: int | None, node: str) -> None:
+        held = [(self.key(layer, name), nbytes) for name, nbytes in self.shape.saved(node, layer, self.sequences)]
+        self.saved[(layer, node)] = held
         for k, nbytes in held:
-            count.hold(k, nbytes)
+            self.count.hold(k, nbytes)
         # An output freed once the next linear ran was held until then: counted on top of all the node keeps, the
         # largest one (they are freed one at a time): an upper bound.
-        freed = shape.freed_outputs(node, layer, sequences[unit][1])
+        freed = self.shape.freed_outputs(node, layer, self.sequences)
         if freed:
             name, nbytes = max(freed, key=lambda item: item[1])
-            count.hold(("freed", unit, layer, name), nbytes)
-            count.release(("freed", unit, layer, name))
+            self.count.hold(("freed", self.unit, layer, name), nbytes)
+            self.count.release(("freed", self.unit, layer, name))
 
-    def open_backward(unit: int, layer: int | None, node: str) -> dict[str, tuple]:
+    def open_backward(self, layer: int | None, node: str) -> dict[str, tuple]:
         """A node's backward begins: what recompute rebuilds is held too. Returns the keys the node now holds, by
         name; the backward lets them go."""
-        held = saved.pop((unit, layer, node))
-        for name, nbytes in shape.rebuilt(node, layer, sequences[unit][1]):
-            held.append((key(unit, layer, name), nbytes))
-            count.hold(*held[-1])
+        held = self.saved.pop((layer, node))
+        for name, nbytes in self.shape.rebuilt(node, layer, self.sequences):
+            held.append((self.key(layer, name), nbytes))
+            self.count.hold(*held[-1])
         return {k[-1]: k for k, _ in held}
 
-    def backward(unit: int, layer: int | None, node: str) -> None:
-        for k in open_backward(unit, layer, node).values():
-            count.release(k)
+    def backward(self, layer: int | None, node: str) -> None:
+        for k in self.open_backward(layer, node).values():
+            self.count.release(k)
 
-    def experts_bwd_delayed(unit: int, layer: int) -> None:
-        # Expert backward in autograd's order: unsort, fc2 (its input and output gradient go to the wgrad queue),
-        # the activation, fc1 (likewise), sort. Only the output gradients are new bytes.
-        T = sequences[unit][1] * shape.seq_length
-        (dy2, dy2_bytes), (dy1, dy1_bytes) = [((unit, layer, n), b) for n, b in shape.wgrad_held("experts", T)]
-        names = open_backward(unit, layer, "experts")
+    def experts_bwd_delayed(self, layer: int) -> None:
+        """Expert backward in autograd's order: unsort, fc2 (its input and output gradient go to the wgrad queue),
+        the activation, fc1 (likewise), sort. Only the output gradients are new bytes."""
+        count = self.count
+        (dy2, dy2_bytes), (dy1, dy1_bytes) = [
+            ((self.unit, layer, n), b) for n, b in self.shape.wgrad_held("experts", self.tokens)
+        ]
+        names = self.open_backward(layer, "experts")
         count.release(names["unsort_index"])
         count.hold(names["expert_act"], 0)
         count.hold(dy2, dy2_bytes)
@@ -361,42 +363,113 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
         count.release(names["sort_index"])
         if "received" in names:  # recomputed experts: their input
             count.release(names["received"])
-        wgrad[(unit, layer, "experts")] = [names["expert_act"], dy2, names["expert_x"], dy1]
+        self.wgrad[(layer, "experts")] = [names["expert_act"], dy2, names["expert_x"], dy1]
 
-    def pre_dispatch_bwd_delayed(unit: int, layer: int) -> None:
-        # The attention's linears keep their inputs (the norm's output, the attention's output) and output gradients
-        # for the delayed wgrad; everything released before them is larger, so no new peak arises inside the node.
-        T = sequences[unit][1] * shape.seq_length
-        names = open_backward(unit, layer, "pre_dispatch")
+    def pre_dispatch_bwd_delayed(self, layer: int) -> None:
+        """The attention's linears keep their inputs (the norm's output, the attention's output) and output
+        gradients for the delayed wgrad; everything released before them is larger, so no new peak arises inside
+        the node."""
+        names = self.open_backward(layer, "pre_dispatch")
         for name, k in names.items():
             if name not in ("ln1_out", "o"):
-                count.release(k)
-        grads = [((unit, layer, n), b) for n, b in shape.wgrad_held("attention", T)]
+                self.count.release(k)
+        grads = [((self.unit, layer, n), b) for n, b in self.shape.wgrad_held("attention", self.tokens)]
         for k, nbytes in grads:
-            count.hold(k, nbytes)
-        wgrad[(unit, layer, "attention")] = [names["ln1_out"], names["o"], *(k for k, _ in grads)]
+            self.count.hold(k, nbytes)
+        self.wgrad[(layer, "attention")] = [names["ln1_out"], names["o"], *(k for k, _ in grads)]
 
+    def run_wgrad(self, layer: int, which: str) -> None:
+        for k in self.wgrad.pop((layer, which)):
+            self.count.release(k)
+
+
+class _LayerHolds(NoComm):
+    """The interpreter's runner for one layer of one unit: each compute op holds or lets go of its node's saves."""
+
+    def __init__(self, holds: _UnitHolds, index: int, moe: bool):
+        self.holds, self.index, self.moe = holds, index, moe
+        self.delay_wgrad = False  # set per step (Step.delay_wgrad)
+
+    def compute_pre_dispatch(self, x) -> None:
+        self.holds.forward(self.index, "pre_dispatch")
+
+    def compute_experts(self) -> None:
+        self.holds.forward(self.index, "experts")
+
+    def compute_combine(self) -> None:
+        self.holds.forward(self.index, "combine")
+
+    def compute_combine_bwd(self, g) -> None:
+        self.holds.backward(self.index, "combine")
+
+    def compute_experts_bwd(self) -> None:
+        if self.delay_wgrad and self.moe:
+            self.holds.experts_bwd_delayed(self.index)
+        else:
+            self.holds.backward(self.index, "experts")
+
+    def compute_pre_dispatch_bwd(self) -> None:
+        if self.delay_wgrad:
+            self.holds.pre_dispatch_bwd_delayed(self.index)
+        else:
+            self.holds.backward(self.index, "pre_dispatch")
+
+    def wgrad_experts(self) -> None:
+        self.holds.run_wgrad(self.index, "experts")
+
+    def wgrad_attention(self) -> None:
+        self.holds.run_wgrad(self.index, "attention")
+
+
+class _ChunkHolds(NoPipeline):
+    """The interpreter's runner for one unit on its chunk: the ends' ops, and the layers' runners."""
+
+    def __init__(self, holds: _UnitHolds, chunk: ChunkShape):
+        self.holds, self.chunk = holds, chunk
+        self.layers = [_LayerHolds(holds, j, moe) for j, moe in enumerate(chunk.moe)]
+
+    def for_step(self, step: Step) -> "_ChunkHolds":
+        for layer in self.layers:
+            layer.delay_wgrad = step.delay_wgrad
+        return self
+
+    def compute_embedding(self) -> None:
+        self.holds.forward(None, "embedding")
+
+    def compute_head(self, x) -> None:
+        self.holds.forward(None, "head")
+
+    def compute_head_bwd(self) -> None:
+        self.holds.backward(None, "head")
+
+    def compute_embedding_bwd(self, g) -> None:
+        self.holds.backward(None, "embedding")
+
+    def _nodes(self) -> list[tuple[str, int | None]]:
+        nodes = [("embedding", None)] if self.chunk.first else []
+        nodes += [(node, layer) for layer in range(len(self.chunk.moe)) for node in _LAYER_NODES]
+        return nodes + ([("head", None)] if self.chunk.last else [])
+
+    def plain_forward(self) -> None:
+        for node, layer in self._nodes():
+            self.holds.forward(layer, node)
+
+    def plain_backward(self) -> None:
+        for node, layer in reversed(self._nodes()):
+            self.holds.backward(layer, node)
+
+
+def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape) -> int:
+    """The most bytes held for backward at any moment of one rank's step (``steps``, a PP = 1 program over
+    ``chunk``), each step's backward deferring weight gradients as it says (``Step.delay_wgrad``)."""
+    count = _Count()
+    units: dict[int, _ChunkHolds] = {}
     for step in steps:
-        delay = delay_wgrad and not step.plain
-        for op in step.ops:
-            u, j = op.unit, op.layer
-            if op.kind == "plain":
-                nodes = [("embedding", None)] if chunk.first else []
-                nodes += [(node, layer) for layer in range(len(chunk.moe)) for node in _LAYER_NODES]
-                nodes += [("head", None)] if chunk.last else []
-                for node, layer in nodes if op.name == "forward" else reversed(nodes):
-                    (forward if op.name == "forward" else backward)(u, layer, node)
-            elif op.kind == "compute" and op.name in ("embedding", "head", *_LAYER_NODES):
-                forward(u, j, op.name)
-            elif op.kind == "compute" and op.name == "experts_bwd" and delay and chunk.moe[j]:
-                experts_bwd_delayed(u, j)
-            elif op.kind == "compute" and op.name == "pre_dispatch_bwd" and delay:
-                pre_dispatch_bwd_delayed(u, j)
-            elif op.kind == "compute" and op.name.endswith("_bwd"):
-                backward(u, j, op.name[: -len("_bwd")])
-            elif op.kind == "wgrad":
-                for k in wgrad.pop((u, j, op.name)):
-                    count.release(k)
+        for m in step.units:
+            if m.unit not in units:
+                sequences = Unit(m.microbatch, m.half).size(shape.sequences)
+                units[m.unit] = _ChunkHolds(_UnitHolds(shape, count, m.unit, m.microbatch, sequences), chunk)
+        run_ops(step.ops, {m.unit: units[m.unit].for_step(step) for m in step.units})
     return count.peak
 
 
@@ -404,11 +477,4 @@ def predicted_peak(shape: ActivationShape, options, num_microbatches: int) -> in
     """:func:`activation_peak` of the PP = 1 step of ``num_microbatches`` that ``options`` (``EPOverlapOptions``;
     ``overlap=False``: the plain path) run."""
     chunk = ChunkShape(True, True, shape.moe)
-    steps = list(program(options, [chunk], num_microbatches))
-    return activation_peak(shape, steps, chunk, delay_wgrad=options.overlap and options.delay_wgrad)
-
-
-def _half_rows(sequences: int, half: int) -> int:
-    """Sequences of a chunked microbatch's half (``program/units.py``: the first ``ceil(B / 2)``, then the rest)."""
-    cut = (sequences + 1) // 2
-    return cut if half == 0 else sequences - cut
+    return activation_peak(shape, list(program(options, [chunk], num_microbatches)), chunk)

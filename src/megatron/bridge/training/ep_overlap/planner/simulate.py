@@ -3,9 +3,10 @@
 Contract:
     * The simulated order is the engine's: the steps :func:`~megatron.bridge.training.ep_overlap.program.program`
       yields for PP = 1 and the given :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, op by
-      op. Each op is charged a cost (:func:`_charge`); a chunked microbatch's halves cost half of its compute and
-      bytes each. ``simulate`` also returns the order in which it launched the all-to-alls, which a test compares
-      with what the engine recorded.
+      op. Each op is charged a cost by its runner (:class:`_UnitCharge`, :class:`_LayerCharge`), in the loop that
+      runs the engine's nodes (``program.interpreter.run_ops``); a chunked microbatch's halves cost half of its
+      compute and bytes each. ``simulate`` also returns the order in which it launched the all-to-alls, which a
+      test compares with what the engine recorded.
     * One rank is simulated (EP ranks are symmetric): a compute resource that runs its ops in host order, a ``wait``
       blocking it until that all-to-all has arrived (the time it waits is exposed comm), and one FIFO link. An
       all-to-all occupies the link for ``bytes / bandwidth`` (bytes: the larger of what the rank sends and receives)
@@ -28,8 +29,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.interpreter import NoPipeline, run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Op, program, unit_ops
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, unit_ops
 
 PHASES = ("warmup", "paired", "cooldown", "plain")
 DEFAULT_OPTIONS = EPOverlapOptions()  # overlap on, nothing else
@@ -162,50 +164,111 @@ class _Sim:
         self.launches.append(key)
 
 
-def _wgrads(layer: LayerCosts, delay_wgrad: bool) -> tuple[float, float]:
-    """(expert wgrad, attention wgrad) of a layer's backward that delayed wgrad defers (0 without it)."""
-    if not delay_wgrad:
-        return 0.0, 0.0
-    return layer.b_exp * layer.expert_wgrad_share, layer.b_pre * layer.attention_wgrad_share
+class _LayerCharge:
+    """What each op at one layer of one unit costs the rank: the interpreter's runner for that layer."""
+
+    def __init__(self, sim: _Sim, layer: LayerCosts, unit: int, index: int, delay_wgrad: bool):
+        self.sim, self.costs, self.key = sim, layer, (unit, index)
+        # The weight-gradient parts delayed wgrad moves out of the backward (none without it).
+        self.expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
+        self.attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
+
+    def _launch(self, name: str, nbytes: float, not_before: float | None = None) -> None:
+        unit, index = self.key
+        self.sim.launch((name, index, unit), nbytes, not_before)
+
+    def _wait(self, name: str) -> None:
+        unit, index = self.key
+        self.sim.wait(self.sim.arrived[(name, index, unit)])
+
+    # forward: each compute op that ends a segment of the plain path costs that segment; the others nothing
+    def compute_pre_dispatch(self, x) -> None:
+        self.sim.compute(self.costs.f_pre)
+
+    def launch_split(self) -> None:
+        self.sim.exchange_start(self.key, self.costs.dispatch_bytes)
+
+    def wait_split(self) -> None:
+        if not self.sim.launch_off_host and self.key in self.sim.exchanges:
+            self.sim.wait(self.sim.exchanges[self.key])
+
+    def launch_dispatch(self) -> None:
+        self._launch("dispatch", self.costs.dispatch_bytes, self.sim.exchanges.pop(self.key, None))
+
+    def wait_dispatch(self) -> None:
+        self._wait("dispatch")
+
+    def compute_experts(self) -> None:
+        self.sim.compute(self.costs.f_exp)
+
+    def launch_combine(self) -> None:
+        self._launch("combine", self.costs.combine_bytes)
+
+    def wait_combine(self) -> None:
+        self._wait("combine")
+
+    def compute_combine(self) -> None:
+        """Unpermute and residual add: part of the next segment."""
+
+    # backward
+    def compute_combine_bwd(self, g) -> None:
+        """Part of the segment that ends at the next all-to-all."""
+
+    def launch_combine_bwd(self) -> None:
+        self._launch("combine_bwd", self.costs.combine_bytes)
+
+    def wait_combine_bwd(self) -> None:
+        self._wait("combine_bwd")
+
+    def compute_experts_bwd(self) -> None:
+        self.sim.compute(self.costs.b_exp - self.expert_wgrad)
+
+    def launch_dispatch_bwd(self) -> None:
+        self._launch("dispatch_bwd", self.costs.dispatch_bytes)
+
+    def wgrad_experts(self) -> None:
+        self.sim.compute(self.expert_wgrad)
+
+    def wait_dispatch_bwd(self) -> None:
+        self._wait("dispatch_bwd")
+
+    def compute_pre_dispatch_bwd(self) -> None:
+        self.sim.compute(self.costs.b_pre - self.attention_wgrad)
+
+    def wgrad_attention(self) -> None:
+        self.sim.compute(self.attention_wgrad)
 
 
-# Seconds of the compute ops that end a segment of the plain path, from (the unit's costs, the op's layer, its
-# expert wgrad, its attention wgrad); every other compute op costs nothing of its own.
-_SECONDS = {
-    ("compute", "pre_dispatch"): lambda c, layer, ew, aw: layer.f_pre,
-    ("compute", "experts"): lambda c, layer, ew, aw: layer.f_exp,
-    ("compute", "head"): lambda c, layer, ew, aw: c.f_tail,
-    ("compute", "head_bwd"): lambda c, layer, ew, aw: c.b_head,
-    ("compute", "experts_bwd"): lambda c, layer, ew, aw: layer.b_exp - ew,
-    ("compute", "pre_dispatch_bwd"): lambda c, layer, ew, aw: layer.b_pre - aw,
-    ("wgrad", "experts"): lambda c, layer, ew, aw: ew,
-    ("wgrad", "attention"): lambda c, layer, ew, aw: aw,
-}
-_BYTES = {"dispatch": "dispatch_bytes", "dispatch_bwd": "dispatch_bytes", "combine": "combine_bytes",
-          "combine_bwd": "combine_bytes"}  # fmt: skip
+class _UnitCharge(NoPipeline):
+    """What each op at one unit's chunk ends costs, with its layers' runners: the interpreter's runner for a unit."""
 
+    def __init__(self, sim: _Sim, costs: StepCosts, unit: int, shape: ChunkShape, delay_wgrad: bool):
+        self.sim, self.costs, self.unit, self.shape = sim, costs, unit, shape
+        self.layers = [_LayerCharge(sim, layer, unit, j, delay_wgrad) for j, layer in enumerate(costs.layers)]
 
-def _charge(sim: _Sim, op: Op, costs: StepCosts, shape: ChunkShape, delay: bool) -> None:
-    """What ``op`` costs one rank (P2P ops do not occur: the planner simulates PP = 1)."""
-    if op.kind == "plain":  # a whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once
-        for sub in unit_ops(FORWARD if op.name == "forward" else BACKWARD, op.unit, shape, delay=False):
-            _charge(sim, sub, costs, shape, delay=False)
-        return
-    layer = None if op.layer is None else costs.layers[op.layer]
-    ew, aw = (0.0, 0.0) if layer is None else _wgrads(layer, delay)
-    here = (op.unit, op.layer)
-    if (op.kind, op.name) in _SECONDS:
-        sim.compute(_SECONDS[(op.kind, op.name)](costs, layer, ew, aw))
-    elif op.kind == "launch" and op.name == "split":
-        sim.exchange_start(here, layer.dispatch_bytes)
-    elif op.kind == "wait" and op.name == "split":
-        if not sim.launch_off_host and here in sim.exchanges:
-            sim.wait(sim.exchanges[here])
-    elif op.kind == "launch" and op.name in _BYTES:
-        not_before = sim.exchanges.pop(here, None) if op.name == "dispatch" else None
-        sim.launch((op.name, op.layer, op.unit), getattr(layer, _BYTES[op.name]), not_before)
-    elif op.kind == "wait" and op.name in _BYTES:
-        sim.wait(sim.arrived[(op.name, op.layer, op.unit)])
+    def compute_embedding(self) -> None:
+        """Part of the first layer's forward segment."""
+
+    def compute_head(self, x) -> None:
+        self.sim.compute(self.costs.f_tail)
+
+    def compute_head_bwd(self) -> None:
+        self.sim.compute(self.costs.b_head)
+
+    def compute_embedding_bwd(self, g) -> None:
+        """Part of the first layer's backward segment."""
+
+    def _whole(self, role: str) -> None:
+        """A whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once, nothing delayed."""
+        run_ops(unit_ops(role, self.unit, self.shape, delay=False), {self.unit: _UnitCharge(
+            self.sim, self.costs, self.unit, self.shape, delay_wgrad=False
+        )})  # fmt: skip
+
+    def plain_forward(self) -> None:
+        self._whole(FORWARD)
+
+    def plain_backward(self) -> None:
+        self._whole(BACKWARD)
 
 
 # From this many microbatches on, a PP = 1 step only repeats its steady paired step: each more microbatch adds the
@@ -264,13 +327,14 @@ def _simulate_ops(costs: StepCosts, link: Link, num_microbatches: int, options: 
 
     sim = _Sim(link, launch_off_host=options.overlap and options.launch_off_host is True)
     steps = list(program(options, [shape], num_microbatches))
-    unit_costs = {m.unit: costs if m.half is None else costs.scaled(0.5) for s in steps for m in s.units}
     for step in steps:
         sim.phase = step.phase
         sim.exposed.setdefault(step.phase, 0.0)
-        delayed = options.delay_wgrad and not step.plain
-        for op in step.ops:
-            _charge(sim, op, unit_costs[op.unit], shape, delayed)
+        runners = {
+            m.unit: _UnitCharge(sim, costs if m.half is None else costs.scaled(0.5), m.unit, shape, step.delay_wgrad)
+            for m in step.units
+        }
+        run_ops(step.ops, runners)
     return Prediction(
         step_s=sim.host + costs.other_s,
         compute_s=sim.compute_s,

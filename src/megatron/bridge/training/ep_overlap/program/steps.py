@@ -124,6 +124,9 @@ class Step:
     recv: tuple[Transfer, ...]
     send: tuple[Transfer, ...]
     windows: tuple[Window, ...]
+    # Whether this step's backward defers weight gradients to its ``wgrad`` ops (an overlapped step with delayed
+    # wgrad): every consumer reads it here, none from the options.
+    delay_wgrad: bool = False
 
     @property
     def ops(self) -> Iterator[Op]:
@@ -230,14 +233,27 @@ def _alone(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
     return [Window("alone", tuple(unit_ops(role, u, shape, delay)))]
 
 
-def layer_step(
-    outs, b: Sequence[int], j: int, k: int, moe_f: bool, moe_b: bool, pending, delay, window
-) -> list[Window]:
-    """The paired layer step: forward of layer ``j`` of F's units (``outs``, where each one's input comes from)
-    with backward of layer ``k`` of B's units ``b``; ``pending`` is B's layer whose attention wgrad is still to run
-    (None: none), ``delay`` whether wgrad is delayed, ``window`` where that wgrad goes (1 or 2)."""
+@dataclass(frozen=True)
+class LayerPair:
+    """One paired layer step: forward of layer ``forward`` (0-based in F's chunk), backward of layer ``backward`` (in
+    B's chunk), whether each is an MoE layer, B's layer whose attention wgrad is still to run (``pending``; None:
+    none), whether wgrad is delayed, and the window (1 or 2) that attention wgrad goes in."""
+
+    forward: int
+    backward: int
+    forward_moe: bool
+    backward_moe: bool
+    pending: int | None
+    delay_wgrad: bool
+    window: int
+
+
+def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
+    """The paired layer step ``pair``: F's units (``outs``, where each one's input comes from) with B's ``b``."""
+    j, k, moe_f, moe_b = pair.forward, pair.backward, pair.forward_moe, pair.backward_moe
+    delay, window = pair.delay_wgrad, pair.window
     f = [out.unit for out in outs]
-    wgrad = _attention_wgrad(b, pending, delay)
+    wgrad = _attention_wgrad(b, pair.pending, delay)
     early = window == 1 and not moe_f  # no split sizes to hide: the wgrad goes beside B.combine backward
     w1 = [op for u in b for op in _combine_bwd(u, k)] + (wgrad if early else [])
     w1 += [op for out in outs for op in out.take() + [Op("compute", "pre_dispatch", out.unit, j)]]
@@ -264,7 +280,11 @@ def _paired(f, b, fs: ChunkShape, bs: ChunkShape, delay: bool, window: int) -> l
     pending = None
     for j in range(min(nf, nb)):
         k = nb - 1 - j
-        windows += layer_step(outs, b, j, k, fs.moe[j], bs.moe[k], pending, delay, window)
+        pair = LayerPair(
+            forward=j, backward=k, forward_moe=fs.moe[j], backward_moe=bs.moe[k], pending=pending,
+            delay_wgrad=delay, window=window,
+        )  # fmt: skip
+        windows += layer_step(outs, b, pair)
         pending = k
     extra = []
     for j in range(min(nf, nb), nb):  # B's chunk is longer
@@ -376,7 +396,8 @@ def program(
         else:
             kind = "paired" if f and b else ("forward" if f else "backward") + ("_pair" if len(f + b) == 2 else "")
             windows = windows_of(kind, f, b, fs, bs, delay_wgrad=delay, window=window)
-        yield Step(kind, s.phase if overlap else "plain", tuple(members), s.recv, s.send, tuple(windows))
+        phase = s.phase if overlap else "plain"
+        yield Step(kind, phase, tuple(members), s.recv, s.send, tuple(windows), delay_wgrad=delay)
 
 
 def format_program(steps: Sequence[Step], rank: int, pipeline_size: int) -> str:

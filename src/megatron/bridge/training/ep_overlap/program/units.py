@@ -34,6 +34,11 @@ class Unit:
         cut = (batch + 1) // 2
         return slice(0, cut) if self.half == 0 else slice(cut, batch)
 
+    def size(self, batch: int) -> int:
+        """How many of a microbatch's ``batch`` sequences the unit runs."""
+        rows = self.rows(batch)
+        return rows.stop - rows.start
+
 
 def chunked_microbatches(num_microbatches: int, *, forward_only: bool = False) -> list[int]:
     """The microbatches the schedule runs alone somewhere (see the module docstring), which chunking splits."""
