@@ -31,14 +31,16 @@ from typing import Any
 import torch
 from packaging.version import Version
 
-from megatron.bridge.training.moe_overlap_rules import (
+from megatron.bridge.training.comm_overlap_values import (
     DP_RESOLVED_FIELDS,
     MODEL_RESOLVED_FIELDS,
+    comm_overlap_value_violations,
+    explicit_values,
+)
+from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
-    comm_overlap_value_violations,
-    explicit_values,
     graph_modules,
 )
 from megatron.bridge.utils import versions

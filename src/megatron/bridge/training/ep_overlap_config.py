@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
-from megatron.bridge.training.moe_overlap_rules import (
+from megatron.bridge.training.comm_overlap_values import (
     DP_RESOLVED_FIELDS,
     MODEL_RESOLVED_FIELDS,
+    comm_overlap_value_violations,
+    explicit_values,
+)
+from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
-    comm_overlap_value_violations,
-    explicit_values,
 )
 from megatron.bridge.utils.process_groups import data_parallel_size_of
 
