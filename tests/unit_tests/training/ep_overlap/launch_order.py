@@ -1,5 +1,6 @@
 """Test-only: records, on one rank, the host's order of every lane and P2P event of a step (the schedule's
-fingerprint), for every option combination the rules allow.
+fingerprint), for the option combinations a test gives (``program_events.py`` derives the same events from the
+program).
 
 Events, one line each, in the order the host issued them:
     ``compute <node> L<layer> m<unit> <phase>``   a compute node starts
@@ -21,6 +22,8 @@ import threading
 from datetime import timedelta
 
 import torch
+
+from .program_events import key
 
 EVENTS: list[str] = []
 _state = threading.local()
@@ -157,28 +160,7 @@ def take_events() -> list[str]:
     return events
 
 
-# ---- the option combinations the rules allow -------------------------------------------------------------------
-
-ENDS = {"alone": {}, "edges": {"edge_pairing": True}, "chunks": {"moe_ep_overlap_chunks": 2}}
-
-
-def engine_options(pp: int, *, off_host: bool = True, chunks: bool = True) -> list[dict]:
-    """Every engine option set the rules allow at pipeline size ``pp`` (``off_host``: the model allows launching
-    off the host; ``chunks``: try chunking, PP 1 only)."""
-    launch = [None, False, True] if off_host else [None, False]
-    combos = [dict(overlap=False, launch_off_host=lo, forward_only=fo) for lo in launch[:2] for fo in (False, True)]
-    windows = [1, 2, None] if pp == 1 else [1, 2]
-    ends = [e for e in ENDS if e != "chunks" or (chunks and pp == 1)]
-    for delay, window, end, lo, fo in itertools.product((False, True), windows, ends, launch, (False, True)):
-        combos.append(
-            dict(overlap=True, delay_wgrad=delay, attention_wgrad_window=window, launch_off_host=lo, forward_only=fo)
-            | ENDS[end]
-        )
-    return combos
-
-
-def key(options: dict) -> str:
-    return ",".join(f"{k}={options[k]}" for k in sorted(options))
+# ---- recording a step ----------------------------------------------------------------------------------------
 
 
 def run_engine(engine, data, options: dict) -> list[str]:
@@ -195,8 +177,8 @@ def engine_kwargs(options: dict) -> dict:
 TIMEOUT = timedelta(seconds=60)
 
 
-def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -> dict:
-    """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, every allowed option set."""
+def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
+    """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, one step per option set."""
     from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
     from megatron.bridge.utils.process_groups import init_ep_groups
 
@@ -213,7 +195,7 @@ def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -
     def build():
         return build_pipeline_chunks(config, groups, 1, groups.pp_rank) if pp > 1 else MoEGPTModel(config, groups, 1)
 
-    return _engine_orders(groups, microbatch_counts, engine_options(pp), build, vocab=32, shape=(2, 4))
+    return _engine_orders(groups, microbatch_counts, combinations, build, vocab=32, shape=(2, 4))
 
 
 def _engine_orders(groups, microbatch_counts, combinations, build, *, vocab: int, shape: tuple) -> dict:
@@ -230,7 +212,7 @@ def _engine_orders(groups, microbatch_counts, combinations, build, *, vocab: int
     return out
 
 
-def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple) -> dict:
+def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
     """A Megatron-Core GPTModel (local specs) through the engine: whole at PP 1, chunks at PP 2 x VPP 2."""
     from .mcore_cpu import init_megatron, install_cpu_stubs
 
@@ -248,7 +230,7 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     def build():
         return build_plans(case, pp, 2) if pp > 1 else McoreGPTPlan(build_gpt(case))
 
-    return _engine_orders(groups, microbatch_counts, engine_options(pp, off_host=False), build, vocab=64, shape=(2, 8))
+    return _engine_orders(groups, microbatch_counts, combinations, build, vocab=64, shape=(2, 8))
 
 
 def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict:
@@ -290,14 +272,3 @@ def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict
             take_events()
         )
     return out
-
-
-# (group name, worker, ranks, args): every group runs in one set of forked ranks.
-GROUPS = {
-    "reference/pp1": (reference_orders, 2, (1, (1, 3))),
-    "reference/pp2-vpp2": (reference_orders, 4, (2, (4, 5))),
-    "mcore-engine/pp1": (mcore_engine_orders, 2, (1, (3,))),
-    "mcore-engine/pp2-vpp2": (mcore_engine_orders, 4, (2, (4,))),
-    "mcore-hook/pp1": (mcore_hook_orders, 2, (1, 3)),
-    "mcore-hook/pp2-vpp2": (mcore_hook_orders, 4, (2, 4)),
-}
