@@ -7,6 +7,7 @@ overlapped path is recorded, so both arms of an A/B draw and compare alike.
 import time
 
 from megatron.bridge.training.ep_overlap.engine.records import CommRecord, ComputeRecord
+from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
 
 class PlainTimeline:
@@ -22,7 +23,7 @@ class PlainTimeline:
 
     def start(self, microbatch: int) -> None:
         clock = self.lane.recorder.clock
-        self.segment = ComputeRecord("plain", -1, microbatch, "plain", clock.mark(), time.perf_counter())
+        self.segment = ComputeRecord("plain", -1, microbatch, Phase.PLAIN, clock.mark(), time.perf_counter())
 
     def end(self, next_boundary: str, layer: int) -> None:
         record = self.segment

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.bridge.training.ep_overlap.intervals import length, uncovered, union
+from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
 
 class HostClock:
@@ -101,7 +102,7 @@ class StepRecorder:
     """Collects the records of one step. ``phase`` is set by the schedule as it goes."""
 
     clock: object = field(default_factory=HostClock)
-    phase: str = "warmup"
+    phase: str = Phase.WARMUP
     comm: list[CommRecord] = field(default_factory=list)
     compute: list[ComputeRecord] = field(default_factory=list)
 

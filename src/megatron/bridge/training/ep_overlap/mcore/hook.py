@@ -48,8 +48,8 @@ from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
 )
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.logging import warn_rank0
 
@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's default collective timeout
 # What Megatron-Core's driver asks of one call, and the phase its records carry.
-_PHASES = {"paired": "paired", "forward": "warmup", "backward": "cooldown"}
+_AGREED = (StepKind.FORWARD, StepKind.PAIRED, StepKind.BACKWARD)  # the calls' kinds, coded for the agreement
+_PHASES = {StepKind.PAIRED: Phase.PAIRED, StepKind.FORWARD: Phase.WARMUP, StepKind.BACKWARD: Phase.COOLDOWN}
 
 
 class _HostEvent:
@@ -125,7 +126,7 @@ class _RankSession:
         group = self.agree_group
         if group is None or torch.distributed.get_world_size(group) == 1:
             return
-        code = {"forward": 0, "paired": 1, "backward": 2}[kind]
+        code = _AGREED.index(kind)
         mine = torch.tensor([code, -1 if vp_stage is None else vp_stage, -1 if f_mb is None else f_mb,
                              -1 if b_mb is None else b_mb], dtype=torch.int64)  # fmt: skip
         everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
@@ -134,7 +135,7 @@ class _RankSession:
         if len(set(rows)) == 1:
             return
         ranks = torch.distributed.get_process_group_ranks(group)
-        names = ("forward", "paired", "backward")
+        names = _AGREED
 
         def said(rank: int, row: tuple) -> str:
             code, _, f, b = row
@@ -222,7 +223,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
                 post_b(grad)
 
             b.io.send_grad = send_grad
-        kind = "paired" if f is not None and b is not None else "forward" if f is not None else "backward"
+        kind = step_kind(f is not None, b is not None)
         session.agree(
             kind, (f_schedule_plan or b_schedule_plan).vp_stage, f.mb if f is not None else None,
             b.mb if b is not None else None,

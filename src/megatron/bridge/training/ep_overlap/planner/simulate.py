@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, replace
 
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import NoPipeline, run_ops
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, unit_ops
 
-PHASES = ("warmup", "paired", "cooldown", "plain")
+PHASES = (Phase.WARMUP, Phase.PAIRED, Phase.COOLDOWN, Phase.PLAIN)
 DEFAULT_OPTIONS = EPOverlapOptions()  # overlap on, nothing else
 
 
@@ -130,7 +130,7 @@ class _Sim:
         self.host = self.link_free = 0.0
         self.arrived: dict[Key, float] = {}
         self.exchanges: dict[tuple[int, int], float | None] = {}  # (unit, layer): when the split sizes are back
-        self.phase = "plain"
+        self.phase = Phase.PLAIN
         self.exposed: dict[str, float] = defaultdict(float)
         self.compute_s = self.comm_s = 0.0
         self.launches: list[Key] = []

@@ -34,6 +34,18 @@ class Role(StrEnum):
 FORWARD, BACKWARD = Role.FORWARD, Role.BACKWARD
 
 
+class Phase(StrEnum):
+    """Where a step sits in the schedule, as its records carry it: filling the pipeline, the steady 1F1B part
+    (``PAIRED`` with overlap, ``STEADY`` without), draining it; a forward-only step; a plain step (overlap off)."""
+
+    WARMUP = "warmup"
+    PAIRED = "paired"
+    STEADY = "steady"
+    COOLDOWN = "cooldown"
+    FORWARD = "forward"
+    PLAIN = "plain"
+
+
 @dataclass(frozen=True)
 class Transfer:
     """One P2P transfer of a step: activation (``F``) or gradient (``B``) of (microbatch, chunk) to/from a rank."""
@@ -57,7 +69,7 @@ class PipelineStep:
     backwards in the cool-down). ``recv`` lists what the step consumes from peers, ``send`` what it produces.
     """
 
-    phase: str  # "warmup", "paired" (steady, overlap on), "steady" (overlap off), "cooldown"; or "forward"
+    phase: Phase
     forward: tuple[int, int] | None
     backward: tuple[int, int] | None
     recv: tuple[Transfer, ...] = ()
@@ -150,15 +162,15 @@ def pipeline_schedule(
         return PipelineStep(phase, f, b, tuple(recv), tuple(send))
 
     if forward_only:
-        return [step("forward", f, None) for f in forwards]
-    steps = [step("warmup", forwards[k], None) for k in range(warmup)]
+        return [step(Phase.FORWARD, f, None) for f in forwards]
+    steps = [step(Phase.WARMUP, forwards[k], None) for k in range(warmup)]
     for k in range(total - warmup):
         if overlap:
-            steps.append(step("paired", forwards[warmup + k], backwards[k]))
+            steps.append(step(Phase.PAIRED, forwards[warmup + k], backwards[k]))
         else:  # the same order, forward then backward, nothing paired
-            steps.append(step("steady", forwards[warmup + k], None))
-            steps.append(step("steady", None, backwards[k]))
-    steps += [step("cooldown", None, backwards[k]) for k in range(total - warmup, total)]
+            steps.append(step(Phase.STEADY, forwards[warmup + k], None))
+            steps.append(step(Phase.STEADY, None, backwards[k]))
+    steps += [step(Phase.COOLDOWN, None, backwards[k]) for k in range(total - warmup, total)]
     return steps
 
 
@@ -211,8 +223,8 @@ def forward_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
     """A forward-only step (evaluation) at PP = 1 with overlap: F(0) with F(1), F(2) with F(3), ...; the last one
     alone when N is odd. Each microbatch still runs exactly its own ops, so numerics are unchanged."""
     n = num_microbatches
-    steps = [PipelineStep("forward", (m, 0), None, partner=(m + 1, 0)) for m in range(0, n - 1, 2)]
-    return steps + ([PipelineStep("forward", (n - 1, 0), None)] if n % 2 else [])
+    steps = [PipelineStep(Phase.FORWARD, (m, 0), None, partner=(m + 1, 0)) for m in range(0, n - 1, 2)]
+    return steps + ([PipelineStep(Phase.FORWARD, (n - 1, 0), None)] if n % 2 else [])
 
 
 def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
@@ -225,7 +237,7 @@ def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
     """
     n = num_microbatches
     return [
-        PipelineStep("warmup", (0, 0), None, partner=(1, 0)),
-        *(PipelineStep("paired", (i + 2, 0), (i, 0)) for i in range(n - 2)),
-        PipelineStep("cooldown", None, (n - 2, 0), partner=(n - 1, 0)),
+        PipelineStep(Phase.WARMUP, (0, 0), None, partner=(1, 0)),
+        *(PipelineStep(Phase.PAIRED, (i + 2, 0), (i, 0)) for i in range(n - 2)),
+        PipelineStep(Phase.COOLDOWN, None, (n - 2, 0), partner=(n - 1, 0)),
     ]

@@ -27,40 +27,67 @@ Contract:
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Transfer, pipeline_schedule
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase, Transfer, pipeline_schedule
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 
-# (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation, "g" the gradient.
-OPS: dict[tuple[str, str], tuple[str | None, str | None]] = {
-    ("compute", "embedding"): (None, "x"),
-    ("wait", "recv_activation"): (None, "x"),
-    ("compute", "pre_dispatch"): ("x", None),  # attention, pre-MLP norm, router, permute
-    ("launch", "split"): (None, None),  # the split sizes go out
-    ("wait", "split"): (None, None),  # ... and are known (the dispatch's host sync)
-    ("launch", "dispatch"): (None, None),
-    ("wait", "dispatch"): (None, None),
-    ("compute", "experts"): (None, None),
-    ("launch", "combine"): (None, None),
-    ("wait", "combine"): (None, None),
-    ("compute", "combine"): (None, "x"),  # unpermute, residual add: the layer's output
-    ("compute", "head"): ("x", None),
-    ("launch", "send_activation"): ("x", None),
-    ("compute", "head_bwd"): (None, "g"),
-    ("wait", "recv_grad"): (None, "g"),
-    ("compute", "combine_bwd"): ("g", None),
-    ("launch", "combine_bwd"): (None, None),
-    ("wait", "combine_bwd"): (None, None),
-    ("compute", "experts_bwd"): (None, None),  # dgrad, and wgrad unless delayed
-    ("launch", "dispatch_bwd"): (None, None),
-    ("wgrad", "experts"): (None, None),
-    ("wait", "dispatch_bwd"): (None, None),
-    ("compute", "pre_dispatch_bwd"): (None, "g"),
-    ("wgrad", "attention"): (None, None),
-    ("compute", "embedding_bwd"): ("g", None),
-    ("launch", "send_grad"): ("g", None),
-    ("plain", "forward"): (None, None),
-    ("plain", "backward"): (None, None),
+
+class OpKind(StrEnum):
+    """What an op does on the host: run a node, start or wait for a transfer, run a delayed wgrad, or run a whole
+    chunk through ordinary autograd (overlap off)."""
+
+    COMPUTE = "compute"
+    LAUNCH = "launch"
+    WAIT = "wait"
+    WGRAD = "wgrad"
+    PLAIN = "plain"
+
+
+COMPUTE, LAUNCH, WAIT, WGRAD, PLAIN = OpKind
+
+
+class StepKind(StrEnum):
+    """What a step pairs: one forward or backward alone, a forward with a backward, or two of a kind."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    PAIRED = "paired"
+    FORWARD_PAIR = "forward_pair"
+    BACKWARD_PAIR = "backward_pair"
+
+
+# Every op, declared once: (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation,
+# "g" the gradient, None nothing. The runner's method for it is ``<kind>_<name>`` (``Op.method``).
+OPS: dict[tuple[OpKind, str], tuple[str | None, str | None]] = {
+    (OpKind.COMPUTE, "embedding"): (None, "x"),
+    (OpKind.WAIT, "recv_activation"): (None, "x"),
+    (OpKind.COMPUTE, "pre_dispatch"): ("x", None),  # attention, pre-MLP norm, router, permute
+    (OpKind.LAUNCH, "split"): (None, None),  # the split sizes go out
+    (OpKind.WAIT, "split"): (None, None),  # ... and are known (the dispatch's host sync)
+    (OpKind.LAUNCH, "dispatch"): (None, None),
+    (OpKind.WAIT, "dispatch"): (None, None),
+    (OpKind.COMPUTE, "experts"): (None, None),
+    (OpKind.LAUNCH, "combine"): (None, None),
+    (OpKind.WAIT, "combine"): (None, None),
+    (OpKind.COMPUTE, "combine"): (None, "x"),  # unpermute, residual add: the layer's output
+    (OpKind.COMPUTE, "head"): ("x", None),
+    (OpKind.LAUNCH, "send_activation"): ("x", None),
+    (OpKind.COMPUTE, "head_bwd"): (None, "g"),
+    (OpKind.WAIT, "recv_grad"): (None, "g"),
+    (OpKind.COMPUTE, "combine_bwd"): ("g", None),
+    (OpKind.LAUNCH, "combine_bwd"): (None, None),
+    (OpKind.WAIT, "combine_bwd"): (None, None),
+    (OpKind.COMPUTE, "experts_bwd"): (None, None),  # dgrad, and wgrad unless delayed
+    (OpKind.LAUNCH, "dispatch_bwd"): (None, None),
+    (OpKind.WGRAD, "experts"): (None, None),
+    (OpKind.WAIT, "dispatch_bwd"): (None, None),
+    (OpKind.COMPUTE, "pre_dispatch_bwd"): (None, "g"),
+    (OpKind.WGRAD, "attention"): (None, None),
+    (OpKind.COMPUTE, "embedding_bwd"): ("g", None),
+    (OpKind.LAUNCH, "send_grad"): ("g", None),
+    (OpKind.PLAIN, "forward"): (None, None),
+    (OpKind.PLAIN, "backward"): (None, None),
 }
 
 
@@ -69,10 +96,14 @@ class Op:
     """One operation of the host: ``kind`` and ``name`` as in :data:`OPS`, on ``unit``, at ``layer`` (its position
     in the unit's chunk) or at the chunk's ends (None)."""
 
-    kind: str
+    kind: OpKind
     name: str
     unit: int
     layer: int | None = None
+
+    def __post_init__(self):
+        if (self.kind, self.name) not in OPS:
+            raise ValueError(f"{self.kind} {self.name}: not an op of the program (program.steps.OPS)")
 
     @property
     def method(self) -> str:
@@ -118,8 +149,8 @@ class StepUnit:
 
 @dataclass(frozen=True)
 class Step:
-    kind: str
-    phase: str  # as recorded: "warmup", "paired", "cooldown", "forward", or "plain" (overlap off)
+    kind: StepKind
+    phase: "Phase"  # as recorded (PLAIN: overlap off)
     units: tuple[StepUnit, ...]
     recv: tuple[Transfer, ...]
     send: tuple[Transfer, ...]
@@ -135,7 +166,7 @@ class Step:
     @functools.cached_property
     def plain(self) -> bool:
         """Runs whole chunks through ordinary autograd (overlap off). Read per op by the consumers: computed once."""
-        return any(op.kind == "plain" for op in self.ops)
+        return any(op.kind == PLAIN for op in self.ops)
 
     def unit_for(self, transfer: Transfer) -> StepUnit:
         """The unit a P2P transfer belongs to: the forward's for an activation, the backward's for a gradient."""
@@ -155,28 +186,28 @@ class _Output:
         pending, self.pending = self.pending, None
         if pending == "begin":
             return [
-                Op("compute", "embedding", self.unit) if self.shape.first else Op("wait", "recv_activation", self.unit)
+                Op(COMPUTE, "embedding", self.unit) if self.shape.first else Op(WAIT, "recv_activation", self.unit)
             ]
         return (
             []
             if pending is None
-            else [Op("wait", "combine", self.unit, pending), Op("compute", "combine", self.unit, pending)]
+            else [Op(WAIT, "combine", self.unit, pending), Op(COMPUTE, "combine", self.unit, pending)]
         )
 
     def end(self) -> list[Op]:
-        last = Op("compute", "head", self.unit) if self.shape.last else Op("launch", "send_activation", self.unit)
+        last = Op(COMPUTE, "head", self.unit) if self.shape.last else Op(LAUNCH, "send_activation", self.unit)
         return self.take() + [last]
 
 
 def _to_dispatch(out: _Output, j: int, moe: bool) -> list[Op]:
     """F's input, attention, router and permute, then the dispatch (after its split sizes, on an MoE layer)."""
     u = out.unit
-    split = [Op("launch", "split", u, j), Op("wait", "split", u, j)] if moe else []
-    return out.take() + [Op("compute", "pre_dispatch", u, j), *split, Op("launch", "dispatch", u, j)]
+    split = [Op(LAUNCH, "split", u, j), Op(WAIT, "split", u, j)] if moe else []
+    return out.take() + [Op(COMPUTE, "pre_dispatch", u, j), *split, Op(LAUNCH, "dispatch", u, j)]
 
 
 def _to_combine(u: int, j: int) -> list[Op]:
-    return [Op("wait", "dispatch", u, j), Op("compute", "experts", u, j), Op("launch", "combine", u, j)]
+    return [Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j), Op(LAUNCH, "combine", u, j)]
 
 
 def _layer_forward(out: _Output, j: int, moe: bool) -> list[Op]:
@@ -186,32 +217,32 @@ def _layer_forward(out: _Output, j: int, moe: bool) -> list[Op]:
 
 
 def _backward_begin(u: int, shape: ChunkShape) -> Op:
-    return Op("compute", "head_bwd", u) if shape.last else Op("wait", "recv_grad", u)
+    return Op(COMPUTE, "head_bwd", u) if shape.last else Op(WAIT, "recv_grad", u)
 
 
 def _backward_end(u: int, shape: ChunkShape) -> Op:
-    return Op("compute", "embedding_bwd", u) if shape.first else Op("launch", "send_grad", u)
+    return Op(COMPUTE, "embedding_bwd", u) if shape.first else Op(LAUNCH, "send_grad", u)
 
 
 def _combine_bwd(u: int, k: int) -> list[Op]:
-    return [Op("compute", "combine_bwd", u, k), Op("launch", "combine_bwd", u, k)]
+    return [Op(COMPUTE, "combine_bwd", u, k), Op(LAUNCH, "combine_bwd", u, k)]
 
 
 def _experts_dgrad(u: int, k: int) -> list[Op]:
-    return [Op("wait", "combine_bwd", u, k), Op("compute", "experts_bwd", u, k)]
+    return [Op(WAIT, "combine_bwd", u, k), Op(COMPUTE, "experts_bwd", u, k)]
 
 
 def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
-    ops = _experts_dgrad(u, k) + [Op("launch", "dispatch_bwd", u, k)]
-    return ops + ([Op("wgrad", "experts", u, k)] if delay and moe else [])
+    ops = _experts_dgrad(u, k) + [Op(LAUNCH, "dispatch_bwd", u, k)]
+    return ops + ([Op(WGRAD, "experts", u, k)] if delay and moe else [])
 
 
 def _pre_dispatch_bwd(u: int, k: int) -> list[Op]:
-    return [Op("wait", "dispatch_bwd", u, k), Op("compute", "pre_dispatch_bwd", u, k)]
+    return [Op(WAIT, "dispatch_bwd", u, k), Op(COMPUTE, "pre_dispatch_bwd", u, k)]
 
 
 def _attention_wgrad(b: Sequence[int], k: int | None, delay: bool) -> list[Op]:
-    return [Op("wgrad", "attention", u, k) for u in b] if delay and k is not None else []
+    return [Op(WGRAD, "attention", u, k) for u in b] if delay and k is not None else []
 
 
 def _layer_backward(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
@@ -256,16 +287,16 @@ def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     wgrad = _attention_wgrad(b, pair.pending, delay)
     early = window == 1 and not moe_f  # no split sizes to hide: the wgrad goes beside B.combine backward
     w1 = [op for u in b for op in _combine_bwd(u, k)] + (wgrad if early else [])
-    w1 += [op for out in outs for op in out.take() + [Op("compute", "pre_dispatch", out.unit, j)]]
-    w1 += [Op("launch", "split", u, j) for u in f] if moe_f else []
+    w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
+    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
     w1 += wgrad if window == 1 and not early else []
-    w2 = [Op("wait", "split", u, j) for u in f] if moe_f else []
-    w2 += [Op("launch", "dispatch", u, j) for u in f] + (wgrad if window == 2 else [])
+    w2 = [Op(WAIT, "split", u, j) for u in f] if moe_f else []
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + (wgrad if window == 2 else [])
     w2 += [op for u in b for op in _experts_dgrad(u, k)]
-    w3 = [Op("launch", "dispatch_bwd", u, k) for u in b]
-    w3 += [Op("wgrad", "experts", u, k) for u in b] if delay and moe_b else []
-    w3 += [op for u in f for op in (Op("wait", "dispatch", u, j), Op("compute", "experts", u, j))]
-    w4 = [Op("launch", "combine", u, j) for u in f] + [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    w3 = [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
+    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and moe_b else []
+    w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
+    w4 = [Op(LAUNCH, "combine", u, j) for u in f] + [op for u in b for op in _pre_dispatch_bwd(u, k)]
     for out in outs:
         out.pending = j
     label = f"F L{j} + B L{k}"
@@ -331,12 +362,21 @@ def _backward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
 
 
 _BUILD = {
-    "forward": _alone,
-    "backward": _alone,
-    "paired": _paired,
-    "forward_pair": _forward_pair,
-    "backward_pair": _backward_pair,
+    StepKind.FORWARD: _alone,
+    StepKind.BACKWARD: _alone,
+    StepKind.PAIRED: _paired,
+    StepKind.FORWARD_PAIR: _forward_pair,
+    StepKind.BACKWARD_PAIR: _backward_pair,
 }
+
+
+def step_kind(forwards: int, backwards: int) -> StepKind:
+    """The kind of an overlapped step of ``forwards`` forward and ``backwards`` backward units (two at most)."""
+    if forwards and backwards:
+        return StepKind.PAIRED
+    if forwards:
+        return StepKind.FORWARD_PAIR if forwards == 2 else StepKind.FORWARD
+    return StepKind.BACKWARD_PAIR if backwards == 2 else StepKind.BACKWARD
 
 
 def windows_of(
@@ -391,12 +431,12 @@ def program(
         fs = shapes[s.forward[1]] if s.forward else None
         bs = shapes[s.backward[1]] if s.backward else (shapes[s.partner[1]] if s.partner else None)
         if not overlap:
-            kind = "forward" if f else "backward"
-            windows = [Window("plain", (Op("plain", kind, members[0].unit),))]
+            kind = StepKind.FORWARD if f else StepKind.BACKWARD
+            windows = [Window("plain", (Op(PLAIN, kind.value, members[0].unit),))]
         else:
-            kind = "paired" if f and b else ("forward" if f else "backward") + ("_pair" if len(f + b) == 2 else "")
+            kind = step_kind(len(f), len(b))
             windows = windows_of(kind, f, b, fs, bs, delay_wgrad=delay, window=window)
-        phase = s.phase if overlap else "plain"
+        phase = s.phase if overlap else Phase.PLAIN
         yield Step(kind, phase, tuple(members), s.recv, s.send, tuple(windows), delay_wgrad=delay)
 
 
