@@ -60,7 +60,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     start_split_exchange,
     unpermute,
 )
-from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, StepLoss
+from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
@@ -134,14 +134,12 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
 
     # ---- node functions (the interface the EP-overlap schedule drives; see training/ep_overlap/contract.py) ----
 
-    def pre_dispatch(
-        self, x_TD: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None, Routing | None]:
+    def pre_dispatch(self, x_TD: torch.Tensor) -> PreDispatch:
         """Attention, pre-MLP norm, shared experts, router (and its auxiliary losses), permute.
 
         Returns:
-            (residual h, tensors to dispatch: the permuted tokens, tensors kept for combine: the router probs and the
-            shared experts' output, routing; None for dense layers).
+            The residual h; to dispatch, the permuted tokens; kept for combine, the router probs and the shared
+            experts' output; the routing (None for dense layers).
         """
         if x_TD.dim() != 2 or x_TD.shape[-1] != self.ln1.normalized_shape[0]:
             raise ValueError(
@@ -154,7 +152,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         norm1.discard(qkv_TQ)
         h_TD = x_TD + self.attention.attend(qkv_TQ)
         if not self.is_moe:  # the norm's output crosses to the experts node, so only its statistics are dropped
-            return h_TD, (recompute.run(norms, self.ln2, h_TD),), None, None
+            return PreDispatch(h_TD, (recompute.run(norms, self.ln2, h_TD),), None, None)
         norm2 = recompute.OutputRecompute(norms)
         n_TD = norm2.run(self.ln2, h_TD)
         keep = ()
@@ -174,7 +172,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             self.tokens_per_expert_E += routing.counts_E
         permuted_PD = permute(n_TD, routing, self.topk)
         norm2.discard(logits_TE, *readers)  # the permute's backward does not read the norm's output
-        return h_TD, (permuted_PD,), (probs_TK, *keep), routing
+        return PreDispatch(h_TD, (permuted_PD,), (probs_TK, *keep), routing)
 
     def _route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k experts per token and their weights, with Megatron-Core's score functions (in fp32)."""

@@ -16,17 +16,28 @@ Losses are token-summed cross-entropies divided by a normalizer the engine passe
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
+
+
+class PreDispatch(NamedTuple):
+    """What a layer's ``pre_dispatch`` hands on: the residual ``h`` (to combine), the tensors to ``send`` (the
+    dispatch), what it ``keep`` s for combine (None, a tensor or a tuple of tensors) and its ``routing`` (None for a
+    dense layer). A tuple, so ``h, send, keep, routing = layer.pre_dispatch(x)`` works too."""
+
+    h: Any
+    send: tuple
+    keep: Any
+    routing: Any
 
 
 class LayerFunctions(Protocol):
     """One layer's node functions; ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
 
-    ``pre_dispatch(x) -> (h, send, keep, routing)``: attention, pre-MLP norm, router, permute; ``send`` is the tuple
-    of tensors to dispatch, ``keep`` (None, a tensor, or a tuple of tensors) stays on this rank for combine, which
-    gets it in the same structure. ``start_split_exchange(routing)`` sends the split
+    ``pre_dispatch(x) -> PreDispatch(h, send, keep, routing)``: attention, pre-MLP norm, router, permute; ``send``
+    is the tuple of tensors to dispatch, ``keep`` (None, a tensor, or a tuple of tensors) stays on this rank for
+    combine, which gets it in the same structure. ``start_split_exchange(routing)`` sends the split
     sizes without blocking (may do nothing); ``exchange_splits(routing, op=...)`` finishes it (or does all of it).
     ``experts(received, routing)``; ``combine(back, keep, h, routing)``: unpermute and residual add.
     ``exchange_splits_off_host`` True lets a CPU lane finish the split exchange on its helper thread (it must then
@@ -41,7 +52,7 @@ class LayerFunctions(Protocol):
     name: str
     is_moe: bool
 
-    def pre_dispatch(self, x: Any) -> tuple[Any, tuple, Any, Any]: ...
+    def pre_dispatch(self, x: Any) -> PreDispatch: ...
 
     def start_split_exchange(self, routing: Any) -> None: ...
 

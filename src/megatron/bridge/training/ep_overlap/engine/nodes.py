@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from megatron.bridge.training.ep_overlap.contract import PreDispatch
 from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
 
 
@@ -102,7 +103,8 @@ class LayerNodes:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
             with torch.set_grad_enabled(self.grad):
-                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
+                handed = PreDispatch(*self.layer.pre_dispatch(self.x))  # a bare 4-tuple is read the same way
+                self.h, self.send, self.keep, self.routing = handed.h, handed.send, handed.keep, handed.routing
         self._splits_known, self._exchange = False, None
 
     def launch_split(self) -> None:

@@ -40,7 +40,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.bridge.training.ep_overlap.contract import LayerHooks
+from megatron.bridge.training.ep_overlap.contract import LayerHooks, PreDispatch
 
 
 def _as_list(splits) -> list[int]:
@@ -196,7 +196,7 @@ class McoreLayer(_Unit):
         if isinstance(normed, tuple):
             raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")
         if not self.is_moe:
-            return h, (normed,), None, None
+            return PreDispatch(h, (normed,), None, None)
         mlp = layer.mlp
         # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine left
         # (a backend resets what its combine consumed, such as HybridEP's row count), not that of a microbatch
@@ -205,7 +205,7 @@ class McoreLayer(_Unit):
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
-        return h, (tokens, permuted_probs), shared, McoreRouting.of(mlp.token_dispatcher)
+        return PreDispatch(h, (tokens, permuted_probs), shared, McoreRouting.of(mlp.token_dispatcher))
 
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
         """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are
@@ -281,7 +281,7 @@ class McoreComputeRun(_Unit):
 
     def pre_dispatch(self, x_SBH: torch.Tensor):
         z_SBH = self._run(self.layers[:-1], x_SBH)
-        return z_SBH, (z_SBH,), None, None
+        return PreDispatch(z_SBH, (z_SBH,), None, None)
 
     def start_split_exchange(self, routing) -> None:
         """A dense unit sends nothing."""
