@@ -45,7 +45,7 @@ import torch
 
 from megatron.bridge.training.ep_overlap.contract import StepLoss, check_contract, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.engine.grads import HeldGradients, delayable_linears, sync_grads
-from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, check_finite, loss_token_count
+from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, UnitInput, check_finite, loss_token_count
 from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.p2p import PipelineP2P
@@ -255,10 +255,10 @@ class Engine:
         if packed and packed[0] is not None:  # a packed (THD) microbatch: the chunk's view of it
             chunk = chunk.with_packed_sequences(packed[0])
         rows = Unit(member.microbatch, member.half).rows(tokens.shape[0])
-        args = (chunk, member.unit, tokens[rows], labels[rows], normalizer)
+        unit = UnitInput(chunk, member.unit, tokens[rows], labels[rows], normalizer)
         if timeline is not None:
-            return PlainRun(*args, ChunkIO(), timeline)
-        return MicrobatchNodes(*args, lane, ChunkIO(), grad=grad)
+            return PlainRun(unit, ChunkIO(), timeline)
+        return MicrobatchNodes(unit, lane, ChunkIO(), grad=grad)
 
     def _run(self, steps, microbatches, normalizer, lane, device, forward_only) -> list[torch.Tensor]:
         """Executes ``steps``; returns the losses per microbatch (last pipeline stage only)."""

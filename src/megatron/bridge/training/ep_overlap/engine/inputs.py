@@ -8,6 +8,9 @@ would not match otherwise, and a rank would wait out the collective timeout). Af
 gradient is not.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
@@ -15,6 +18,21 @@ from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 # (tokens [B, S], labels [B, S]), or with the packed-sequence parameters of a packed (THD) microbatch (B = 1)
 Microbatch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, object]
+
+
+@dataclass(frozen=True)
+class UnitInput:
+    """What one unit computes on one chunk: the chunk (or its view for a packed microbatch), the unit's number (its
+    records carry it), its token ids and labels (a chunked microbatch's half), and the loss's normalizer (None: the
+    driver normalizes, as Megatron-Core's does)."""
+
+    chunk: Any
+    unit: int
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    normalizer: Any
+
+
 TOKEN_DTYPES = {torch.int64: 1, torch.int32: 2}  # what an embedding takes, coded for the all-reduce
 AGREED = ("microbatches per step", "sequence length", "token dtype")  # what the ranks must agree on
 

@@ -29,6 +29,7 @@ import time
 import torch
 
 from megatron.bridge.training.ep_overlap.contract import PreDispatch
+from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
 
 
@@ -316,11 +317,10 @@ class MicrobatchNodes:
     of the head's output, before the backward starts).
     """
 
-    def __init__(
-        self, model, microbatch: int, tokens, labels, normalizer, lane, io: ChunkIO | None = None, grad: bool = True
-    ):
+    def __init__(self, unit: UnitInput, lane, io: ChunkIO | None = None, grad: bool = True):
+        model, microbatch = unit.chunk, unit.unit
         self.model, self.mb, self.lane, self.io, self.grad = model, microbatch, lane, io, grad
-        self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
+        self.tokens, self.labels, self.normalizer = unit.tokens, unit.labels, unit.normalizer
         self.layers = [
             LayerNodes(layer, j, microbatch, lane, grad) for j, layer in zip(model.layer_numbers, model.layers)
         ]

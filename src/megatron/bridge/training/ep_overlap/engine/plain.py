@@ -6,6 +6,7 @@ overlapped path is recorded, so both arms of an A/B draw and compare alike.
 
 import time
 
+from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.records import CommRecord, ComputeRecord
 from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
@@ -64,9 +65,10 @@ class PlainRun:
     ``forward``, then head and loss or a send. ``plain_forward``/``plain_backward`` are the program's ``plain`` ops.
     """
 
-    def __init__(self, chunk, microbatch: int, tokens, labels, normalizer: float, io, timeline):
-        self.chunk, self.mb, self.io, self.timeline = chunk, microbatch, io, timeline
-        self.tokens, self.labels, self.normalizer = tokens, labels, normalizer
+    def __init__(self, unit: UnitInput, io, timeline):
+        chunk = unit.chunk
+        self.chunk, self.mb, self.io, self.timeline = chunk, unit.unit, io, timeline
+        self.tokens, self.labels, self.normalizer = unit.tokens, unit.labels, unit.normalizer
         self.first, self.last = chunk.pre_process, chunk.post_process
         self.loss = None
 

@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
+from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
@@ -333,7 +334,7 @@ class EPOverlapPlanBuilder:
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
         view = _MicrobatchModel(self.plan, position_ids, attention_mask, loss_mask, packed_seq_params)
-        nodes = MicrobatchNodes(view, index, input_ids, labels, None, lane, ChunkIO())
+        nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor
         return EPOverlapSchedulePlan(self, nodes, event, input_tensor)

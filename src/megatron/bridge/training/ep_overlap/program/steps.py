@@ -259,9 +259,22 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay: bool) -> list[Op]:
     return [_backward_begin(u, shape), *layers, _backward_end(u, shape)]
 
 
-def _alone(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
-    role, (u,), shape = (FORWARD, f, fs) if f else (BACKWARD, b, bs)
-    return [Window("alone", tuple(unit_ops(role, u, shape, delay)))]
+@dataclass(frozen=True)
+class StepWork:
+    """What one step lays out: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of one shaped
+    ``bs`` (either may be empty, and its shape None), whether wgrad is delayed, and the attention wgrad's window."""
+
+    f: tuple[int, ...]
+    b: tuple[int, ...]
+    fs: ChunkShape | None
+    bs: ChunkShape | None
+    delay: bool
+    window: int
+
+
+def _alone(w: StepWork) -> list[Window]:
+    role, (u,), shape = (FORWARD, w.f, w.fs) if w.f else (BACKWARD, w.b, w.bs)
+    return [Window("alone", tuple(unit_ops(role, u, shape, w.delay)))]
 
 
 @dataclass(frozen=True)
@@ -303,8 +316,9 @@ def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
 
 
-def _paired(f, b, fs: ChunkShape, bs: ChunkShape, delay: bool, window: int) -> list[Window]:
+def _paired(w: StepWork) -> list[Window]:
     """Forward of ``f`` with backward of ``b``, layer by layer; the longer chunk's extra layers run unpaired."""
+    f, b, fs, bs, delay, window = w.f, w.b, w.fs, w.bs, w.delay, w.window
     outs = [_Output(u, fs) for u in f]
     nf, nb = len(fs.moe), len(bs.moe)
     windows = [Window("B begin", tuple(_backward_begin(u, bs) for u in b))]
@@ -334,8 +348,9 @@ def _paired(f, b, fs: ChunkShape, bs: ChunkShape, delay: bool, window: int) -> l
     return windows + [Window("unpaired layers", tuple(extra)), Window("ends", tuple(end))]
 
 
-def _forward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
+def _forward_pair(w: StepWork) -> list[Window]:
     """Two forwards interleaved layer by layer: each one's all-to-alls run while the other computes."""
+    f, fs = w.f, w.fs
     outs = [_Output(u, fs) for u in f]
     windows = []
     for j, moe in enumerate(fs.moe):
@@ -346,8 +361,9 @@ def _forward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
     return windows + [Window("ends", tuple(op for out in outs for op in out.end()))]
 
 
-def _backward_pair(f, b, fs, bs, delay: bool, window: int) -> list[Window]:
+def _backward_pair(w: StepWork) -> list[Window]:
     """Two backwards interleaved layer by layer; every parameter gets the first one's contribution first."""
+    b, bs, delay = w.b, w.bs, w.delay
     x, y = b
     windows = [Window("B begin", (_backward_begin(x, bs), _backward_begin(y, bs)))]
     pending = None
@@ -384,7 +400,7 @@ def windows_of(
 ) -> list[Window]:
     """The windows of one step of ``kind``: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of
     one shaped ``bs`` (what Megatron-Core's driver runs per call, and what :func:`program` yields per step)."""
-    return _BUILD[kind](tuple(f), tuple(b), fs, bs, delay_wgrad, window)
+    return _BUILD[kind](StepWork(tuple(f), tuple(b), fs, bs, delay_wgrad, window))
 
 
 # ---- the generator -----------------------------------------------------------------------------------------
