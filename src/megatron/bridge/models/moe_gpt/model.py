@@ -85,6 +85,9 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         self.ln1 = norm(config, D)
         self.attention = Attention(config, f"{name}.attention")
         self.ln2 = norm(config, D)
+        # What only an MoE layer has (its router's losses, its expert bias and token count): None in a dense one.
+        self.router_losses = None
+        self.expert_bias_E = self.tokens_per_expert_E = None
         if self.is_moe:
             E, ep = config.num_moe_experts, groups.ep_size
             if E % ep:
@@ -102,10 +105,9 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             # fp32 whatever the model dtype, as Megatron-Core does, so small updates are not rounded away.
             self.bias_update_rate = config.moe_router_bias_update_rate
             if config.moe_router_enable_expert_bias:
+                del self.expert_bias_E, self.tokens_per_expert_E  # plain attributes until now; buffers from here
                 self.register_buffer("expert_bias_E", torch.zeros(E, dtype=torch.float32))
                 self.register_buffer("tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
-            else:
-                self.expert_bias_E = self.tokens_per_expert_E = None
             Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
             self.fc2_in = Fe
             self.router = torch.nn.Linear(D, E, bias=False)
@@ -328,7 +330,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
         self._scales = StepScales()  # the router losses' backward scale of an engine step, until finish_step
         self.to(config.activation_dtype())
         for layer in self.layers:
-            if getattr(layer, "expert_bias_E", None) is not None:
+            if layer.expert_bias_E is not None:
                 layer.expert_bias_E.data = layer.expert_bias_E.data.float()
 
     @torch.no_grad()
@@ -365,7 +367,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
     def start_step(self, loss: StepLoss) -> None:
         """An engine step starts: the router losses' backward scale is set as Megatron-Core's ``forward_step`` and its
         DDP weigh them (``loss_scales.backward_scales``); :meth:`finish_step` puts back what it found."""
-        if any(getattr(layer, "router_losses", None) is not None for layer in self.layers):
+        if any(layer.router_losses is not None for layer in self.layers):
             mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss)
             self._scales.set(mtp, moe, next(self.parameters()).device)
 
@@ -378,7 +380,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
         toward balance, from the tokens it got over the step on every data-parallel rank (Megatron-Core's
         aux-loss-free update; every rank computes the same biases). No-op without ``moe_router_enable_expert_bias``.
         """
-        layers = [layer for layer in self.layers if getattr(layer, "expert_bias_E", None) is not None]
+        layers = [layer for layer in self.layers if layer.expert_bias_E is not None]
         if not layers:
             return
         tokens_LE = torch.stack([layer.tokens_per_expert_E for layer in layers]).float()

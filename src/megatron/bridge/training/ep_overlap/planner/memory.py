@@ -281,6 +281,17 @@ class ActivationShape:
         return [("dy_fc2", R * D * es), ("dy_fc1", R * (2 if self.gated else 1) * self.moe_ffn * es)]
 
 
+# The experts' backward with delayed wgrad, in autograd's order, as the reference model's experts run it (unsort,
+# fc2, the activation, fc1, sort): each step lets go of a saved tensor the node holds ("release"; skipped where the
+# node has none of that name), hands one to the wgrad queue ("queue": held on, no new bytes), or holds an output
+# gradient for the queue ("grad": new bytes, ``wgrad_held``).
+EXPERTS_BWD_DELAYED = (
+    ("release", "unsort_index"), ("queue", "expert_act"), ("grad", "dy_fc2"), ("release", "expert_act"),
+    ("release", "expert_silu"), ("release", "expert_fc1_out"), ("queue", "expert_x"), ("grad", "dy_fc1"),
+    ("release", "expert_x"), ("release", "sort_index"), ("release", "received"),
+)  # fmt: skip
+
+
 class _Count:
     """Storages and their holders, as engine/saved.py counts them."""
 
@@ -343,27 +354,21 @@ class _UnitHolds:
             self.count.release(k)
 
     def experts_bwd_delayed(self, layer: int) -> None:
-        """Expert backward in autograd's order: unsort, fc2 (its input and output gradient go to the wgrad queue),
-        the activation, fc1 (likewise), sort. Only the output gradients are new bytes."""
-        count = self.count
-        (dy2, dy2_bytes), (dy1, dy1_bytes) = [
-            ((self.unit, layer, n), b) for n, b in self.shape.wgrad_held("experts", self.tokens)
-        ]
+        """Expert backward in autograd's order (:data:`EXPERTS_BWD_DELAYED`); what it queues stays held until the
+        ``wgrad`` op."""
+        grads = {n: ((self.unit, layer, n), b) for n, b in self.shape.wgrad_held("experts", self.tokens)}
         names = self.open_backward(layer, "experts")
-        count.release(names["unsort_index"])
-        count.hold(names["expert_act"], 0)
-        count.hold(dy2, dy2_bytes)
-        count.release(names["expert_act"])
-        for name in ("expert_silu", "expert_fc1_out"):
-            if name in names:
-                count.release(names[name])
-        count.hold(names["expert_x"], 0)
-        count.hold(dy1, dy1_bytes)
-        count.release(names["expert_x"])
-        count.release(names["sort_index"])
-        if "received" in names:  # recomputed experts: their input
-            count.release(names["received"])
-        self.wgrad[(layer, "experts")] = [names["expert_act"], dy2, names["expert_x"], dy1]
+        queued = []
+        for action, name in EXPERTS_BWD_DELAYED:
+            if action == "grad":
+                self.count.hold(*grads[name])
+                queued.append(grads[name][0])
+            elif name in names and action == "queue":
+                self.count.hold(names[name], 0)
+                queued.append(names[name])
+            elif name in names:
+                self.count.release(names[name])
+        self.wgrad[(layer, "experts")] = queued
 
     def pre_dispatch_bwd_delayed(self, layer: int) -> None:
         """The attention's linears keep their inputs (the norm's output, the attention's output) and output
