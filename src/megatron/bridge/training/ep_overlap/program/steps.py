@@ -9,8 +9,9 @@ Contract:
     * An op is ``(kind, name)`` on one unit, and on one layer of its chunk or on the chunk's ends (:data:`OPS`):
       ``compute`` runs a node, ``launch`` starts an all-to-all (or a split-size exchange, or a P2P send),
       ``wait`` blocks until one has arrived, ``wgrad`` runs a delayed weight gradient, and ``plain`` runs a whole
-      chunk through ordinary autograd (overlap off). The engine calls ``<kind>_<name>`` on the unit's nodes, the
-      planner charges each op a cost, and Megatron-Core's driver runs :func:`layer_step` 's per-kind step.
+      chunk through ordinary autograd (overlap off). Every consumer runs the ops through one loop
+      (``interpreter.run_ops``, method ``<kind>_<name>`` of a runner): the engine's nodes, the planner's cost and
+      memory runners; Megatron-Core's driver runs :func:`windows_of`'s per-kind step.
     * The paired layer step (:func:`layer_step`, forward of layer j of F with backward of layer L-1-j of B) has
       four windows; each all-to-all of one microbatch is launched just before compute of the other and waited for
       only where its consumer runs:
