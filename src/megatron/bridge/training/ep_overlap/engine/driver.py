@@ -284,8 +284,9 @@ class Engine:
 
         dtype = next(self.chunks[0].parameters()).dtype
         try:
+            delay_wgrad = any(step.delay_wgrad for step in steps)
             for linear in linears:
-                linear.delay_wgrad = any(step.delay_wgrad for step in steps)
+                linear.delay_wgrad = delay_wgrad
             if p2p is not None and steps:
                 p2p.post(steps[0].recv, shape_of, dtype)
             for i, step in enumerate(steps):

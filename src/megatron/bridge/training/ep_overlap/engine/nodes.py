@@ -28,7 +28,6 @@ import time
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import PreDispatch
 from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
 
@@ -104,8 +103,7 @@ class LayerNodes:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
             with torch.set_grad_enabled(self.grad):
-                handed = PreDispatch(*self.layer.pre_dispatch(self.x))  # a bare 4-tuple is read the same way
-                self.h, self.send, self.keep, self.routing = handed.h, handed.send, handed.keep, handed.routing
+                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)  # a PreDispatch
         self._splits_known, self._exchange = False, None
 
     def launch_split(self) -> None:

@@ -259,10 +259,9 @@ class _UnitCharge(NoPipeline):
         """Part of the first layer's backward segment."""
 
     def _whole(self, role: str) -> None:
-        """A whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once, nothing delayed."""
-        run_ops(unit_ops(role, self.unit, self.shape, delay=False), {self.unit: _UnitCharge(
-            self.sim, self.costs, self.unit, self.shape, delay_wgrad=False
-        )})  # fmt: skip
+        """A whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once, nothing delayed (a
+        plain step never delays wgrad, so this runner is already one that charges none)."""
+        run_ops(unit_ops(role, self.unit, self.shape, delay=False), {self.unit: self})
 
     def plain_forward(self) -> None:
         self._whole(FORWARD)
@@ -326,15 +325,19 @@ def _simulate_ops(costs: StepCosts, link: Link, num_microbatches: int, options: 
     shape = ChunkShape(True, True, tuple(layer.dispatch_bytes > 0 for layer in costs.layers))
 
     sim = _Sim(link, launch_off_host=options.overlap and options.launch_off_host is True)
-    steps = list(program(options, [shape], num_microbatches))
-    for step in steps:
+    halves = costs.scaled(0.5)  # what each half of a chunked microbatch costs
+    runners: dict[tuple[int, bool], _UnitCharge] = {}  # (unit, delay_wgrad): made once, the costs do not change
+
+    def runner(m, delay_wgrad: bool) -> _UnitCharge:
+        if (m.unit, delay_wgrad) not in runners:
+            unit_costs = costs if m.half is None else halves
+            runners[(m.unit, delay_wgrad)] = _UnitCharge(sim, unit_costs, m.unit, shape, delay_wgrad)
+        return runners[(m.unit, delay_wgrad)]
+
+    for step in program(options, [shape], num_microbatches):
         sim.phase = step.phase
         sim.exposed.setdefault(step.phase, 0.0)
-        runners = {
-            m.unit: _UnitCharge(sim, costs if m.half is None else costs.scaled(0.5), m.unit, shape, step.delay_wgrad)
-            for m in step.units
-        }
-        run_ops(step.ops, runners)
+        run_ops(step.ops, {m.unit: runner(m, step.delay_wgrad) for m in step.units})
     return Prediction(
         step_s=sim.host + costs.other_s,
         compute_s=sim.compute_s,
