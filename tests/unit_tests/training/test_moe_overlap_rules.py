@@ -33,6 +33,8 @@ ATTN_GRAPH = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["att
 ON = dict(overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None)
 PP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 CHUNKS = {"options": {"moe_ep_overlap_chunks": 2}}
+BRIDGE = {"ep_overlap_schedule": "bridge"}
+FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 # rule name -> (failing case, passing case); each case is (model overrides, context overrides)
 CASES = {
@@ -51,6 +53,17 @@ CASES = {
     "no_full_recompute": (({"recompute_granularity": "full"}, {}), ({"recompute_granularity": "selective"}, {})),
     "no_recompute_method": (({"recompute_method": "uniform"}, {}), ({"recompute_method": None}, {})),
     "no_recompute_num_layers": (({"recompute_num_layers": 2}, {}), ({"recompute_num_layers": None}, {})),
+    # This project's schedule replays full recompute: its fields must name the segments, and dropout stay off.
+    "recompute_layers_need_full": (
+        ({**BRIDGE, "recompute_method": "uniform", "recompute_num_layers": 1}, {}),
+        ({**BRIDGE, **FULL}, {}),
+    ),
+    "full_recompute_method": (({**BRIDGE, **FULL, "recompute_method": None}, {}), ({**BRIDGE, **FULL}, {})),
+    "full_recompute_num_layers": (
+        ({**BRIDGE, **FULL, "recompute_num_layers": 0}, {}),
+        ({**BRIDGE, **FULL, "recompute_method": "block", "recompute_num_layers": 2}, {}),
+    ),
+    "full_recompute_dropout": (({**BRIDGE, **FULL, "hidden_dropout": 0.1}, {}), ({**BRIDGE, **FULL}, {})),
     "no_moe_recompute": (
         ({"recompute_modules": ["moe", "core_attn"]}, {}),
         ({"recompute_modules": ["core_attn"]}, {}),
@@ -147,6 +160,15 @@ def test_rule_fails_and_passes(fake_versions, rule_name):
         assert field in text
     assert "Fix: " + rule.fix in text
     assert violated(fake_versions, *passing) == {}
+
+
+def test_full_recompute_is_this_projects_and_mcore_still_refuses_it(fake_versions):
+    """The same full-recompute config: accepted where this project's schedule runs the layers; refused, naming the
+    Megatron-Core release that still refuses it, where Megatron-Core's own schedule does."""
+    assert violated(fake_versions, {**BRIDGE, **FULL}, {}) == {}
+    found = violated(fake_versions, FULL, {})
+    assert set(found) == {"no_full_recompute", "no_recompute_method", "no_recompute_num_layers"}
+    assert "0.19" in str(found["no_full_recompute"]) and "disable full recomputation" in str(found["no_full_recompute"])
 
 
 def test_valid_config_has_no_violations(fake_versions):

@@ -49,6 +49,8 @@ EDGE_PAIRING = "ep_overlap.edge_pairing"
 WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
 OFF_HOST = "ep_overlap.launch_off_host"
 MICRO_BATCH = "train.micro_batch_size"
+# Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
+MCORE_FULL_RECOMPUTE = "0.19; its dev line replays it (PRs #5869, #6311), main's PR #6429 is still open"
 _SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
 
 TE_GROUPED_GEMM = "transformer_engine"
@@ -67,6 +69,8 @@ _MODEL_FIELDS: dict[str, Any] = {
     "recompute_method": None,
     "recompute_num_layers": None,
     "recompute_modules": None,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
     "moe_shared_expert_overlap": False,
     "moe_shared_expert_intermediate_size": None,
     "mtp_num_layers": None,
@@ -221,6 +225,18 @@ def _overlap_on(f: Mapping[str, Any]) -> bool:
     return f[OVERLAP]
 
 
+def _mcore_schedule(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP] and f[SCHEDULE] == "mcore"
+
+
+def _bridge_schedule(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP] and f[SCHEDULE] != "mcore"
+
+
+def _full_recompute(f: Mapping[str, Any]) -> bool:
+    return _bridge_schedule(f) and f["model.recompute_granularity"] == "full"
+
+
 def _delay_on(f: Mapping[str, Any]) -> bool:
     return f[DELAY_WGRAD]
 
@@ -311,27 +327,65 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "no_full_recompute",
-        ("model.recompute_granularity",),
-        _overlap_on,
+        ("model.recompute_granularity", SCHEDULE),
+        _mcore_schedule,
         lambda f: f["model.recompute_granularity"] != "full",
-        "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation.",
-        "set recompute_granularity=None (or 'selective' without 'moe').",
+        "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation. "
+        f"Megatron-Core's own overlapped schedule refuses it up to its latest release ({MCORE_FULL_RECOMPUTE}); "
+        "this project's schedule replays it.",
+        "set recompute_granularity=None (or 'selective' without 'moe'), or run this project's schedule "
+        "(EPOverlapEngine with the reference MoE GPT).",
     ),
     Rule(
         "no_recompute_method",
-        ("model.recompute_method",),
-        _overlap_on,
+        ("model.recompute_method", SCHEDULE),
+        _mcore_schedule,
         lambda f: f["model.recompute_method"] is None,
         "a recompute method implies layer recompute, which EP overlap does not support: disable recomputation method.",
         "set recompute_method=None.",
     ),
     Rule(
         "no_recompute_num_layers",
-        ("model.recompute_num_layers",),
-        _overlap_on,
+        ("model.recompute_num_layers", SCHEDULE),
+        _mcore_schedule,
         lambda f: f["model.recompute_num_layers"] is None,
         "recompute_num_layers must be None with EP overlap: it implies layer recompute.",
         "set recompute_num_layers=None.",
+    ),
+    # This project's schedule replays full recompute's segments (ep_overlap/segments.py).
+    Rule(
+        "recompute_layers_need_full",
+        ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"),
+        lambda f: _bridge_schedule(f) and f["model.recompute_granularity"] != "full",
+        lambda f: f["model.recompute_method"] is None and f["model.recompute_num_layers"] is None,
+        "recompute_method and recompute_num_layers choose the layers of full recompute, which is not asked for.",
+        "set recompute_granularity='full', or recompute_method=None and recompute_num_layers=None.",
+    ),
+    Rule(
+        "full_recompute_method",
+        ("model.recompute_method",),
+        _full_recompute,
+        lambda f: f["model.recompute_method"] in ("uniform", "block"),
+        "full recompute replays segments of recompute_num_layers layers ('uniform') or the first "
+        "recompute_num_layers layers ('block').",
+        "set recompute_method='uniform' (or 'block').",
+    ),
+    Rule(
+        "full_recompute_num_layers",
+        ("model.recompute_num_layers",),
+        _full_recompute,
+        lambda f: type(f["model.recompute_num_layers"]) is int and f["model.recompute_num_layers"] >= 1,
+        "full recompute needs the number of layers per segment ('uniform') or recomputed ('block').",
+        "set a positive integer, e.g. recompute_num_layers=1.",
+    ),
+    Rule(
+        "full_recompute_dropout",
+        ("model.hidden_dropout", "model.attention_dropout"),
+        _full_recompute,
+        lambda f: not f["model.hidden_dropout"] and not f["model.attention_dropout"],
+        "the replay of full recompute does not restore the RNG state, so dropout would draw other masks than the "
+        "first forward and change the gradients.",
+        "set hidden_dropout=0.0 and attention_dropout=0.0.",
     ),
     Rule(
         "no_moe_recompute",

@@ -190,6 +190,11 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     elif kind == "recompute-moe":
         model, plan = build_gpt(McoreCase()), plan_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
+    elif kind in ("full-recompute-gpt", "full-recompute-hybrid"):
+        model = build_gpt(McoreCase()) if kind.endswith("gpt") else build_hybrid(HybridCase())
+        plan = plan_for
+        model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
+        model.config.recompute_num_layers = 1
     elif kind == "ncclep-zero-copy":
         install_fake_deepep()
         model, plan = build_gpt(McoreCase(dispatcher="flex")), plan_for
@@ -199,8 +204,9 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     else:  # a HybridModel handed to the GPT plan by name
         model, plan = build_hybrid(HybridCase()), McoreGPTPlan
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
-    if kind in ("hybrid-as-gpt", "recompute-moe"):
-        del builds["hook"]  # it picks the plan by class; its rules refuse 'moe' recompute first for Megatron-Core
+    if kind in ("hybrid-as-gpt", "recompute-moe", "mtp-two-layers"):
+        # the hook picks the plan by class; its rules refuse 'moe' recompute and two MTP layers first
+        del builds["hook"]
     refused = {}
     for name, build in builds.items():
         try:
@@ -221,6 +227,9 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
+        # the rules accept full recompute for this project's schedule; the Megatron-Core plan does not replay yet
+        ("full-recompute-gpt", "recompute_granularity='full' (recompute_method='uniform'): the EP-overlap plan of"),
+        ("full-recompute-hybrid", "recompute_granularity='full' (recompute_method='uniform'): the EP-overlap plan of"),
     ],
 )
 def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):

@@ -9,6 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bridge.models.moe_gpt.recompute import RECOMPUTABLE
 from megatron.bridge.models.moe_gpt.router_losses import LOAD_BALANCING
+from megatron.bridge.training.ep_overlap.segments import full_recompute_problems
 
 
 @dataclass
@@ -24,14 +25,16 @@ class MoEGPTConfig(TransformerConfig):
     ``normalization`` (LayerNorm or RMSNorm), ``num_query_groups`` (grouped-query attention) and ``kv_channels``
     (the heads' width), ``moe_router_load_balancing_type`` (``aux_loss``, ``seq_aux_loss`` or ``none``) with
     ``moe_aux_loss_coeff``, ``moe_z_loss_coeff`` (the router losses, ``router_losses.py``), shared experts
-    (``moe_shared_expert_intermediate_size``), selective ``recompute_granularity``/``recompute_modules``, plus
+    (``moe_shared_expert_intermediate_size``), selective ``recompute_granularity``/``recompute_modules``, full
+    recompute (``recompute_granularity="full"`` with ``recompute_method`` and ``recompute_num_layers``, as
+    ``ep_overlap/segments.py`` reads them), plus
     ``vocab_size`` and ``seq_length`` below (the set :data:`READ`).
 
     Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core
     model, the harness's ``--model_impl mcore``, does): ``global_aux_loss``, sinkhorn and lists of load-balancing
     types, a load-balancing coefficient with no load-balancing type (it would be ignored),
     ``moe_expert_capacity_factor``, a shared-expert gate, dropout, biases, tensor and context parallelism,
-    multi-token prediction, hybrid patterns, full and layer recompute; and every other field set to a value other
+    multi-token prediction, hybrid patterns; and every other field set to a value other
     than its default, unless :data:`ELSEWHERE` or :data:`DERIVED` lists it.
     """
 
@@ -111,21 +114,22 @@ _FEATURE_RULES = (
     ),
     (
         "recompute_granularity",
-        lambda c: c.recompute_granularity not in (None, "selective"),
-        "the reference MoE GPT recomputes selected modules, not whole layers",
-        "set recompute_granularity='selective' and choose recompute_modules, or None",
+        lambda c: c.recompute_granularity not in (None, "selective", "full"),
+        "the reference MoE GPT recomputes selected modules or whole layers",
+        "set recompute_granularity='selective' (with recompute_modules), 'full' (with recompute_method and "
+        "recompute_num_layers), or None",
     ),
     (
         "recompute_method",
-        lambda c: c.recompute_method is not None,
-        "layer recompute is not implemented by the reference MoE GPT",
-        "set recompute_method=None (selective recompute: recompute_granularity='selective')",
+        lambda c: c.recompute_method is not None and c.recompute_granularity != "full",
+        "a recompute method chooses the layers of full recompute",
+        "set recompute_granularity='full', or recompute_method=None",
     ),
     (
         "recompute_num_layers",
-        lambda c: c.recompute_num_layers is not None,
-        "layer recompute is not implemented by the reference MoE GPT",
-        "set recompute_num_layers=None",
+        lambda c: c.recompute_num_layers is not None and c.recompute_granularity != "full",
+        "recompute_num_layers counts the layers of full recompute",
+        "set recompute_granularity='full', or recompute_num_layers=None",
     ),
     (
         "recompute_modules",
@@ -202,7 +206,8 @@ READ = frozenset(
         "num_moe_experts", "moe_router_topk", "moe_layer_freq", "expert_model_parallel_size", "gated_linear_unit",
         "bf16", "fp16", "params_dtype", "init_method_std", "layernorm_epsilon", "moe_router_score_function",
         "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-        "recompute_granularity", "recompute_modules", "vocab_size", "seq_length", "num_query_groups", "kv_channels",
+        "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers", "vocab_size",
+        "seq_length", "num_query_groups", "kv_channels",
         "normalization", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
         "moe_shared_expert_intermediate_size",
     }
@@ -213,7 +218,7 @@ ELSEWHERE = frozenset(
         "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
         "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream", "moe_token_dispatcher_type",
         "moe_flex_dispatcher_backend", "moe_grouped_gemm", "add_bias_linear", "mtp_num_layers", "hybrid_layer_pattern",
-        "recompute_method", "recompute_num_layers", "cuda_graph_impl", "ep_overlap_schedule", "batch_p2p_comm",
+        "cuda_graph_impl", "ep_overlap_schedule", "batch_p2p_comm",
         "overlap_p2p_comm", "deallocate_pipeline_outputs", "variable_seq_lengths", "timers",
         "finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
         "perform_initialization", "use_cpu_initialization", "deterministic_mode", "calculate_per_token_loss",
@@ -281,6 +286,7 @@ def model_feature_problems(config: MoEGPTConfig) -> list[str]:
         for field, wanted, why, fix in _FEATURE_RULES
         if wanted(config)
     ]
+    named += full_recompute_problems(config)
     return named + _unimplemented(config)  # the rules' fields are in READ or ELSEWHERE: no field is named twice
 
 

@@ -57,17 +57,21 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     all_to_all_with_grad,
     exchange_splits,
     permute,
+    replay_splits,
     start_split_exchange,
     unpermute,
 )
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
+from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
 
 class TransformerLayer(LayerHooks, torch.nn.Module):
     """One layer: attention and a dense or MoE MLP, split into the schedule's node functions."""
+
+    replays_forward = True  # full recompute: a replay reuses the first forward's split sizes (replay_splits)
 
     def __init__(self, config: MoEGPTConfig, layer_number: int, groups: EPGroups):
         super().__init__()
@@ -191,6 +195,12 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
             return torch.topk(torch.softmax(logits_TE.float(), dim=-1), K, dim=-1)
         top_logits_TK, experts_TK = torch.topk(logits_TE, K, dim=-1)  # top-k logits, then softmax over them
         return torch.softmax(top_logits_TK.float(), dim=-1), experts_TK
+
+    def replay_splits(self, routing: Routing | None, exchanged) -> None:
+        """A replayed forward (full recompute): its routing takes the split sizes its first forward exchanged
+        (``token_dispatcher.replay_splits``; no-op for dense layers)."""
+        if routing is not None:
+            replay_splits(routing, exchanged, where=self.name)
 
     def start_split_exchange(self, routing: Routing | None) -> None:
         """Sends the split sizes ahead without blocking the host (no-op for dense layers)."""
@@ -323,6 +333,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
             self.word_embeddings = torch.nn.Embedding(config.vocab_size, D)
             self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
         self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in self.layer_numbers)
+        self.recompute_segments = recompute_segments(config, len(self.layers))
         if post_process:
             self.final_ln = norm(config, D)
             self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)
@@ -432,10 +443,25 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float) -> torch.Tensor:
         """The plain path: the whole microbatch through ordinary autograd (a whole model, not a chunk)."""
-        x_TD = self.embed(tokens_BS)
-        for layer in self.layers:
+        return self.head_loss(self.run_layers(self.embed(tokens_BS)), labels_BS, normalizer)
+
+    def run_layers(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The layers in order; with full recompute each of ``recompute_segments`` keeps only its input (reentrant
+        checkpoint: its first forward builds no graph, so the router counts tokens and builds its losses once, in
+        the replay, as the overlapped schedule's replay does)."""
+        j = 0
+        while j < len(self.layers):
+            segment = segment_of(self.recompute_segments, j)
+            if segment is None:
+                x_TD, j = self.layers[j](x_TD), j + 1
+            else:
+                x_TD, j = recompute.run(True, functools.partial(self._run_segment, *segment), x_TD), segment[1]
+        return x_TD
+
+    def _run_segment(self, first: int, stop: int, x_TD: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[first:stop]:
             x_TD = layer(x_TD)
-        return self.head_loss(x_TD, labels_BS, normalizer)
+        return x_TD
 
     def hidden_shape(self, tokens_BS: torch.Tensor) -> tuple[int, ...]:
         """Shape of the activation between two chunks, for ``tokens_BS``'s microbatch: [tokens, hidden]."""

@@ -39,6 +39,9 @@ class Routing:
     counts_host: torch.Tensor | None = None
     counts_copied: object = None
     counts_in_flight: tuple | None = None
+    # Set by exchange_splits(): the counts sent and received per (EP rank, local expert), on the host (what a
+    # replayed forward of full recompute reuses instead of exchanging again: ``replay_splits``).
+    exchanged: tuple[list[list[int]], list[list[int]]] | None = None
 
     @classmethod
     def build(cls, experts_TK: torch.Tensor, num_experts: int, ep_size: int) -> "Routing":
@@ -94,7 +97,6 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str, observer: Co
     if routing.counts_copied is not None:
         routing.counts_copied.synchronize()
     send_counts = routing.counts_host
-    routing.in_splits = send_counts.sum(1).tolist()
     if groups.ep_meta_group is None:
         recv_counts = send_counts
     elif routing.counts_in_flight is not None:
@@ -105,10 +107,36 @@ def exchange_splits(routing: Routing, groups: EPGroups, *, op: str, observer: Co
     routing.counts_host = routing.counts_copied = routing.counts_in_flight = None
     if observer is not None and groups.ep_meta_group is not None:
         observer("split_exchange", "end", 0, 0)
-    routing.out_splits = recv_counts.sum(1).tolist()
-    routing.local_group_sizes = recv_counts.sum(0).tolist()
+    _complete(routing, send_counts.tolist(), recv_counts.tolist())
+
+
+def replay_splits(routing: Routing, exchanged: tuple[list[list[int]], list[list[int]]], *, where: str) -> None:
+    """Completes a replayed forward's ``routing`` (full recompute) with the counts its first forward exchanged
+    (``Routing.exchanged``), without communicating: every rank replays the same routing, so its peers' counts are
+    the same too.
+
+    Raises:
+        RuntimeError: When the replayed router sends other counts than the first forward did (routing that is not
+            deterministic would receive rows of the wrong size).
+    """
+    L, ep = routing.num_local_experts, routing.ep_size
+    sent = routing.counts_E.view(ep, L).tolist()
+    if sent != exchanged[0]:
+        raise RuntimeError(
+            f"{where}: the replayed router sends {sent} tokens per (EP rank, expert), its first forward sent "
+            f"{exchanged[0]}; full recompute needs deterministic routing (same inputs, same expert bias)"
+        )
+    _complete(routing, *exchanged)
+
+
+def _complete(routing: Routing, send: list[list[int]], counts: list[list[int]]) -> None:
+    """Fills the host-side split sizes and the received rows' expert order from the exchanged counts."""
+    L, ep = routing.num_local_experts, routing.ep_size
+    routing.exchanged = (send, counts)
+    routing.in_splits = [sum(row) for row in send]
+    routing.out_splits = [sum(row) for row in counts]
+    routing.local_group_sizes = [sum(row[le] for row in counts) for le in range(L)]
     # Received rows come in (source rank, local expert) blocks; experts want (local expert, source rank).
-    counts = recv_counts.tolist()
     starts, offset = [], 0
     for row in counts:
         starts.append([])

@@ -111,6 +111,15 @@ class ChunkHooks:
     defaults; a chunk class inherits this and overrides what it needs."""
 
     sequence_length: int | None = None  # the sequence length the chunk takes (None: any)
+    # Full recompute: the chunk's layer segments ``(first, stop)`` whose forward keeps only its input and is replayed
+    # in backward (``segments.py``); the plain path is ``run_layers``'s.
+    recompute_segments: tuple[tuple[int, int], ...] = ()
+
+    def run_layers(self, x: Any) -> Any:
+        """The plain path through the chunk's layers (ordinary autograd), recomputing ``recompute_segments``."""
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
     def start_step(self, loss: StepLoss) -> None:
         """Called before a step's first op with the step's :class:`StepLoss`: a chunk whose auxiliary losses set their
@@ -143,6 +152,9 @@ class LayerHooks:
     owns_comm: bool = False  # the layer's own functions run its all-to-alls (a fused dispatcher's), not the lane
     exchange_splits_off_host: bool = False  # exchange_splits touches only its routing and the EP metadata group, so
     # a lane may run it off the host thread
+    replays_forward: bool = False  # full recompute: the engine may replay the layer's forward in backward; then
+    # ``replay_splits(routing, exchanged)`` completes a replayed routing with the split sizes its first forward
+    # exchanged (``routing.exchanged``), without communicating
 
 
 def check_contract(chunks: list) -> None:

@@ -134,6 +134,18 @@ class Engine:
         if violations:
             raise CommOverlapConfigError(violations)
         check_contract(self.chunks)
+        unreplayed = [
+            type(layer).__name__
+            for chunk in self.chunks
+            if chunk.recompute_segments
+            for layer in chunk.layers
+            if not layer.replays_forward
+        ]
+        if unreplayed:
+            raise ValueError(
+                f"recompute_granularity='full': {sorted(set(unreplayed))} cannot replay their forward in backward "
+                "(LayerHooks.replays_forward); fix: set recompute_granularity=None or 'selective'"
+            )
         problems = _layout_problems(self.chunks, config, groups)
         if problems:
             raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))

@@ -30,6 +30,7 @@ import torch
 
 from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
+from megatron.bridge.training.ep_overlap.segments import segment_of
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -73,12 +74,31 @@ def _release_early(t: torch.Tensor, lane) -> None:
 
 class LayerNodes:
     """The nodes of ``layer`` (:class:`~megatron.bridge.training.ep_overlap.contract.LayerFunctions`) for one
-    microbatch. With ``grad`` False (a forward-only step) they build no autograd graph."""
+    microbatch. With ``grad`` False (a forward-only step) they build no autograd graph.
 
-    def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True):
+    ``segment`` (full recompute, a training step): the recomputed segment ``(first, stop)`` the layer is in. Its
+    forward then builds no graph and keeps nothing but, on the segment's first layer, its input (held in the
+    step's activation count) and the split sizes it exchanged; the ``replay_`` ops run the same forward again with
+    autograd, reusing those split sizes (``replay_splits``: the router must route the same), just before the
+    backward, which then runs as without recompute.
+    """
+
+    def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True, segment=None):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
         self.routing = None
         self.owns_comm = layer.owns_comm
+        self.position = None  # the layer's position in its chunk (set by MicrobatchNodes)
+        self.segment = segment if grad else None
+        self._replaying = False
+        self._input = self._exchanged = None  # what a recomputed forward keeps for its replay
+
+    @property
+    def _autograd(self) -> bool:
+        """Whether the forward ops now build a graph: a training step's forward, unless it is replayed later."""
+        return self.grad and (self.segment is None or self._replaying)
+
+    def _name(self, node: str) -> str:
+        return f"replay_{node}" if self._replaying else node
 
     @property
     def _fused(self) -> bool:
@@ -86,14 +106,14 @@ class LayerNodes:
         return self.owns_comm and self.routing is not None
 
     def _run_comm(self, fn, op: str) -> Pending:
-        return self.lane.run_comm(fn, op=op, layer=self.index, microbatch=self.mb)
+        return self.lane.run_comm(fn, op=self._name(op), layer=self.index, microbatch=self.mb)
 
     def _compute(self, node: str):
-        return self.lane.compute(node, self.index, self.mb)
+        return self.lane.compute(self._name(node), self.index, self.mb)
 
     def _all_to_all(self, tensors, out_splits, in_splits, op: str) -> list[Pending]:
         return [
-            self.lane.all_to_all(t, out_splits, in_splits, op=op, layer=self.index, microbatch=self.mb)
+            self.lane.all_to_all(t, out_splits, in_splits, op=self._name(op), layer=self.index, microbatch=self.mb)
             for t in tensors
         ]
 
@@ -102,7 +122,11 @@ class LayerNodes:
     def compute_pre_dispatch(self, x_in: torch.Tensor) -> None:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
-            with torch.set_grad_enabled(self.grad):
+            if not self._autograd and self.segment is not None and self.segment[0] == self.position:
+                self._input = self.x  # the segment's input: all its forward keeps
+                if self.lane.saved is not None:
+                    self.lane.saved.hold([self._input])
+            with torch.set_grad_enabled(self._autograd):
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)  # a PreDispatch
         self._splits_known, self._exchange = False, None
 
@@ -141,7 +165,7 @@ class LayerNodes:
             routing, sent = self.routing, self._sent
 
             def dispatch() -> list[torch.Tensor]:
-                with torch.set_grad_enabled(self.grad):
+                with torch.set_grad_enabled(self._autograd):
                     return list(self.layer.dispatch_comm(tuple(sent), routing))
 
             self._dispatched = self._run_comm(dispatch, "dispatch")
@@ -149,7 +173,7 @@ class LayerNodes:
         self.launch_split()  # on the host thread, so every rank starts its exchanges in program order
         sent = [t.detach() for t in self.send]
         self._dispatched = self.lane.launch(
-            self._finish_exchange, sent, op="dispatch", layer=self.index, microbatch=self.mb
+            self._finish_exchange, sent, op=self._name("dispatch"), layer=self.index, microbatch=self.mb
         )
 
     def wait_dispatch(self) -> None:
@@ -166,7 +190,7 @@ class LayerNodes:
                 for sent, got in zip(self.send, received):
                     _free(sent)
                     got.requires_grad_(sent.requires_grad)
-            with torch.set_grad_enabled(self.grad):
+            with torch.set_grad_enabled(self._autograd):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
             if self.routing is not None:
                 for got in received:
@@ -181,7 +205,7 @@ class LayerNodes:
             self._expert_out_in = expert_out = _leaf(self.expert_out)
 
             def combine() -> torch.Tensor:
-                with torch.set_grad_enabled(self.grad):
+                with torch.set_grad_enabled(self._autograd):
                     return self.layer.combine_comm(expert_out, routing)
 
             self._combined = self._run_comm(combine, "combine")
@@ -203,13 +227,64 @@ class LayerNodes:
                 _release_early(self.expert_out, self.lane)  # a backend may hand the experts' output on as it is
             elif self.routing is not None:
                 _free(self.expert_out)
-                back.requires_grad_(self.grad)
+                back.requires_grad_(self._autograd)
             self.h_in, self.keep_in = _leaf(self.h), _leaves(self.keep)
-            with torch.set_grad_enabled(self.grad):
+            with torch.set_grad_enabled(self._autograd):
                 self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
             if self.routing is not None:
                 _release_early(back, self.lane)
+        if self.grad and not self._autograd:
+            return self._forget_forward()
         return self.out
+
+    def _forget_forward(self) -> torch.Tensor:
+        """A recomputed layer's forward is done: keeps only what its replay needs. Returns its output, which the
+        next layer (or the head, or the next stage) takes as an input that needs a gradient."""
+        out = self.out.requires_grad_(True)
+        self._exchanged = None if self.routing is None else self.routing.exchanged
+        self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self.out = None
+        self.received = self.expert_out = self.back = None
+        self._dispatch_out = self._sent = self._expert_out_in = self._combine_out = None
+        return out
+
+    # ---- full recompute: the forward again, before the backward -------------------------------------
+
+    def compute_replay_input(self) -> torch.Tensor:
+        """The recomputed segment's input, kept by its forward: where the replay starts."""
+        x, self._input = self._input, None
+        if self.lane.saved is not None:
+            self.lane.saved.release([x])  # the replay's own ops save it again
+        return x
+
+    def compute_replay_pre_dispatch(self, x_in: torch.Tensor) -> None:
+        self._replaying = True
+        self.compute_pre_dispatch(x_in)
+        if self.routing is not None and not self.owns_comm:
+            self.layer.replay_splits(self.routing, self._exchanged)
+            self._splits_known, self._exchange = True, "replayed"  # no exchange: the first forward's sizes
+        self._exchanged = None
+
+    def launch_replay_dispatch(self) -> None:
+        self.launch_dispatch()
+
+    def wait_replay_dispatch(self) -> None:
+        self.wait_dispatch()
+
+    def compute_replay_experts(self) -> None:
+        self.compute_experts()
+
+    def launch_replay_combine(self) -> None:
+        self.launch_combine()
+
+    def wait_replay_combine(self) -> None:
+        self.wait_combine()
+
+    def compute_replay_combine(self) -> torch.Tensor | None:
+        """The replayed output: the next replayed layer's input (None on the segment's last layer, whose backward
+        comes next)."""
+        out = self.compute_combine()
+        self._replaying = False
+        return None if self.position == self.segment[1] - 1 else out
 
     # ---- backward -----------------------------------------------------------------------------------
 
@@ -319,9 +394,13 @@ class MicrobatchNodes:
         model, microbatch = unit.chunk, unit.unit
         self.model, self.mb, self.lane, self.io, self.grad = model, microbatch, lane, io, grad
         self.tokens, self.labels, self.normalizer = unit.tokens, unit.labels, unit.normalizer
+        segments = tuple(getattr(model, "recompute_segments", ()))
         self.layers = [
-            LayerNodes(layer, j, microbatch, lane, grad) for j, layer in zip(model.layer_numbers, model.layers)
+            LayerNodes(layer, j, microbatch, lane, grad, segment_of(segments, i))
+            for i, (j, layer) in enumerate(zip(model.layer_numbers, model.layers))
         ]
+        for i, layer in enumerate(self.layers):
+            layer.position = i
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
 

@@ -81,8 +81,7 @@ class PlainRun:
         else:
             x = self.chunk.embed(self.tokens) if self.first else received.requires_grad_(True)
             self.input = x
-            for layer in self.chunk.layers:
-                x = layer(x)
+            x = self.chunk.run_layers(x)
             if self.last:
                 self.loss = self.chunk.head_loss(x, self.labels, self.normalizer, self.tokens)
             else:

@@ -87,6 +87,12 @@ class McorePlan(ChunkHooks):
                 "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
                 f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
             )
+        if config.recompute_granularity == "full":
+            raise ValueError(
+                f"recompute_granularity='full' (recompute_method={config.recompute_method!r}): the EP-overlap plan "
+                "of a Megatron-Core model does not replay its layers in backward yet (the reference MoE GPT's "
+                f"does); fix: set recompute_granularity=None, or 'selective' without 'moe' and 'layernorm', {_OFF}"
+            )
         stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
         if config.recompute_granularity == "selective" and stepped:
             raise ValueError(

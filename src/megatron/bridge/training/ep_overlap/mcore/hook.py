@@ -51,7 +51,11 @@ from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlap
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
-from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
+from megatron.bridge.training.moe_overlap_rules import (
+    CommOverlapConfigError,
+    check_ep_overlap_options,
+    use_bridge_schedule,
+)
 from megatron.bridge.utils.logging import warn_rank0
 
 logger = logging.getLogger(__name__)
@@ -268,10 +272,11 @@ class EPOverlapPlanBuilder:
             attention_wgrad_window=attention_wgrad_window,
             high_priority_comm=session.high_priority,
         )
-        self.plan = plan_for(model, delay_wgrad=self.options.delay_wgrad)
+        use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
         violations = check_ep_overlap_options(config, self.options)
         if violations:
             raise CommOverlapConfigError(violations)
+        self.plan = plan_for(model, delay_wgrad=self.options.delay_wgrad)
         if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
             raise ValueError(
                 f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "

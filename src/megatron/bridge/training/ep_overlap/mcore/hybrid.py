@@ -45,11 +45,6 @@ class McoreHybridPlan(McorePlan):
                 f"prediction depth(s) and mtp_num_layers={model.config.mtp_num_layers}: the model would not compute "
                 f"their loss; fix: set mtp_num_layers={model.mtp_num_depths}"
             )
-        if model.config.recompute_granularity == "full":
-            raise ValueError(
-                "recompute_granularity='full': the EP-overlap plan runs the stack's layers one unit at a time and "
-                "cannot recompute the stack whole; fix: set recompute_granularity=None"
-            )
         super().__init__(model, delay_wgrad=delay_wgrad)
 
     def _build_units(self) -> tuple[list, list[int]]:

@@ -84,6 +84,16 @@ OPS: dict[tuple[OpKind, str], tuple[str | None, str | None]] = {
     (OpKind.WGRAD, "experts"): (None, None),
     (OpKind.WAIT, "dispatch_bwd"): (None, None),
     (OpKind.COMPUTE, "pre_dispatch_bwd"): (None, "g"),
+    # Full recompute: B's replay of a recomputed segment's forward, before the backward of its last layer; "r" is
+    # the replayed activation, from the segment's kept input through each layer's replayed combine
+    (OpKind.COMPUTE, "replay_input"): (None, "r"),
+    (OpKind.COMPUTE, "replay_pre_dispatch"): ("r", None),
+    (OpKind.LAUNCH, "replay_dispatch"): (None, None),
+    (OpKind.WAIT, "replay_dispatch"): (None, None),
+    (OpKind.COMPUTE, "replay_experts"): (None, None),
+    (OpKind.LAUNCH, "replay_combine"): (None, None),
+    (OpKind.WAIT, "replay_combine"): (None, None),
+    (OpKind.COMPUTE, "replay_combine"): (None, "r"),
     (OpKind.WGRAD, "attention"): (None, None),
     (OpKind.COMPUTE, "embedding_bwd"): ("g", None),
     (OpKind.LAUNCH, "send_grad"): ("g", None),
@@ -123,16 +133,25 @@ class Window:
 
 @dataclass(frozen=True)
 class ChunkShape:
-    """What the program needs of a model chunk: whether it holds the embedding and the head, which layers are MoE."""
+    """What the program needs of a model chunk: whether it holds the embedding and the head, which layers are MoE,
+    and the layer segments full recompute replays (``segments.py``: ``(first, stop)`` positions; none without)."""
 
     first: bool
     last: bool
     moe: tuple[bool, ...]
+    segments: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, chunk) -> "ChunkShape":
-        """Read off anything with ``pre_process``, ``post_process`` and ``layers`` with ``is_moe``."""
-        return cls(bool(chunk.pre_process), bool(chunk.post_process), tuple(bool(x.is_moe) for x in chunk.layers))
+        """Read off anything with ``pre_process``, ``post_process``, ``layers`` with ``is_moe`` and (optionally)
+        ``recompute_segments``."""
+        segments = tuple(tuple(s) for s in getattr(chunk, "recompute_segments", ()))
+        moe = tuple(bool(x.is_moe) for x in chunk.layers)
+        return cls(bool(chunk.pre_process), bool(chunk.post_process), moe, segments)
+
+    def replayed(self, layer: int) -> tuple[int, int] | None:
+        """The recomputed segment whose last layer is ``layer``: its replay runs before that layer's backward."""
+        return next((s for s in self.segments if s[1] - 1 == layer), None)
 
 
 @dataclass(frozen=True)
@@ -246,8 +265,37 @@ def _attention_wgrad(b: Sequence[int], k: int | None, delay: bool) -> list[Op]:
     return [Op(WGRAD, "attention", u, k) for u in b] if delay and k is not None else []
 
 
-def _layer_backward(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
-    ops = _combine_bwd(u, k) + _experts_bwd(u, k, moe, delay) + _pre_dispatch_bwd(u, k)
+def _replay_to_dispatch(u: int, j: int) -> list[Op]:
+    return [Op(COMPUTE, "replay_pre_dispatch", u, j), Op(LAUNCH, "replay_dispatch", u, j)]
+
+
+def _replay_to_combine(u: int, j: int) -> list[Op]:
+    return [Op(WAIT, "replay_dispatch", u, j), Op(COMPUTE, "replay_experts", u, j), Op(LAUNCH, "replay_combine", u, j)]
+
+
+def _replay_output(u: int, j: int) -> list[Op]:
+    return [Op(WAIT, "replay_combine", u, j), Op(COMPUTE, "replay_combine", u, j)]
+
+
+def _replay_layer(u: int, j: int) -> list[Op]:
+    """One layer's forward replayed, each all-to-all waited for at once (nothing of the other unit beside it)."""
+    return _replay_to_dispatch(u, j) + _replay_to_combine(u, j) + _replay_output(u, j)
+
+
+def _replay_below(u: int, segment: tuple[int, int]) -> list[Op]:
+    """A segment's replay up to (not including) its last layer: its kept input, then each layer below the last."""
+    first, stop = segment
+    return [Op(COMPUTE, "replay_input", u, first)] + [op for j in range(first, stop - 1) for op in _replay_layer(u, j)]
+
+
+def _replay(u: int, k: int, shape: ChunkShape) -> list[Op]:
+    """The replay that comes before layer ``k``'s backward: the whole segment ``k`` ends (none if it ends none)."""
+    segment = shape.replayed(k)
+    return [] if segment is None else _replay_below(u, segment) + _replay_layer(u, k)
+
+
+def _layer_backward(u: int, k: int, shape: ChunkShape, delay: bool) -> list[Op]:
+    ops = _replay(u, k, shape) + _combine_bwd(u, k) + _experts_bwd(u, k, shape.moe[k], delay) + _pre_dispatch_bwd(u, k)
     return ops + _attention_wgrad([u], k, delay)
 
 
@@ -256,7 +304,7 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay: bool) -> list[Op]:
     if role == FORWARD:
         out = _Output(u, shape)
         return [op for j, moe in enumerate(shape.moe) for op in _layer_forward(out, j, moe)] + out.end()
-    layers = [op for k in reversed(range(len(shape.moe))) for op in _layer_backward(u, k, shape.moe[k], delay)]
+    layers = [op for k in reversed(range(len(shape.moe))) for op in _layer_backward(u, k, shape, delay)]
     return [_backward_begin(u, shape), *layers, _backward_end(u, shape)]
 
 
@@ -282,7 +330,8 @@ def _alone(w: StepWork) -> list[Window]:
 class LayerPair:
     """One paired layer step: forward of layer ``forward`` (0-based in F's chunk), backward of layer ``backward`` (in
     B's chunk), whether each is an MoE layer, B's layer whose attention wgrad is still to run (``pending``; None:
-    none), whether wgrad is delayed, and the window (1 or 2) that attention wgrad goes in."""
+    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in, and the recomputed segment
+    B's layer ends (``replay``; None: nothing to replay)."""
 
     forward: int
     backward: int
@@ -291,10 +340,13 @@ class LayerPair:
     pending: int | None
     delay_wgrad: bool
     window: int
+    replay: tuple[int, int] | None = None
 
 
 def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     """The paired layer step ``pair``: F's units (``outs``, where each one's input comes from) with B's ``b``."""
+    if pair.replay is not None:
+        return _replay_step(outs, b, pair)
     j, k, moe_f, moe_b = pair.forward, pair.backward, pair.forward_moe, pair.backward_moe
     delay, window = pair.delay_wgrad, pair.window
     f = [out.unit for out in outs]
@@ -317,6 +369,41 @@ def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
 
 
+def _replay_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
+    """The paired layer step whose B layer ends a recomputed segment: B replays the segment's forward, then runs the
+    layer's backward. Each all-to-all is launched just before compute it can hide behind and waited for only where
+    its consumer runs (the segment's layers below the last replay first, their all-to-alls waited for at once):
+
+        1. B.replay dispatch (comm)        ||  F.pre_dispatch
+        2. F.dispatch (comm)               ||  B.replay experts
+        3. B.replay combine (comm)         ||  F.experts
+           F.combine (comm)                ||  B.replay combine, B.combine backward, and all that follows
+        4. B.combine backward (comm)       ||  [B's previous attention wgrad]
+        5. B.dispatch backward (comm)      ||  [B.experts wgrad]
+
+    B's replay adds two all-to-alls and F has two compute nodes, so the backward's own two are hidden only behind
+    the delayed weight gradients (the attention wgrad goes in window 4 whatever ``attention_wgrad_window`` says).
+    """
+    j, k, moe_f, delay = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
+    f = [out.unit for out in outs]
+    w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
+    w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
+    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
+    w2 = [Op(WAIT, "split", u, j) for u in f] if moe_f else []
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + [op for u in b for op in _replay_to_combine(u, k)]
+    w3 = [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
+    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
+    w3 += [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
+    w4 = _attention_wgrad(b, pair.pending, delay) + [op for u in b for op in _experts_dgrad(u, k)]
+    w4 += [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
+    w4 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w5 = [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    for out in outs:
+        out.pending = j
+    label = f"F L{j} + B L{k} replay"
+    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4, w5), 1)]
+
+
 def _paired(w: StepWork) -> list[Window]:
     """Forward of ``f`` with backward of ``b``, layer by layer; the longer chunk's extra layers run unpaired."""
     f, b, fs, bs, delay, window = w.f, w.b, w.fs, w.bs, w.delay, w.window
@@ -328,16 +415,14 @@ def _paired(w: StepWork) -> list[Window]:
         k = nb - 1 - j
         pair = LayerPair(
             forward=j, backward=k, forward_moe=fs.moe[j], backward_moe=bs.moe[k], pending=pending,
-            delay_wgrad=delay, window=window,
+            delay_wgrad=delay, window=window, replay=bs.replayed(k),
         )  # fmt: skip
         windows += layer_step(outs, b, pair)
         pending = k
     extra = []
     for j in range(min(nf, nb), nb):  # B's chunk is longer
         k = nb - 1 - j
-        extra += _attention_wgrad(b, pending, delay) + [
-            op for u in b for op in _layer_backward(u, k, bs.moe[k], delay)
-        ]
+        extra += _attention_wgrad(b, pending, delay) + [op for u in b for op in _layer_backward(u, k, bs, delay)]
         pending = None
     for j in range(min(nf, nb), nf):  # F's chunk is longer: each extra layer's output is finished at once
         extra += [op for out in outs for op in _layer_forward(out, j, fs.moe[j]) + out.take()]
@@ -370,7 +455,8 @@ def _backward_pair(w: StepWork) -> list[Window]:
     pending = None
     for k in reversed(range(len(bs.moe))):
         moe = bs.moe[k]
-        ops = _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
+        ops = _replay(x, k, bs) + _replay(y, k, bs)
+        ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
         ops += _experts_bwd(x, k, moe, delay) + _experts_bwd(y, k, moe, delay)
         windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))
         pending = k
