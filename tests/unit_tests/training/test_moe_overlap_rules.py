@@ -168,7 +168,8 @@ def test_full_recompute_is_this_projects_and_mcore_still_refuses_it(fake_version
     assert violated(fake_versions, {**BRIDGE, **FULL}, {}) == {}
     found = violated(fake_versions, FULL, {})
     assert set(found) == {"no_full_recompute", "no_recompute_method", "no_recompute_num_layers"}
-    assert "0.19" in str(found["no_full_recompute"]) and "disable full recomputation" in str(found["no_full_recompute"])
+    line = str(found["no_full_recompute"])
+    assert "0.19" in line and "disable full recomputation" in line
 
 
 def test_valid_config_has_no_violations(fake_versions):
