@@ -12,6 +12,7 @@ import pytest
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .test_numerics import EXPERT_BIAS, ROUTER_LOSSES_AND_SHARED, assert_bitwise, assert_same_training
+from .test_pipeline import PIPELINE_ARMS, PipeCase, assert_matches_reference, train_layout
 from .workers import Case, train_arms
 
 
@@ -25,17 +26,19 @@ CASES = {
     "bf16-uniform1-router-losses-shared": Case(bf16=True, arms=ARMS, extra={**full(), **ROUTER_LOSSES_AND_SHARED}),
     "fp32-uniform2-expert-bias": Case(arms=ARMS, extra={**full("uniform", 2), **EXPERT_BIAS}),
     "fp32-block1": Case(arms=ARMS, extra=full("block", 1)),
+    # Chunked unpaired phases: bitwise the plain path over the halves (chunking's own bound), recomputing or not.
+    "fp32-uniform1-chunks": Case(arms=("plain_units", "delayed_chunks"), extra=full()),
 }
 
 
 def _kept(case: Case) -> Case:
-    """The same case keeping every activation, plain path only."""
+    """The same case keeping every activation, on its plain arm."""
     extra = {k: v for k, v in case.extra.items() if not k.startswith("recompute")}
-    return replace(case, arms=("plain",), extra=extra)
+    return replace(case, arms=(case.arms[0],), extra=extra)
 
 
 def _both(rank: int, world: int, case: Case) -> dict:
-    return {"kept": train_arms(rank, world, _kept(case))["plain"], **train_arms(rank, world, case)}
+    return {"kept": train_arms(rank, world, _kept(case))[case.arms[0]], **train_arms(rank, world, case)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -48,3 +51,32 @@ def test_full_recompute_changes_no_number(name):
             assert_same_training(runs["kept"], runs[arm], case.steps, where)
             for bias, value in runs["kept"]["biases"].items():
                 assert_bitwise(value, runs[arm]["biases"][bias], f"{where} {bias}")
+            if arm != case.arms[0]:  # the overlapped arms replayed: their replay all-to-alls ran on the lane
+                assert {"replay_dispatch", "replay_combine"} <= {r["op"] for r in runs[arm]["comm"]}, arm
+
+
+PIPE_CASES = {
+    "pp2-vpp2-uniform1-N4": PipeCase(microbatches=4, extra=full()),
+    # A two-layer segment in a chunk that pairs with shorter ones: replayed inside paired and unpaired steps.
+    "pp2-vpp2-uniform2-unequal-chunks-N4": PipeCase(
+        layer_freq=(1, 1, 0, 1, 1, 0),
+        first_stage=2,
+        last_stage=4,
+        custom_chunks=((0,), (1, 2), (3, 4), (5,)),
+        microbatches=4,
+        extra=full("uniform", 2),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_CASES))
+def test_pipelined_full_recompute_is_bitwise_pp1_keeping_everything(name):
+    case = PIPE_CASES[name]
+    kept = replace(case, extra={k: v for k, v in case.extra.items() if not k.startswith("recompute")})
+    reference = {
+        o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train_layout, 2, (kept, 1, 1, ("plain",)))
+    }
+    for outcome in run_local_ranks(train_layout, 4, (case, 2, 2, PIPELINE_ARMS)):
+        for arm in PIPELINE_ARMS:
+            where = f"rank {outcome.rank} {arm}"
+            assert_matches_reference(reference[outcome.result["data_rank"]], outcome.result[arm], case.steps, where)
