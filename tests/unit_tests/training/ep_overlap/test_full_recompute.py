@@ -13,6 +13,7 @@ from megatron.bridge.utils.multiprocess import run_local_ranks
 
 from .test_numerics import EXPERT_BIAS, ROUTER_LOSSES_AND_SHARED, assert_bitwise, assert_same_training
 from .test_pipeline import PIPELINE_ARMS, PipeCase, assert_matches_reference, train_layout
+from .test_saved_activations import _config, _measured_and_planned
 from .workers import Case, train_arms
 
 
@@ -80,3 +81,27 @@ def test_pipelined_full_recompute_is_bitwise_pp1_keeping_everything(name):
         for arm in PIPELINE_ARMS:
             where = f"rank {outcome.rank} {arm}"
             assert_matches_reference(reference[outcome.result["data_rank"]], outcome.result[arm], case.steps, where)
+
+
+MEMORY_CASES = {
+    "fp32-uniform1": {**full()},
+    "bf16-rmsnorm-swiglu-uniform2": {**full("uniform", 2), "normalization": "RMSNorm", "bf16": True,
+                                     "gated_linear_unit": True},
+    "fp32-block1-aux-z-loss": {**full("block", 1), "moe_router_load_balancing_type": "aux_loss",
+                               "moe_aux_loss_coeff": 0.1, "moe_z_loss_coeff": 0.01},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY_CASES))
+def test_the_planner_counts_what_a_recomputed_segment_holds_exactly(name):
+    """Forward keeps each segment's input, the replay what the forward would have saved: the planner's walk of the
+    program (planner/memory.py) against the engine's count (engine/saved.py), byte for byte, every schedule option;
+    and recomputing holds less than keeping everything."""
+    config = _config(**MEMORY_CASES[name])
+    kept = _config(**{k: v for k, v in MEMORY_CASES[name].items() if not k.startswith("recompute")})
+    full_runs = run_local_ranks(_measured_and_planned, 2, (config, 4))
+    kept_runs = run_local_ranks(_measured_and_planned, 2, (kept, 4))
+    for outcome, kept_outcome in zip(full_runs, kept_runs):
+        for option, (measured, planned) in outcome.result.items():
+            assert planned == measured, f"rank {outcome.rank} {option}: planned {planned}, measured {measured}"
+            assert measured < kept_outcome.result[option][0], option

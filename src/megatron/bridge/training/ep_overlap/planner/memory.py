@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, NoPipeline, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
+from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
 FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32
@@ -62,6 +63,8 @@ class ActivationShape:
         load_balancing: The router's load-balancing loss, "aux_loss" or "seq_aux_loss" (None: none); it keeps the
             fp32 scores over all experts and their per-expert (per-sequence, per-expert) token counts.
         z_loss: The router's z-loss: it keeps the router logits and their log-sum-exp.
+        segments: Full recompute's segments of the (one) chunk (``segments.py``): each keeps only its input until
+            its replay.
     """
 
     moe: tuple[bool, ...]
@@ -86,6 +89,7 @@ class ActivationShape:
     rms_norm: bool = False
     load_balancing: str | None = None
     z_loss: bool = False
+    segments: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.router not in ("softmax", "softmax_pre", "sigmoid"):
@@ -128,6 +132,7 @@ class ActivationShape:
             if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff
             else None,
             z_loss=config.moe_z_loss_coeff is not None,
+            segments=recompute_segments(config, config.num_layers),
         )
 
     def received_rows(self, T: int) -> int:
@@ -327,6 +332,15 @@ class _UnitHolds:
         """A storage: the token ids and labels are the microbatch's (a half's rows are a view of them)."""
         return ("microbatch", self.microbatch, name) if name in ("tokens", "labels") else (self.unit, layer, name)
 
+    def keep_input(self, layer: int) -> None:
+        """A recomputed segment's forward (full recompute) keeps its input, the first layer's ``x``: the same storage
+        its replay's attention saves again."""
+        T, D, es = self.tokens, self.shape.hidden, self.shape.element_bytes
+        self.count.hold(self.key(layer, "x"), T * D * es)
+
+    def drop_input(self, layer: int) -> None:
+        self.count.release(self.key(layer, "x"))
+
     def forward(self, layer: int | None, node: str) -> None:
         held = [(self.key(layer, name), nbytes) for name, nbytes in self.shape.saved(node, layer, self.sequences)]
         self.saved[(layer, node)] = held
@@ -389,20 +403,49 @@ class _UnitHolds:
 
 
 class _LayerHolds(NoComm):
-    """The interpreter's runner for one layer of one unit: each compute op holds or lets go of its node's saves."""
+    """The interpreter's runner for one layer of one unit: each compute op holds or lets go of its node's saves.
+    A layer of a recomputed segment (``segment``, full recompute) saves nothing in its forward (the segment's first
+    keeps its input) and everything in its replay."""
 
-    def __init__(self, holds: _UnitHolds, index: int, moe: bool):
-        self.holds, self.index, self.moe = holds, index, moe
+    def __init__(self, holds: _UnitHolds, index: int, moe: bool, segment: tuple[int, int] | None = None):
+        self.holds, self.index, self.moe, self.segment = holds, index, moe, segment
         self.delay_wgrad = False  # set per step (Step.delay_wgrad)
 
+    def _forward(self, node: str) -> None:
+        if self.segment is None:
+            self.holds.forward(self.index, node)
+        elif node == "pre_dispatch" and self.segment[0] == self.index:
+            self.holds.keep_input(self.index)
+
     def compute_pre_dispatch(self, x) -> None:
-        self.holds.forward(self.index, "pre_dispatch")
+        self._forward("pre_dispatch")
 
     def compute_experts(self) -> None:
-        self.holds.forward(self.index, "experts")
+        self._forward("experts")
 
     def compute_combine(self) -> None:
+        self._forward("combine")
+
+    # full recompute: the replay saves what the forward would have
+    def compute_replay_input(self) -> None:
+        self.holds.drop_input(self.index)
+
+    def compute_replay_pre_dispatch(self, x) -> None:
+        self.holds.forward(self.index, "pre_dispatch")
+
+    def compute_replay_experts(self) -> None:
+        self.holds.forward(self.index, "experts")
+
+    def compute_replay_combine(self) -> None:
         self.holds.forward(self.index, "combine")
+
+    def launch_replay_dispatch(self) -> None: ...
+
+    def wait_replay_dispatch(self) -> None: ...
+
+    def launch_replay_combine(self) -> None: ...
+
+    def wait_replay_combine(self) -> None: ...
 
     def compute_combine_bwd(self, g) -> None:
         self.holds.backward(self.index, "combine")
@@ -431,7 +474,7 @@ class _ChunkHolds(NoPipeline):
 
     def __init__(self, holds: _UnitHolds, chunk: ChunkShape):
         self.holds, self.chunk = holds, chunk
-        self.layers = [_LayerHolds(holds, j, moe) for j, moe in enumerate(chunk.moe)]
+        self.layers = [_LayerHolds(holds, j, moe, segment_of(chunk.segments, j)) for j, moe in enumerate(chunk.moe)]
 
     def for_step(self, step: Step) -> "_ChunkHolds":
         for layer in self.layers:
@@ -457,11 +500,21 @@ class _ChunkHolds(NoPipeline):
 
     def plain_forward(self) -> None:
         for node, layer in self._nodes():
-            self.holds.forward(layer, node)
+            if layer is None or self.layers[layer].segment is None:
+                self.holds.forward(layer, node)
+            elif node == "pre_dispatch" and self.layers[layer].segment[0] == layer:
+                self.holds.keep_input(layer)  # the checkpoint saves the segment's input
 
     def plain_backward(self) -> None:
         for node, layer in reversed(self._nodes()):
+            segment = None if layer is None else self.layers[layer].segment
+            if segment is not None and node == "combine" and layer == segment[1] - 1:  # the checkpoint's replay
+                for j in range(*segment):
+                    for replayed in _LAYER_NODES:
+                        self.holds.forward(j, replayed)
             self.holds.backward(layer, node)
+            if segment is not None and node == "pre_dispatch" and layer == segment[0]:
+                self.holds.drop_input(layer)  # the checkpoint lets its input go once its backward returned
 
 
 def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape) -> int:
@@ -481,5 +534,5 @@ def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape
 def predicted_peak(shape: ActivationShape, options, num_microbatches: int) -> int:
     """:func:`activation_peak` of the PP = 1 step of ``num_microbatches`` that ``options`` (``EPOverlapOptions``;
     ``overlap=False``: the plain path) run."""
-    chunk = ChunkShape(True, True, shape.moe)
+    chunk = ChunkShape(True, True, shape.moe, shape.segments)
     return activation_peak(shape, list(program(options, [chunk], num_microbatches)), chunk)
