@@ -108,9 +108,15 @@ def _attention_flops(s: MoEShape, tokens: int) -> float:
 
 
 def costs_from_model(
-    shape: MoEShape, layout: Layout, profile: HardwareProfile, recompute: frozenset[str] = frozenset()
+    shape: MoEShape,
+    layout: Layout,
+    profile: HardwareProfile,
+    recompute: frozenset[str] = frozenset(),
+    segments: tuple[tuple[int, int], ...] = (),
 ) -> tuple[StepCosts, Link]:
     """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link.
+
+    ``segments`` (full recompute, ``segments.py``): the simulator charges each replayed layer its forward again.
 
     ``recompute`` (``recompute_modules``) charges each recomputed forward to the backward node that runs it: ``moe``
     the experts' GEMMs to the experts' backward, ``mlp`` a dense layer's MLP and ``core_attn`` the attention core to
@@ -143,7 +149,7 @@ def costs_from_model(
                 )
             )
     head = 2 * tokens * shape.hidden * shape.vocab / rate
-    costs = StepCosts(layers=tuple(layers), f_tail=head, b_head=2 * head)
+    costs = StepCosts(layers=tuple(layers), f_tail=head, b_head=2 * head, segments=tuple(segments))
     return costs, Link(_effective_bandwidth(layout.ep, profile), profile.latency_s, meta_s=2 * profile.latency_s)
 
 

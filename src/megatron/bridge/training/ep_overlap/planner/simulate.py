@@ -72,6 +72,9 @@ class StepCosts:
     f_tail: float  # after the last combine: its unpermute, final norm, head and loss
     b_head: float  # loss and head backward, and the last layer's unpermute backward
     other_s: float = 0.0  # per step: gradient sync, optimizer
+    # Full recompute's segments (``segments.py``): each replays its layers' forward (their f_pre and f_exp, and
+    # their all-to-alls) before its last layer's backward
+    segments: tuple[tuple[int, int], ...] = ()
 
     def scaled(self, share: float) -> "StepCosts":
         """``share`` of the microbatch's tokens: compute and bytes scale with it, ``other_s`` does not."""
@@ -91,6 +94,7 @@ class StepCosts:
             f_tail=self.f_tail * share,
             b_head=self.b_head * share,
             other_s=self.other_s,
+            segments=self.segments,
         )
 
 
@@ -238,6 +242,31 @@ class _LayerCharge:
     def wgrad_attention(self) -> None:
         self.sim.compute(self.attention_wgrad)
 
+    # full recompute: the replay costs what the forward did; its split sizes are the forward's (no exchange)
+    def compute_replay_input(self) -> None:
+        """The segment's kept input: nothing to compute."""
+
+    def compute_replay_pre_dispatch(self, x) -> None:
+        self.sim.compute(self.costs.f_pre)
+
+    def launch_replay_dispatch(self) -> None:
+        self._launch("replay_dispatch", self.costs.dispatch_bytes)
+
+    def wait_replay_dispatch(self) -> None:
+        self._wait("replay_dispatch")
+
+    def compute_replay_experts(self) -> None:
+        self.sim.compute(self.costs.f_exp)
+
+    def launch_replay_combine(self) -> None:
+        self._launch("replay_combine", self.costs.combine_bytes)
+
+    def wait_replay_combine(self) -> None:
+        self._wait("replay_combine")
+
+    def compute_replay_combine(self) -> None:
+        """Unpermute and residual add: part of the next segment."""
+
 
 class _UnitCharge(NoPipeline):
     """What each op at one unit's chunk ends costs, with its layers' runners: the interpreter's runner for a unit."""
@@ -322,7 +351,7 @@ def _extend(a: Prediction, b: Prediction, more: int) -> Prediction:
 
 def _simulate_ops(costs: StepCosts, link: Link, num_microbatches: int, options: EPOverlapOptions) -> Prediction:
     """Every op of the step's program, in order."""
-    shape = ChunkShape(True, True, tuple(layer.dispatch_bytes > 0 for layer in costs.layers))
+    shape = ChunkShape(True, True, tuple(layer.dispatch_bytes > 0 for layer in costs.layers), costs.segments)
 
     sim = _Sim(link, launch_off_host=options.overlap and options.launch_off_host is True)
     halves = costs.scaled(0.5)  # what each half of a chunked microbatch costs
