@@ -133,6 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
         "reference model recomputes them in each node's backward",
     )
     model.add_argument(
+        "--recompute_granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="full: recompute whole layer segments in both arms (with --recompute_method and "
+        "--recompute_num_layers, Megatron-LM's flags); the overlapped schedule replays each segment's forward "
+        "before its last layer's backward. selective: see --recompute_modules",
+    )
+    model.add_argument(
+        "--recompute_method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute: 'uniform' segments of --recompute_num_layers layers, or 'block' (the first "
+        "--recompute_num_layers layers of each chunk)",
+    )
+    model.add_argument(
+        "--recompute_num_layers", type=int, default=None, help="full recompute: layers per segment, or recomputed"
+    )
+    model.add_argument(
         "--mtp_num_layers",
         type=int,
         default=None,

@@ -22,6 +22,7 @@ from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
 from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, predicted_peak
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, format_program, program
+from megatron.bridge.training.ep_overlap.segments import recompute_segments
 from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
 from megatron.bridge.utils.multiprocess import (
     RankFailure,
@@ -173,7 +174,9 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
         "bf16",
     ):
         lines.append(f"  model.{key} = {getattr(m, key)!r}")
-    recompute = ("recompute_granularity", "recompute_modules") if m.recompute_granularity is not None else ()
+    recompute = ("recompute_granularity", "recompute_modules") if m.recompute_granularity == "selective" else ()
+    if m.recompute_granularity == "full":
+        recompute = ("recompute_granularity", "recompute_method", "recompute_num_layers")
     for key in (*recompute, "mtp_num_layers", "hybrid_layer_pattern"):
         if getattr(m, key) is not None:
             lines.append(f"  model.{key} = {getattr(m, key)!r}")
@@ -337,7 +340,12 @@ def _programs(model, num_microbatches: int, options: EPOverlapOptions) -> list[l
     P, _ = _pipeline(model)
     layers = chunk_layers_of(model)
     shapes = [
-        ChunkShape(c == 0, c == len(layers) - 1, tuple(model.is_moe_layer(j) for j in layers[c]))
+        ChunkShape(
+            c == 0,
+            c == len(layers) - 1,
+            tuple(model.is_moe_layer(j) for j in layers[c]),
+            recompute_segments(model, len(layers[c])),
+        )  # fmt: skip
         for c in range(len(layers))
     ]
     return [list(program(options, shapes[rank::P], num_microbatches, pipeline_size=P, rank=rank)) for rank in range(P)]
@@ -380,6 +388,11 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         "config": run_config(recipe, args, device, world),
         "arms": {name: summarize_arm(per_rank, t.warmup_steps, tokens_per_step) for name, per_rank in results.items()},
         "recompute_modules": list(m.recompute_modules or ()) if m.recompute_granularity == "selective" else [],
+        "recompute": {
+            "granularity": m.recompute_granularity,
+            "method": m.recompute_method,
+            "num_layers": m.recompute_num_layers,
+        },
     }
     placement = results["overlap" if args.ab else "run"][0].get("placement")
     if placement:
@@ -407,9 +420,11 @@ def prediction_from_baseline(results: dict[str, list[dict]], recipe: RecipeConfi
     """The planner fed with rank 0's baseline records, beside what the overlap arm measured (per phase too)."""
     warmup = recipe.train.warmup_steps
     base, over = results["baseline"][0], results["overlap"][0]
+    model = recipe.model
     costs, link = costs_from_records(
-        base["records"][warmup:], base["step_times_s"][warmup:], args.link_gbps, recipe.model.num_layers
-    )
+        base["records"][warmup:], base["step_times_s"][warmup:], args.link_gbps, model.num_layers,
+        recompute_segments(model, model.num_layers),
+    )  # fmt: skip
     comparison = predict(costs, link, recipe.train.num_microbatches, EPOverlapOptions(**over["options"]))
     measured = [exposed_by_phase(step) for step in over["records"][warmup:]]
     phases = sorted({phase for step in measured for phase in step})

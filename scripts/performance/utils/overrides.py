@@ -165,6 +165,10 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
             setattr(model, name, value)
     if args.recompute_modules is not None:
         model.recompute_granularity, model.recompute_modules = "selective", list(args.recompute_modules)
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(model, name, value)
     for name in (*MODEL_INT_FLAGS, *PIPELINE_FLAGS):
         value = getattr(args, name)
         if value is not None:

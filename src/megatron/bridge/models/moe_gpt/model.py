@@ -84,6 +84,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         self.exchange_splits_off_host = True
         # Set by the engine while it runs the plain path, to time the blocking all-to-alls.
         self.comm_observer: CommObserver | None = None
+        self.replaying = False  # full recompute's replay in the plain path: its forward's comm is named replay_*
         self.gated = config.gated_linear_unit
         self.recompute = recompute.recompute_modules(config)
         self.ln1 = norm(config, D)
@@ -210,7 +211,7 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
     def exchange_splits(self, routing: Routing | None, *, op: str) -> None:
         """Host sync of the dispatch: split sizes for both all-to-alls (no-op for dense layers)."""
         if routing is not None:
-            exchange_splits(routing, self.groups, op=op, observer=self.comm_observer)
+            exchange_splits(routing, self.groups, op=op, observer=self._observer())
 
     def experts(self, received: tuple[torch.Tensor, ...], routing: Routing | None) -> torch.Tensor:
         """Local experts (grouped GEMMs) on the received rows; the dense MLP for dense layers."""
@@ -265,14 +266,22 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         self.exchange_splits(routing, op=f"{self.name} split exchange")
         received_RD = all_to_all_with_grad(
             tokens_PD, routing.out_splits, routing.in_splits, self.groups, op="dispatch", where=self.name,
-            observer=self.comm_observer,
+            observer=self._observer(),
         )  # fmt: skip
         out_RD = self.experts((received_RD,), routing)
         back_PD = all_to_all_with_grad(
             out_RD, routing.in_splits, routing.out_splits, self.groups, op="combine", where=self.name,
-            observer=self.comm_observer,
+            observer=self._observer(),
         )  # fmt: skip
         return self.combine(back_PD, keep, h_TD, routing)
+
+    def _observer(self) -> CommObserver | None:
+        """The comm observer; in a replay its forward all-to-alls are ``replay_<op>`` (their backward keeps its name:
+        it is the layer's one backward)."""
+        observer = self.comm_observer
+        if observer is None or not self.replaying:
+            return observer
+        return lambda op, *event: observer(op if op.endswith("_bwd") else f"replay_{op}", *event)
 
 
 def _generator(seed: int, *key: int) -> torch.Generator:
@@ -459,8 +468,13 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
         return x_TD
 
     def _run_segment(self, first: int, stop: int, x_TD: torch.Tensor) -> torch.Tensor:
+        replaying = torch.is_grad_enabled()  # the reentrant checkpoint's first forward runs without grad
         for layer in self.layers[first:stop]:
-            x_TD = layer(x_TD)
+            layer.replaying = replaying
+            try:
+                x_TD = layer(x_TD)
+            finally:
+                layer.replaying = False
         return x_TD
 
     def hidden_shape(self, tokens_BS: torch.Tensor) -> tuple[int, ...]:

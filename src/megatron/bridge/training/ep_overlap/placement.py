@@ -47,10 +47,11 @@ def choose_wgrad_window(
     groups: EPGroups,
     device: torch.device,
     options: EPOverlapOptions,
+    segments: tuple[tuple[int, int], ...] = (),
 ) -> WgradPlacement:
     """The planner's window for the costs of one plain step (``recorder``, ``step_s``), agreed on by every rank;
     ``options`` as the overlapped steps will run (``launch_off_host``: whether their lane does)."""
-    costs, link = costs_from_records([recorder.as_dict()], [step_s], None, num_layers)
+    costs, link = costs_from_records([recorder.as_dict()], [step_s], None, num_layers, segments)
     mine = step_by_wgrad_window(costs, link, num_microbatches, options)
     windows = sorted(mine)
     totals = torch.tensor([mine[w] for w in windows], dtype=torch.float64, device=device)
@@ -85,7 +86,7 @@ class EPOverlapEngine(Engine):
         overlapped = replace(self.options, launch_off_host=self.launches_off_host(device))
         self.placement = choose_wgrad_window(
             result.recorder, time.perf_counter() - start, len(microbatches), len(self.chunks[0].layers),
-            self.groups, device, overlapped,
+            self.groups, device, overlapped, self.shapes[0].segments,
         )  # fmt: skip
         self.options = replace(self.options, attention_wgrad_window=self.placement.window)
         return result

@@ -12,7 +12,11 @@ from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Lin
 
 
 def costs_from_records(
-    steps: list[dict], step_times_s: list[float], link_gbps: float | None, num_layers: int
+    steps: list[dict],
+    step_times_s: list[float],
+    link_gbps: float | None,
+    num_layers: int,
+    segments: tuple[tuple[int, int], ...] = (),
 ) -> tuple[StepCosts, Link]:
     """Costs from the plain path's records of one rank (the harness's baseline arm, ``records[rank]``).
 
@@ -23,6 +27,9 @@ def costs_from_records(
             all-to-alls' durations with no latency.
         num_layers: Layers of the model (dense ones have no all-to-all; their compute lies in the neighbouring
             segments, as the plain path records it).
+        segments: Full recompute's segments (``segments.py``), as the steps ran them: the replay's forward is priced
+            as the forward's; what the plain path recorded of it is taken off the backward (a dense layer's replay,
+            which has no all-to-all to mark it, stays in its neighbours' backward).
     """
     compute: dict[tuple[str, int], list[float]] = defaultdict(list)
     comm: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)  # (bytes, seconds)
@@ -37,7 +44,7 @@ def costs_from_records(
     # The plain path records one segment per (node, layer) and microbatch: medians are per-microbatch costs.
     med = {key: statistics.median(values) for key, values in compute.items()}
     meta = [t for (op, _), values in comm.items() if op == "split_exchange" for _, t in values]
-    comm = {key: values for key, values in comm.items() if key[0] != "split_exchange"}
+    comm = {key: values for key, values in comm.items() if not key[0].endswith("split_exchange")}
     moe = sorted({layer for _, layer in comm})
 
     def seg(node: str, layer: int) -> float:
@@ -45,6 +52,13 @@ def costs_from_records(
 
     def nbytes(op: str, layer: int) -> float:
         return statistics.median(b for b, _ in comm[(op, layer)]) if (op, layer) in comm else 0.0
+
+    def back_to(layer: int) -> float:
+        """Backward from the all-to-all above down to ``layer``'s combine backward. With full recompute the plain
+        path replays ``layer``'s forward on the way (``replay_*`` records): its pre-dispatch part is taken off."""
+        replay = seg("plain replay_split_exchange", layer) + seg("plain replay_dispatch", layer)
+        f_pre = seg("plain split_exchange", layer) + seg("plain dispatch", layer)
+        return seg("plain combine_bwd", layer) + (max(0.0, replay - f_pre) if replay else 0.0)
 
     layers = []
     for j in range(num_layers):
@@ -56,7 +70,7 @@ def costs_from_records(
                 f_exp=seg("plain combine", j),
                 b_exp=seg("plain dispatch_bwd", j),
                 # from this layer's dispatch backward to the next all-to-all below (or the end of backward)
-                b_pre=seg("plain combine_bwd", below[-1]) if below else seg("plain backward_end", -1),
+                b_pre=back_to(below[-1]) if below else seg("plain backward_end", -1),
                 dispatch_bytes=nbytes("dispatch", j),
                 combine_bytes=nbytes("combine", j),
             )
@@ -66,8 +80,9 @@ def costs_from_records(
     costs = StepCosts(
         layers=tuple(layers),
         f_tail=seg("plain forward_end", -1),
-        b_head=seg("plain combine_bwd", moe[-1]) if moe else 0.0,
+        b_head=back_to(moe[-1]) if moe else 0.0,
         other_s=statistics.median(other),
+        segments=tuple(segments),
     )
     return costs, _link_of([sample for values in comm.values() for sample in values], link_gbps, meta)
 
