@@ -330,8 +330,10 @@ def _alone(w: StepWork) -> list[Window]:
 class LayerPair:
     """One paired layer step: forward of layer ``forward`` (0-based in F's chunk), backward of layer ``backward`` (in
     B's chunk), whether each is an MoE layer, B's layer whose attention wgrad is still to run (``pending``; None:
-    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in, and the recomputed segment
-    B's layer ends (``replay``; None: nothing to replay)."""
+    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in, and full recompute's part:
+    the recomputed segment B's layer ends (``replay``, replayed in this step; None: nothing to replay here),
+    whether B's layer was replayed a step ahead (``replayed``), and the layer whose replay this step starts
+    (``replay_next``)."""
 
     forward: int
     backward: int
@@ -341,12 +343,64 @@ class LayerPair:
     delay_wgrad: bool
     window: int
     replay: tuple[int, int] | None = None
+    replayed: bool = False  # B's layer was replayed a step ahead: its replay's combine is in flight
+    replay_next: int | None = None  # the layer below whose replay this step starts (one-layer segments)
 
 
 def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     """The paired layer step ``pair``: F's units (``outs``, where each one's input comes from) with B's ``b``."""
+    if pair.replayed:
+        return _replayed_step(outs, b, pair)
+    ahead = [] if pair.replay_next is None else [Window(f"B L{pair.replay_next} replay ahead", tuple(
+        op for u in b for op in _replay_ahead(u, pair.replay_next)))]  # fmt: skip
     if pair.replay is not None:
-        return _replay_step(outs, b, pair)
+        return _replay_step(outs, b, pair) + ahead
+    return _layer_step(outs, b, pair) + ahead
+
+
+def _replay_ahead(u: int, k: int) -> list[Op]:
+    """Layer ``k``'s replay (a one-layer segment) up to its combine, which is left in flight for the next step."""
+    return [Op(COMPUTE, "replay_input", u, k)] + _replay_to_dispatch(u, k) + _replay_to_combine(u, k)
+
+
+def _replayed_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
+    """The paired layer step whose B layer was replayed a step ahead (one-layer segments): B finishes that replay,
+    runs the layer's backward, and starts the replay of the layer below (``replay_next``), so every all-to-all has
+    compute of the other microbatch, or of the other B layer, to hide behind:
+
+        1. B.replay combine (comm, from the step before)  ||  F.pre_dispatch
+        2. F.split sizes, B.combine backward (comm)       ||  B.replay combine, B.combine backward; [B's previous
+                                                              attention wgrad], B.replay pre_dispatch (next layer)
+        3. F.dispatch, B.replay dispatch (comm)           ||  B.experts backward;  B.dispatch backward (comm) ||
+                                                              [B.experts wgrad], F.experts
+        4. F.combine, B.replay combine (comm)             ||  B.replay experts (next layer), B.pre_dispatch
+                                                              backward
+
+    B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
+    pre_dispatch more than replaying just in time.
+    """
+    j, k, moe_f, delay, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
+    f = [out.unit for out in outs]
+    w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
+    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
+    w2 = [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
+    w2 += [Op(WAIT, "split", u, j) for u in f] if moe_f else []
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay)
+    if below is not None:
+        w2 += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
+    w3 = [op for u in b for op in _experts_dgrad(u, k)] + [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
+    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
+    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
+    w4 = [op for u in b for op in _replay_to_combine(u, below)] if below is not None else []
+    w4 += [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    for out in outs:
+        out.pending = j
+    label = f"F L{j} + B L{k} replayed"
+    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
+
+
+def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     j, k, moe_f, moe_b = pair.forward, pair.backward, pair.forward_moe, pair.backward_moe
     delay, window = pair.delay_wgrad, pair.window
     f = [out.unit for out in outs]
@@ -409,13 +463,22 @@ def _paired(w: StepWork) -> list[Window]:
     f, b, fs, bs, delay, window = w.f, w.b, w.fs, w.bs, w.delay, w.window
     outs = [_Output(u, fs) for u in f]
     nf, nb = len(fs.moe), len(bs.moe)
-    windows = [Window("B begin", tuple(_backward_begin(u, bs) for u in b))]
+    paired = min(nf, nb)
+    # One-layer segments of B's paired layers are replayed a step ahead (the top one around the head's backward)
+    ahead = {k for k in range(nb - paired, nb) if (k, k + 1) in bs.segments}
+    begin = [_backward_begin(u, bs) for u in b]
+    if nb - 1 in ahead:
+        top = nb - 1
+        begin = [op for u in b for op in [Op(COMPUTE, "replay_input", u, top)] + _replay_to_dispatch(u, top)]
+        begin += [_backward_begin(u, bs) for u in b] + [op for u in b for op in _replay_to_combine(u, top)]
+    windows = [Window("B begin", tuple(begin))]
     pending = None
-    for j in range(min(nf, nb)):
+    for j in range(paired):
         k = nb - 1 - j
         pair = LayerPair(
             forward=j, backward=k, forward_moe=fs.moe[j], backward_moe=bs.moe[k], pending=pending,
-            delay_wgrad=delay, window=window, replay=bs.replayed(k),
+            delay_wgrad=delay, window=window, replay=None if k in ahead else bs.replayed(k), replayed=k in ahead,
+            replay_next=k - 1 if k - 1 in ahead else None,
         )  # fmt: skip
         windows += layer_step(outs, b, pair)
         pending = k
