@@ -33,6 +33,7 @@ class McoreCase:
     flex_backend: str = "deepep"  # with "flex": "deepep" or "hybridep"
     mla: bool = False  # multi-latent attention (DeepSeek-V3's), with RMSNorm and its own (yarn) rotary embedding
     recompute: tuple = ()  # selective recompute_modules
+    full_recompute: tuple | None = None  # (recompute_method, recompute_num_layers) of full recompute
     shared_ffn: int = 0  # shared experts' FFN width (0: none)
     load_balancing: str = "none"  # moe_router_load_balancing_type ("aux_loss": with aux_loss_coeff)
     aux_loss_coeff: float = 0.0
@@ -78,6 +79,13 @@ def gpt_block_spec(config, vp_stage: int | None = None):
     return spec
 
 
+def _full_recompute_fields(case: McoreCase) -> dict:
+    if case.full_recompute is None:
+        return {}
+    method, layers = case.full_recompute
+    return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
+
+
 def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
     """The ``TransformerConfig`` (``MLATransformerConfig`` with ``case.mla``) of ``case``'s ``GPTModel``; ``fields``
     add to it (pipeline sizes)."""
@@ -114,8 +122,14 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
         moe_router_bias_update_rate=0.05,
         mtp_num_layers=1 if case.mtp else None,
         moe_shared_expert_intermediate_size=case.shared_ffn or None,
-        recompute_granularity="selective" if case.recompute else None,
-        recompute_modules=list(case.recompute) or None,
+        **(
+            _full_recompute_fields(case)
+            if case.full_recompute
+            else {
+                "recompute_granularity": "selective" if case.recompute else None,
+                "recompute_modules": list(case.recompute) or None,
+            }
+        ),
         **fields,
     )
 
@@ -246,6 +260,7 @@ def build_hybrid(
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
+        **_full_recompute_fields(case),
     )  # fmt: skip
     torch.manual_seed(1234)
     model = HybridModel(

@@ -128,6 +128,14 @@ CASES = {
     "ep2-fp32-top2-flex": McoreCase(dispatcher="flex", steps=3),
     "ep2-bf16-top1-mixed-flex": McoreCase(dispatcher="flex", bf16=True, topk=1, layer_freq=(1, 0)),
     "ep4-fp32-top2-flex-mtp": McoreCase(dispatcher="flex", world=4, microbatches=2, mtp=True),
+    # Full recompute: the plain path is Megatron-Core's own checkpointed forward, the schedule replays each segment
+    # (one layer; two), MTP's depth checkpointed by Megatron-Core inside the head on both paths.
+    "ep2-fp32-full-uniform1": McoreCase(full_recompute=("uniform", 1)),
+    "ep2-bf16-full-uniform1-mtp-expert-bias": McoreCase(
+        bf16=True, full_recompute=("uniform", 1), mtp=True, expert_bias=True, topk=1, steps=3
+    ),
+    "ep2-fp32-full-uniform2-tied": McoreCase(full_recompute=("uniform", 2), tied=True),
+    "ep2-fp32-full-block1-flex": McoreCase(full_recompute=("block", 1), dispatcher="flex"),
     # HybridEP's contract: the backend also permutes the rows expert by expert, one probability per row.
     "ep2-fp32-top2-hybridep": McoreCase(dispatcher="flex", flex_backend="hybridep", steps=3),
     "ep2-bf16-top1-mixed-hybridep": McoreCase(
@@ -147,6 +155,7 @@ def _hybrid_cases() -> dict:
         "hybrid-*E*E/*E-mtp": HybridCase(pattern="*E*E/*E", steps=3),  # one MTP depth: attention and MoE
         "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex"),
         "hybrid-+E+E-mla": HybridCase(pattern="+E+E"),  # multi-latent attention layers in the groups
+        "hybrid-*E*E/*E-mtp-full-uniform1": HybridCase(pattern="*E*E/*E", full_recompute=("uniform", 1)),
     }
 
 
@@ -178,7 +187,18 @@ def check_equal(case: McoreCase, outcomes) -> None:
         parts = layers * ("core_attn" in case.recompute)
         parts += expected_mlps(case).count("MoELayer") * ("shared_experts" in case.recompute)
         expected = parts * case.microbatches * case.steps
-        assert plain["recomputed"] == outcome.result["overlap"]["recomputed"] == expected
+        if case.full_recompute:  # Megatron-Core checkpoints its blocks' segments in the plain path; the schedule
+            # replays them itself, and both run the MTP block's own checkpoints in the head (uniform only; a hybrid
+            # depth checkpoints its own layers too)
+            method, n = case.full_recompute
+            decoder = len(expected_mlps(case))
+            blocks = -(-decoder // n) if method == "uniform" else min(n, decoder)
+            runs = case.microbatches * case.steps
+            mtp = outcome.result["overlap"]["recomputed"]
+            assert (mtp > 0) == (has_mtp(case) and method == "uniform") and mtp % runs == 0
+            assert plain["recomputed"] - mtp == blocks * runs
+        else:
+            assert plain["recomputed"] == outcome.result["overlap"]["recomputed"] == expected
         mla = getattr(case, "mla", False) or "+" in getattr(case, "pattern", "")
         assert ("MLASelfAttention" in plain["attentions"]) == mla
         if case.dispatcher == "flex":

@@ -15,15 +15,18 @@ layer inside the MTP block runs its all-to-alls inside the head, not overlapped 
 the MTP layer its own nodes).
 """
 
+import functools
 import logging
 from collections import deque
 
 import torch
+import torch.utils.checkpoint
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
+from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
@@ -87,12 +90,13 @@ class McorePlan(ChunkHooks):
                 "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
                 f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
             )
-        if config.recompute_granularity == "full":
-            raise ValueError(
-                f"recompute_granularity='full' (recompute_method={config.recompute_method!r}): the EP-overlap plan "
-                "of a Megatron-Core model does not replay its layers in backward yet (the reference MoE GPT's "
-                f"does); fix: set recompute_granularity=None, or 'selective' without 'moe' and 'layernorm', {_OFF}"
-            )
+        if self.mtp and config.recompute_granularity == "full" and config.recompute_method == "uniform":
+            if config.recompute_num_layers != 1:  # Megatron-Core's MTP layer asserts it in its first forward
+                raise ValueError(
+                    f"recompute_num_layers={config.recompute_num_layers} with recompute_method='uniform' and an MTP "
+                    "layer: Megatron-Core checkpoints the MTP depth as one segment only with recompute_num_layers=1; "
+                    f"fix: set recompute_num_layers=1 (or recompute_method='block'), {_OFF}"
+                )
         stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
         if config.recompute_granularity == "selective" and stepped:
             raise ValueError(
@@ -125,6 +129,9 @@ class McorePlan(ChunkHooks):
         if not self.pre_process:
             self.rotary_pos_emb = self._rotary(torch.empty(seq, 1, 0, device=device))
         self.layers, self.layer_numbers = self._build_units()
+        # Full recompute: segments of units (a GPTModel's layers, a HybridModel's MoE groups); the MTP layer, one
+        # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
+        self.recompute_segments = recompute_segments(config, len(self.layers))
         if delay_wgrad:
             undelayed = [unit.name for unit in self.layers if unit.is_moe and not unit.expert_wgrad_delayable]
             if undelayed:
@@ -314,6 +321,25 @@ class McorePlan(ChunkHooks):
             packed_seq_params=packed_seq_params,
         )
         return (losses * keep_BS).sum() / normalizer
+
+    def run_layers(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """A pipeline chunk's plain path: its units in order, each of ``recompute_segments`` checkpointed (reentrant,
+        as Megatron-Core's block checkpoints its layers; a whole model runs its own forward, which does)."""
+        j = 0
+        while j < len(self.layers):
+            segment = segment_of(self.recompute_segments, j)
+            if segment is None or not (torch.is_grad_enabled() and x_SBH.requires_grad):
+                x_SBH, j = self.layers[j](x_SBH), j + 1
+                continue
+            run = functools.partial(self._run_units, *segment)
+            x_SBH = torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)
+            j = segment[1]
+        return x_SBH
+
+    def _run_units(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
+        for unit in self.layers[first:stop]:
+            x_SBH = unit(x_SBH)
+        return x_SBH
 
     def with_packed_sequences(self, packed_seq_params) -> "MicrobatchView":
         return MicrobatchView(self, packed_seq_params=packed_seq_params)

@@ -12,8 +12,10 @@ Contract:
       Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
       own forward in the stack's order.
     * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
+    * Full recompute (``recompute_method``, ``recompute_num_layers``) counts units: a segment of N is N MoE groups;
+      the MTP depth is checkpointed by Megatron-Core's MTP block, inside the head.
     * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): more than
-      one MTP depth, full recompute of the stack.
+      one MTP depth.
 """
 
 import torch

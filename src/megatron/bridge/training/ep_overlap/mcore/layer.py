@@ -86,6 +86,7 @@ class McoreRouting:
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
     manager_state: dict = field(default_factory=dict)
+    exchanged: tuple | None = None  # (in_splits, out_splits) once read: what a replay must see again
 
     @classmethod
     def of(cls, dispatcher) -> "McoreRouting":
@@ -120,6 +121,7 @@ class _Unit(LayerHooks):
 
     name: str
     plan: object
+    replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
 
     def bound_to(self, context):
         """The same unit, reading its attention mask, rotary embedding and packed-sequence parameters from
@@ -221,6 +223,18 @@ class McoreLayer(_Unit):
             )
             routing.in_splits = _as_list(dispatcher.input_splits)
             routing.out_splits = _as_list(dispatcher.output_splits)
+        routing.exchanged = (routing.in_splits, routing.out_splits)
+
+    def replay_splits(self, routing: McoreRouting | None, exchanged) -> None:
+        """A replayed forward (full recompute): Megatron-Core's dispatcher exchanged the counts again in
+        ``preprocess`` (every rank replays the same layer at the same op), so this is its device-to-host sync, and a
+        check that the replayed router routes as the first forward did."""
+        self.exchange_splits(routing, op=f"{self.name} replay")
+        if routing is not None and not self.owns_comm and routing.exchanged != tuple(exchanged):
+            raise RuntimeError(
+                f"{self.name}: the replayed router's split sizes {routing.exchanged} differ from its first forward's "
+                f"{tuple(exchanged)}; full recompute needs deterministic routing (same inputs, same expert bias)"
+            )
 
     def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
         if routing is None:
