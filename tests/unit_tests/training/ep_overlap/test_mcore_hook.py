@@ -110,6 +110,10 @@ CASES = {
     "ep2-fp32-top2-hybridep": McoreCase(dispatcher="flex", flex_backend="hybridep", microbatches=3),
     "hybrid-+E-E-mla": HybridCase(pattern="+E-E", microbatches=3),
     "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex", microbatches=3),
+    # Full recompute: Megatron-Core's plain path checkpoints its blocks; its driver runs our plan, which replays
+    # (Megatron-Core 0.19's config refuses the overlap flag with full recompute at build; set after, as for fp32).
+    "ep2-fp32-full-uniform1": McoreCase(microbatches=3, full_recompute=("uniform", 1)),
+    "hybrid-*E*E/*E-mtp-full-uniform1": HybridCase(pattern="*E*E/*E", microbatches=3, full_recompute=("uniform", 1)),
 }
 
 
@@ -190,11 +194,10 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     elif kind == "recompute-moe":
         model, plan = build_gpt(McoreCase()), plan_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
-    elif kind in ("full-recompute-gpt", "full-recompute-hybrid"):
-        model = build_gpt(McoreCase()) if kind.endswith("gpt") else build_hybrid(HybridCase())
-        plan = plan_for
+    elif kind == "full-recompute-mtp-uniform2":
+        model, plan = build_gpt(McoreCase(mtp=True)), plan_for
         model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
-        model.config.recompute_num_layers = 1
+        model.config.recompute_num_layers = 2
     elif kind == "ncclep-zero-copy":
         install_fake_deepep()
         model, plan = build_gpt(McoreCase(dispatcher="flex")), plan_for
@@ -227,9 +230,8 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
         ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
-        # the rules accept full recompute for this project's schedule; the Megatron-Core plan does not replay yet
-        ("full-recompute-gpt", "recompute_granularity='full' (recompute_method='uniform'): the EP-overlap plan of"),
-        ("full-recompute-hybrid", "recompute_granularity='full' (recompute_method='uniform'): the EP-overlap plan of"),
+        # Megatron-Core's MTP layer checkpoints its depth as one segment only with recompute_num_layers=1
+        ("full-recompute-mtp-uniform2", "recompute_num_layers=2 with recompute_method='uniform' and an MTP layer"),
     ],
 )
 def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):
@@ -301,6 +303,10 @@ INTERLEAVED = {  # Megatron-Core refuses N = 5 here
         layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mla=True, mtp=True, dispatcher="flex"
     ),
     "hybrid-mtp": HybridCase(pattern="*E|E-|*-E|E*/*E", microbatches=4, steps=2, rope=True),
+    "gpt-mtp-full-uniform1": McoreCase(
+        layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mtp=True, full_recompute=("uniform", 1)
+    ),
+    "hybrid-full-uniform1": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2, full_recompute=("uniform", 1)),
 }
 
 
