@@ -333,5 +333,11 @@ def flag_problems(args: Any, arms: list[dict], recipe: Any) -> list[str]:
             "with recompute_granularity=None nothing is recomputed",
             "add model.recompute_granularity=selective, or use --recompute_modules (which sets both)",
         ),
+        (
+            bool(args.recompute_modules) and getattr(args, "recompute_granularity", None) == "full",
+            f"--recompute_modules {' '.join(args.recompute_modules or ())}",
+            "it lists selective recompute's parts, and --recompute_granularity full replays whole layers",
+            "drop one of them",
+        ),
     ]
     return [f"{flag}: {why}; {fix}" for cannot, flag, why, fix in rows if cannot]

@@ -52,8 +52,10 @@ def test_peer_failure_raises_naming_rank_and_op(mode, overlap):
 
 
 def test_engine_rejects_what_the_rules_reject():
-    # Layer recompute, set after the model was built (the reference model itself refuses it when built).
-    layer_recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    # Full recompute of no layer, with dropout, set after the model was built (the reference model itself refuses
+    # both when built).
+    layer_recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 0}
+    layer_recompute["hidden_dropout"] = 0.1
     config = Case(world=1, ep=1).config()
     model = MoEGPTModel(config)
     for key, value in layer_recompute.items():
@@ -61,7 +63,7 @@ def test_engine_rejects_what_the_rules_reject():
     with pytest.raises(CommOverlapConfigError) as raised:
         EPOverlapEngine(model, single_process_groups(), overlap=True)
     names = {v.name for v in raised.value.violations}
-    assert {"expert_parallel", "no_full_recompute", "no_recompute_method", "no_recompute_num_layers"} <= names
+    assert {"expert_parallel", "full_recompute_num_layers", "full_recompute_dropout"} <= names
     # The same config through CommOverlapConfig.setup fails with the same rules.
     with pytest.raises(CommOverlapConfigError) as again:
         CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(config)
@@ -101,8 +103,9 @@ def test_wrong_hidden_size_names_the_layer():
         # Features it does not have are refused, not ignored:
         ({"mtp_num_layers": 1}, "mtp_num_layers=1: the reference MoE GPT has no multi-token prediction layers"),
         ({"hybrid_layer_pattern": "*E"}, "hybrid_layer_pattern='\\*E': the reference MoE GPT is not a hybrid model"),
-        ({"recompute_granularity": "full"}, "recompute_granularity='full': the reference MoE GPT recomputes selected"),
-        ({"recompute_method": "uniform"}, "recompute_method='uniform': layer recompute is not implemented"),
+        ({"recompute_granularity": "full"}, "recompute_method=None: full recompute replays 'uniform' segments"),
+        ({"recompute_method": "uniform"}, "recompute_method='uniform': a recompute method chooses the layers of full"),
+        ({"recompute_granularity": "all"}, "recompute_granularity='all': the reference MoE GPT recomputes selected"),
     ],
 )
 def test_unsupported_layer_config_is_a_clear_error(overrides, message):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.bridge.models.moe_gpt import MoEGPTModel
+from megatron.bridge.models.moe_gpt.token_dispatcher import Routing, replay_splits
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
@@ -143,3 +144,42 @@ def test_the_full_recompute_snippet_runs_as_written():
             assert_bitwise(a, b, f"rank {outcome.rank} loss")
         for a, b in zip(*result["grads"]):
             assert_bitwise(a, b, f"rank {outcome.rank} grad")
+
+
+def test_a_replayed_router_that_routes_otherwise_is_caught_naming_the_layer():
+    """The replay reuses the first forward's split sizes instead of exchanging them again; other counts would move
+    rows of the wrong size, so they fail the replay (an expert bias moved between the two forwards, say)."""
+    experts_TK = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    first = Routing.build(experts_TK, num_experts=4, ep_size=2)
+    replay_splits(first, ([[2, 2], [1, 1]], [[2, 2], [1, 1]]), where="layer3")  # its own counts: completes it
+    assert (first.in_splits, first.out_splits, first.local_group_sizes) == ([4, 2], [4, 2], [3, 3])
+    moved = Routing.build(torch.tensor([[0, 1], [1, 2], [3, 3]]), num_experts=4, ep_size=2)
+    with pytest.raises(RuntimeError, match=r"layer3: the replayed router sends \[\[1, 2\], \[1, 2\]\] tokens"):
+        replay_splits(moved, first.exchanged, where="layer3")
+
+
+def test_measured_costs_take_the_plain_paths_replay_off_the_backward():
+    """The plain path with full recompute replays layer 0's forward inside the backward from layer 1 down: its
+    records name that replay (``plain replay_*``), and the planner counts it as forward, not as layer 1's backward."""
+    from megatron.bridge.training.ep_overlap.planner import costs_from_records
+
+    t = iter(range(100))
+
+    def compute(node: str, layer: int, seconds: float) -> dict:
+        start = next(t)
+        return {"node": f"plain {node}", "layer": layer, "start_s": start, "end_s": start + seconds}
+
+    def comm(op: str, layer: int) -> dict:
+        start = next(t)
+        return {"op": op, "layer": layer, "start_s": start, "end_s": start + 0.1, "bytes_sent": 8, "bytes_received": 8}
+
+    forward = [compute("split_exchange", 0, 1.0), compute("dispatch", 0, 0.5), compute("combine", 0, 2.0)]
+    # From the head's backward down: layer 1's part (2.0), then layer 0's replay (1.5), its combine backward
+    backward = [compute("replay_split_exchange", 0, 3.0), compute("replay_dispatch", 0, 0.5)]
+    backward += [compute("replay_combine", 0, 2.0), compute("combine_bwd", 0, 0.25), compute("dispatch_bwd", 0, 4.0)]
+    ops = [comm(op, 0) for op in ("dispatch", "combine", "replay_dispatch", "replay_combine", "combine_bwd")]
+    costs, _ = costs_from_records([{"compute": forward + backward, "comm": ops}], [200.0], None, 2, ((0, 1),))
+    layer0 = costs.layers[0]
+    assert (layer0.f_pre, layer0.f_exp, layer0.b_exp) == (1.5, 2.0, 4.0)
+    assert costs.b_head == 0.25 + 2.0  # what ran from the head down to layer 0's combine backward, less the replay
+    assert costs.segments == ((0, 1),)

@@ -159,6 +159,18 @@ def refuse(rank: int, world: int, change: dict) -> str:
     [
         ({"config": {"delay_wgrad_compute": True, "moe_shared_expert_overlap": True}}, "moe_shared_expert_overlap"),
         ({"config": {"recompute_granularity": "full"}}, "recompute"),
+        # this project's schedule replays full recompute, but not dropout's masks
+        (
+            {
+                "config": {
+                    "recompute_granularity": "full",
+                    "recompute_method": "uniform",
+                    "recompute_num_layers": 1,
+                    "hidden_dropout": 0.1,
+                }
+            },
+            "[full_recompute_dropout] model.hidden_dropout=0.1",
+        ),  # fmt: skip
     ],
 )
 def test_hook_refuses_a_bad_config_before_any_step(change, expected):

@@ -31,16 +31,7 @@ def costs_from_records(
             as the forward's; what the plain path recorded of it is taken off the backward (a dense layer's replay,
             which has no all-to-all to mark it, stays in its neighbours' backward).
     """
-    compute: dict[tuple[str, int], list[float]] = defaultdict(list)
-    comm: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)  # (bytes, seconds)
-    other = []
-    for step, total in zip(steps, step_times_s):
-        for r in step["compute"]:
-            compute[(r["node"], r["layer"])].append(r["end_s"] - r["start_s"])
-        for r in step["comm"]:
-            comm[(r["op"], r["layer"])].append((max(r["bytes_sent"], r["bytes_received"]), r["end_s"] - r["start_s"]))
-        ends = [r["end_s"] for r in step["compute"]] + [r["end_s"] for r in step["comm"]]
-        other.append(max(0.0, total - max(ends)))
+    compute, comm, other = _samples(steps, step_times_s)
     # The plain path records one segment per (node, layer) and microbatch: medians are per-microbatch costs.
     med = {key: statistics.median(values) for key, values in compute.items()}
     meta = [t for (op, _), values in comm.items() if op == "split_exchange" for _, t in values]
@@ -53,13 +44,6 @@ def costs_from_records(
     def nbytes(op: str, layer: int) -> float:
         return statistics.median(b for b, _ in comm[(op, layer)]) if (op, layer) in comm else 0.0
 
-    def back_to(layer: int) -> float:
-        """Backward from the all-to-all above down to ``layer``'s combine backward. With full recompute the plain
-        path replays ``layer``'s forward on the way (``replay_*`` records): its pre-dispatch part is taken off."""
-        replay = seg("plain replay_split_exchange", layer) + seg("plain replay_dispatch", layer)
-        f_pre = seg("plain split_exchange", layer) + seg("plain dispatch", layer)
-        return seg("plain combine_bwd", layer) + (max(0.0, replay - f_pre) if replay else 0.0)
-
     layers = []
     for j in range(num_layers):
         below = [m for m in moe if m < j]
@@ -70,7 +54,7 @@ def costs_from_records(
                 f_exp=seg("plain combine", j),
                 b_exp=seg("plain dispatch_bwd", j),
                 # from this layer's dispatch backward to the next all-to-all below (or the end of backward)
-                b_pre=back_to(below[-1]) if below else seg("plain backward_end", -1),
+                b_pre=_down_to(seg, below[-1]) if below else seg("plain backward_end", -1),
                 dispatch_bytes=nbytes("dispatch", j),
                 combine_bytes=nbytes("combine", j),
             )
@@ -80,11 +64,36 @@ def costs_from_records(
     costs = StepCosts(
         layers=tuple(layers),
         f_tail=seg("plain forward_end", -1),
-        b_head=back_to(moe[-1]) if moe else 0.0,
+        b_head=_down_to(seg, moe[-1]) if moe else 0.0,
         other_s=statistics.median(other),
         segments=tuple(segments),
     )
     return costs, _link_of([sample for values in comm.values() for sample in values], link_gbps, meta)
+
+
+def _samples(steps: list[dict], step_times_s: list[float]) -> tuple[dict, dict, list[float]]:
+    """Per (node, layer) the compute segments' seconds, per (op, layer) the all-to-alls' (bytes, seconds), and per
+    step the time spent after the last record (outside the schedule)."""
+    compute: dict[tuple[str, int], list[float]] = defaultdict(list)
+    comm: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    other = []
+    for step, total in zip(steps, step_times_s):
+        for r in step["compute"]:
+            compute[(r["node"], r["layer"])].append(r["end_s"] - r["start_s"])
+        for r in step["comm"]:
+            comm[(r["op"], r["layer"])].append((max(r["bytes_sent"], r["bytes_received"]), r["end_s"] - r["start_s"]))
+        ends = [r["end_s"] for r in step["compute"]] + [r["end_s"] for r in step["comm"]]
+        other.append(max(0.0, total - max(ends)))
+    return compute, comm, other
+
+
+def _down_to(seg, layer: int) -> float:
+    """Backward from the all-to-all above down to ``layer``'s combine backward (``seg``: a plain segment's median).
+    With full recompute the plain path replays ``layer``'s forward on the way (``replay_*`` records): its
+    pre-dispatch part, as long as the forward's, is taken off."""
+    replay = seg("plain replay_split_exchange", layer) + seg("plain replay_dispatch", layer)
+    f_pre = seg("plain split_exchange", layer) + seg("plain dispatch", layer)
+    return seg("plain combine_bwd", layer) + (max(0.0, replay - f_pre) if replay else 0.0)
 
 
 def _link_of(samples: list[tuple[float, float]], link_gbps: float | None, meta: list[float]) -> Link:

@@ -2,7 +2,7 @@
 
 Contract:
     * :func:`run_ops` calls each op, in order, on a runner: op ``(kind, name)`` of unit ``u`` is the method
-      ``<kind>_<name>`` (:attr:`~megatron.bridge.training.ep_overlap.program.steps.Op.method`) of ``runners[u]`` for
+      ``<kind>_<name>`` (:attr:`~megatron.bridge.training.ep_overlap.program.ops.Op.method`) of ``runners[u]`` for
       an op at the chunk's ends, of ``runners[u].layers[j]`` for one at layer j. What an op writes (``OPS``: ``x``
       the unit's activation, ``g`` its gradient) is handed to the next op of that unit that reads it.
     * The runners differ, the loop does not: the engine's ``MicrobatchNodes`` (and, overlap off, ``PlainRun``) run
@@ -12,7 +12,7 @@ Contract:
     * No torch here.
 """
 
-from megatron.bridge.training.ep_overlap.program.steps import OPS, Op
+from megatron.bridge.training.ep_overlap.program.ops import OPS, Op
 
 
 def run_ops(ops, runners) -> None:

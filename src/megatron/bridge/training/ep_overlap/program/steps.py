@@ -30,22 +30,29 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from megatron.bridge.training.ep_overlap.program.ops import (
+    COMPUTE,
+    LAUNCH,
+    OPS,
+    PLAIN,
+    WAIT,
+    WGRAD,
+    Op,
+    OpKind,
+    Window,
+    _attention_wgrad,
+    _combine_bwd,
+    _experts_dgrad,
+    _pre_dispatch_bwd,
+    _replay_ahead,
+    _replay_to_combine,
+    _replay_to_dispatch,
+)
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase, Transfer, pipeline_schedule
+from megatron.bridge.training.ep_overlap.program.replay import replay_before_backward, replay_step, replayed_step
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 
-
-class OpKind(StrEnum):
-    """What an op does on the host: run a node, start or wait for a transfer, run a delayed wgrad, or run a whole
-    chunk through ordinary autograd (overlap off)."""
-
-    COMPUTE = "compute"
-    LAUNCH = "launch"
-    WAIT = "wait"
-    WGRAD = "wgrad"
-    PLAIN = "plain"
-
-
-COMPUTE, LAUNCH, WAIT, WGRAD, PLAIN = OpKind
+__all__ = ["OPS", "ChunkShape", "Op", "OpKind", "Step", "StepKind", "Window", "program", "windows_of"]
 
 
 class StepKind(StrEnum):
@@ -56,79 +63,6 @@ class StepKind(StrEnum):
     PAIRED = "paired"
     FORWARD_PAIR = "forward_pair"
     BACKWARD_PAIR = "backward_pair"
-
-
-# Every op, declared once: (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation,
-# "g" the gradient, None nothing. The runner's method for it is ``<kind>_<name>`` (``Op.method``).
-OPS: dict[tuple[OpKind, str], tuple[str | None, str | None]] = {
-    (OpKind.COMPUTE, "embedding"): (None, "x"),
-    (OpKind.WAIT, "recv_activation"): (None, "x"),
-    (OpKind.COMPUTE, "pre_dispatch"): ("x", None),  # attention, pre-MLP norm, router, permute
-    (OpKind.LAUNCH, "split"): (None, None),  # the split sizes go out
-    (OpKind.WAIT, "split"): (None, None),  # ... and are known (the dispatch's host sync)
-    (OpKind.LAUNCH, "dispatch"): (None, None),
-    (OpKind.WAIT, "dispatch"): (None, None),
-    (OpKind.COMPUTE, "experts"): (None, None),
-    (OpKind.LAUNCH, "combine"): (None, None),
-    (OpKind.WAIT, "combine"): (None, None),
-    (OpKind.COMPUTE, "combine"): (None, "x"),  # unpermute, residual add: the layer's output
-    (OpKind.COMPUTE, "head"): ("x", None),
-    (OpKind.LAUNCH, "send_activation"): ("x", None),
-    (OpKind.COMPUTE, "head_bwd"): (None, "g"),
-    (OpKind.WAIT, "recv_grad"): (None, "g"),
-    (OpKind.COMPUTE, "combine_bwd"): ("g", None),
-    (OpKind.LAUNCH, "combine_bwd"): (None, None),
-    (OpKind.WAIT, "combine_bwd"): (None, None),
-    (OpKind.COMPUTE, "experts_bwd"): (None, None),  # dgrad, and wgrad unless delayed
-    (OpKind.LAUNCH, "dispatch_bwd"): (None, None),
-    (OpKind.WGRAD, "experts"): (None, None),
-    (OpKind.WAIT, "dispatch_bwd"): (None, None),
-    (OpKind.COMPUTE, "pre_dispatch_bwd"): (None, "g"),
-    # Full recompute: B's replay of a recomputed segment's forward, before the backward of its last layer; "r" is
-    # the replayed activation, from the segment's kept input through each layer's replayed combine
-    (OpKind.COMPUTE, "replay_input"): (None, "r"),
-    (OpKind.COMPUTE, "replay_pre_dispatch"): ("r", None),
-    (OpKind.LAUNCH, "replay_dispatch"): (None, None),
-    (OpKind.WAIT, "replay_dispatch"): (None, None),
-    (OpKind.COMPUTE, "replay_experts"): (None, None),
-    (OpKind.LAUNCH, "replay_combine"): (None, None),
-    (OpKind.WAIT, "replay_combine"): (None, None),
-    (OpKind.COMPUTE, "replay_combine"): (None, "r"),
-    (OpKind.WGRAD, "attention"): (None, None),
-    (OpKind.COMPUTE, "embedding_bwd"): ("g", None),
-    (OpKind.LAUNCH, "send_grad"): ("g", None),
-    (OpKind.PLAIN, "forward"): (None, None),
-    (OpKind.PLAIN, "backward"): (None, None),
-}
-
-
-@dataclass(frozen=True)
-class Op:
-    """One operation of the host: ``kind`` and ``name`` as in :data:`OPS`, on ``unit``, at ``layer`` (its position
-    in the unit's chunk) or at the chunk's ends (None)."""
-
-    kind: OpKind
-    name: str
-    unit: int
-    layer: int | None = None
-
-    def __post_init__(self):
-        if (self.kind, self.name) not in OPS:
-            raise ValueError(f"{self.kind} {self.name}: not an op of the program (program.steps.OPS)")
-
-    @property
-    def method(self) -> str:
-        """The nodes' method that runs it."""
-        return f"{self.kind}_{self.name}"
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.name} u{self.unit}" + ("" if self.layer is None else f" L{self.layer}")
-
-
-@dataclass(frozen=True)
-class Window:
-    label: str
-    ops: tuple[Op, ...]
 
 
 @dataclass(frozen=True)
@@ -244,58 +178,18 @@ def _backward_end(u: int, shape: ChunkShape) -> Op:
     return Op(COMPUTE, "embedding_bwd", u) if shape.first else Op(LAUNCH, "send_grad", u)
 
 
-def _combine_bwd(u: int, k: int) -> list[Op]:
-    return [Op(COMPUTE, "combine_bwd", u, k), Op(LAUNCH, "combine_bwd", u, k)]
-
-
-def _experts_dgrad(u: int, k: int) -> list[Op]:
-    return [Op(WAIT, "combine_bwd", u, k), Op(COMPUTE, "experts_bwd", u, k)]
-
-
 def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
     ops = _experts_dgrad(u, k) + [Op(LAUNCH, "dispatch_bwd", u, k)]
     return ops + ([Op(WGRAD, "experts", u, k)] if delay and moe else [])
 
 
-def _pre_dispatch_bwd(u: int, k: int) -> list[Op]:
-    return [Op(WAIT, "dispatch_bwd", u, k), Op(COMPUTE, "pre_dispatch_bwd", u, k)]
-
-
-def _attention_wgrad(b: Sequence[int], k: int | None, delay: bool) -> list[Op]:
-    return [Op(WGRAD, "attention", u, k) for u in b] if delay and k is not None else []
-
-
-def _replay_to_dispatch(u: int, j: int) -> list[Op]:
-    return [Op(COMPUTE, "replay_pre_dispatch", u, j), Op(LAUNCH, "replay_dispatch", u, j)]
-
-
-def _replay_to_combine(u: int, j: int) -> list[Op]:
-    return [Op(WAIT, "replay_dispatch", u, j), Op(COMPUTE, "replay_experts", u, j), Op(LAUNCH, "replay_combine", u, j)]
-
-
-def _replay_output(u: int, j: int) -> list[Op]:
-    return [Op(WAIT, "replay_combine", u, j), Op(COMPUTE, "replay_combine", u, j)]
-
-
-def _replay_layer(u: int, j: int) -> list[Op]:
-    """One layer's forward replayed, each all-to-all waited for at once (nothing of the other unit beside it)."""
-    return _replay_to_dispatch(u, j) + _replay_to_combine(u, j) + _replay_output(u, j)
-
-
-def _replay_below(u: int, segment: tuple[int, int]) -> list[Op]:
-    """A segment's replay up to (not including) its last layer: its kept input, then each layer below the last."""
-    first, stop = segment
-    return [Op(COMPUTE, "replay_input", u, first)] + [op for j in range(first, stop - 1) for op in _replay_layer(u, j)]
-
-
-def _replay(u: int, k: int, shape: ChunkShape) -> list[Op]:
-    """The replay that comes before layer ``k``'s backward: the whole segment ``k`` ends (none if it ends none)."""
-    segment = shape.replayed(k)
-    return [] if segment is None else _replay_below(u, segment) + _replay_layer(u, k)
-
-
 def _layer_backward(u: int, k: int, shape: ChunkShape, delay: bool) -> list[Op]:
-    ops = _replay(u, k, shape) + _combine_bwd(u, k) + _experts_bwd(u, k, shape.moe[k], delay) + _pre_dispatch_bwd(u, k)
+    ops = (
+        replay_before_backward(u, k, shape)
+        + _combine_bwd(u, k)
+        + _experts_bwd(u, k, shape.moe[k], delay)
+        + _pre_dispatch_bwd(u, k)
+    )
     return ops + _attention_wgrad([u], k, delay)
 
 
@@ -350,54 +244,12 @@ class LayerPair:
 def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     """The paired layer step ``pair``: F's units (``outs``, where each one's input comes from) with B's ``b``."""
     if pair.replayed:
-        return _replayed_step(outs, b, pair)
+        return replayed_step(outs, b, pair)
     ahead = [] if pair.replay_next is None else [Window(f"B L{pair.replay_next} replay ahead", tuple(
         op for u in b for op in _replay_ahead(u, pair.replay_next)))]  # fmt: skip
     if pair.replay is not None:
-        return _replay_step(outs, b, pair) + ahead
+        return replay_step(outs, b, pair) + ahead
     return _layer_step(outs, b, pair) + ahead
-
-
-def _replay_ahead(u: int, k: int) -> list[Op]:
-    """Layer ``k``'s replay (a one-layer segment) up to its combine, which is left in flight for the next step."""
-    return [Op(COMPUTE, "replay_input", u, k)] + _replay_to_dispatch(u, k) + _replay_to_combine(u, k)
-
-
-def _replayed_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
-    """The paired layer step whose B layer was replayed a step ahead (one-layer segments): B finishes that replay,
-    runs the layer's backward, and starts the replay of the layer below (``replay_next``), so every all-to-all has
-    compute of the other microbatch, or of the other B layer, to hide behind:
-
-        1. B.replay combine (comm, from the step before)  ||  F.pre_dispatch
-        2. F.split sizes, B.combine backward (comm)       ||  B.replay combine, B.combine backward; [B's previous
-                                                              attention wgrad], B.replay pre_dispatch (next layer)
-        3. F.dispatch, B.replay dispatch (comm)           ||  B.experts backward;  B.dispatch backward (comm) ||
-                                                              [B.experts wgrad], F.experts
-        4. F.combine, B.replay combine (comm)             ||  B.replay experts (next layer), B.pre_dispatch
-                                                              backward
-
-    B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
-    pre_dispatch more than replaying just in time.
-    """
-    j, k, moe_f, delay, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
-    f = [out.unit for out in outs]
-    w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
-    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
-    w2 = [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
-    w2 += [Op(WAIT, "split", u, j) for u in f] if moe_f else []
-    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay)
-    if below is not None:
-        w2 += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
-    w3 = [op for u in b for op in _experts_dgrad(u, k)] + [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
-    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
-    w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
-    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
-    w4 = [op for u in b for op in _replay_to_combine(u, below)] if below is not None else []
-    w4 += [op for u in b for op in _pre_dispatch_bwd(u, k)]
-    for out in outs:
-        out.pending = j
-    label = f"F L{j} + B L{k} replayed"
-    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
 
 
 def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
@@ -421,41 +273,6 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
         out.pending = j
     label = f"F L{j} + B L{k}"
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
-
-
-def _replay_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
-    """The paired layer step whose B layer ends a recomputed segment: B replays the segment's forward, then runs the
-    layer's backward. Each all-to-all is launched just before compute it can hide behind and waited for only where
-    its consumer runs (the segment's layers below the last replay first, their all-to-alls waited for at once):
-
-        1. B.replay dispatch (comm)        ||  F.pre_dispatch
-        2. F.dispatch (comm)               ||  B.replay experts
-        3. B.replay combine (comm)         ||  F.experts
-           F.combine (comm)                ||  B.replay combine, B.combine backward, and all that follows
-        4. B.combine backward (comm)       ||  [B's previous attention wgrad]
-        5. B.dispatch backward (comm)      ||  [B.experts wgrad]
-
-    B's replay adds two all-to-alls and F has two compute nodes, so the backward's own two are hidden only behind
-    the delayed weight gradients (the attention wgrad goes in window 4 whatever ``attention_wgrad_window`` says).
-    """
-    j, k, moe_f, delay = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
-    f = [out.unit for out in outs]
-    w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
-    w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
-    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
-    w2 = [Op(WAIT, "split", u, j) for u in f] if moe_f else []
-    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + [op for u in b for op in _replay_to_combine(u, k)]
-    w3 = [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
-    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
-    w3 += [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
-    w4 = _attention_wgrad(b, pair.pending, delay) + [op for u in b for op in _experts_dgrad(u, k)]
-    w4 += [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
-    w4 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
-    w5 = [op for u in b for op in _pre_dispatch_bwd(u, k)]
-    for out in outs:
-        out.pending = j
-    label = f"F L{j} + B L{k} replay"
-    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4, w5), 1)]
 
 
 def _paired(w: StepWork) -> list[Window]:
@@ -518,7 +335,7 @@ def _backward_pair(w: StepWork) -> list[Window]:
     pending = None
     for k in reversed(range(len(bs.moe))):
         moe = bs.moe[k]
-        ops = _replay(x, k, bs) + _replay(y, k, bs)
+        ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)
         ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
         ops += _experts_bwd(x, k, moe, delay) + _experts_bwd(y, k, moe, delay)
         windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))

@@ -1,0 +1,108 @@
+"""Full recompute in the program: where a recomputed segment's forward is replayed, beside what.
+
+Contract:
+    * A recomputed segment (``ChunkShape.segments``) is replayed before the backward of its last layer: its kept
+      input (``compute replay_input``), then each layer's ``replay_`` ops, whose all-to-alls are launched on the comm
+      lane and waited for where their consumer runs.
+    * In a paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`); a longer one just in
+      time (:func:`replay_step`); a step without a partner replays alone (:func:`replay_before_backward`).
+    * No torch here.
+"""
+
+from collections.abc import Sequence
+
+from megatron.bridge.training.ep_overlap.program.ops import (
+    COMPUTE,
+    LAUNCH,
+    WAIT,
+    WGRAD,
+    Op,
+    Window,
+    _attention_wgrad,
+    _combine_bwd,
+    _experts_dgrad,
+    _pre_dispatch_bwd,
+    _replay_below,
+    _replay_layer,
+    _replay_output,
+    _replay_to_combine,
+    _replay_to_dispatch,
+)
+
+
+def replay_before_backward(u: int, k: int, shape) -> list[Op]:
+    """The replay that comes before layer ``k``'s backward: the whole segment ``k`` ends (none if it ends none)."""
+    segment = shape.replayed(k)
+    return [] if segment is None else _replay_below(u, segment) + _replay_layer(u, k)
+
+
+def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
+    """The paired layer step whose B layer ends a recomputed segment: B replays the segment's forward, then runs the
+    layer's backward. Each all-to-all is launched just before compute it can hide behind and waited for only where
+    its consumer runs (the segment's layers below the last replay first, their all-to-alls waited for at once):
+
+        1. B.replay dispatch (comm)        ||  F.pre_dispatch
+        2. F.dispatch (comm)               ||  B.replay experts
+        3. B.replay combine (comm)         ||  F.experts
+           F.combine (comm)                ||  B.replay combine, B.combine backward, and all that follows
+        4. B.combine backward (comm)       ||  [B's previous attention wgrad]
+        5. B.dispatch backward (comm)      ||  [B.experts wgrad]
+
+    B's replay adds two all-to-alls and F has two compute nodes, so the backward's own two are hidden only behind
+    the delayed weight gradients (the attention wgrad goes in window 4 whatever ``attention_wgrad_window`` says).
+    """
+    j, k, moe_f, delay = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
+    f = [out.unit for out in outs]
+    w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
+    w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
+    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
+    w2 = [Op(WAIT, "split", u, j) for u in f] if moe_f else []
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + [op for u in b for op in _replay_to_combine(u, k)]
+    w3 = [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
+    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
+    w3 += [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
+    w4 = _attention_wgrad(b, pair.pending, delay) + [op for u in b for op in _experts_dgrad(u, k)]
+    w4 += [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
+    w4 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w5 = [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    for out in outs:
+        out.pending = j
+    label = f"F L{j} + B L{k} replay"
+    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4, w5), 1)]
+
+
+def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
+    """The paired layer step whose B layer was replayed a step ahead (one-layer segments): B finishes that replay,
+    runs the layer's backward, and starts the replay of the layer below (``replay_next``), so every all-to-all has
+    compute of the other microbatch, or of the other B layer, to hide behind:
+
+        1. B.replay combine (comm, from the step before)  ||  F.pre_dispatch
+        2. F.split sizes, B.combine backward (comm)       ||  B.replay combine, B.combine backward; [B's previous
+                                                              attention wgrad], B.replay pre_dispatch (next layer)
+        3. F.dispatch, B.replay dispatch (comm)           ||  B.experts backward;  B.dispatch backward (comm) ||
+                                                              [B.experts wgrad], F.experts
+        4. F.combine, B.replay combine (comm)             ||  B.replay experts (next layer), B.pre_dispatch
+                                                              backward
+
+    B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
+    pre_dispatch more than replaying just in time.
+    """
+    j, k, moe_f, delay, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
+    f = [out.unit for out in outs]
+    w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
+    w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
+    w2 = [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
+    w2 += [Op(WAIT, "split", u, j) for u in f] if moe_f else []
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay)
+    if below is not None:
+        w2 += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
+    w3 = [op for u in b for op in _experts_dgrad(u, k)] + [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
+    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
+    w3 += [Op(LAUNCH, "combine", u, j) for u in f]
+    w4 = [op for u in b for op in _replay_to_combine(u, below)] if below is not None else []
+    w4 += [op for u in b for op in _pre_dispatch_bwd(u, k)]
+    for out in outs:
+        out.pending = j
+    label = f"F L{j} + B L{k} replayed"
+    return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
