@@ -148,7 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--recompute_num_layers layers of each chunk)",
     )
     model.add_argument(
-        "--recompute_num_layers", type=int, default=None, help="full recompute: layers per segment, or recomputed"
+        "-rl",
+        "--recompute_num_layers",
+        type=int,
+        default=None,
+        help="full recompute: layers per segment ('uniform'), or recomputed ('block'); given alone it means full "
+        "recompute of the first N layers ('block'), as Megatron-Bridge's own harness reads -rl",
     )
     model.add_argument(
         "--mtp_num_layers",

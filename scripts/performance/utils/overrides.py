@@ -165,6 +165,8 @@ def apply_flag_overrides(recipe: Any, args: Any) -> None:
             setattr(model, name, value)
     if args.recompute_modules is not None:
         model.recompute_granularity, model.recompute_modules = "selective", list(args.recompute_modules)
+    if args.recompute_num_layers is not None and args.recompute_granularity is None and args.recompute_method is None:
+        model.recompute_granularity, model.recompute_method = "full", "block"  # upstream harness's -rl alone
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         value = getattr(args, name, None)
         if value is not None:

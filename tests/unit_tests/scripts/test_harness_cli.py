@@ -18,6 +18,7 @@ TINY = [
     "--num_layers", "1", "--hidden_size", "32", "--num_attention_heads", "2", "--ffn_hidden_size", "32",
     "--moe_ffn_hidden_size", "32", "--num_moe_experts", "4", "--seq_length", "16", "--num_microbatches", "2",
 ]  # fmt: skip
+FULL = ["--recompute_granularity", "full", "--recompute_method", "uniform", "--recompute_num_layers", "1"]
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None, reason="needs root and iproute2"
@@ -322,6 +323,9 @@ def test_no_interval_from_fewer_than_three_steady_steps():
         (["--moe_a2a_overlap", "true", "--attention_wgrad_window", "2"], "error: --attention_wgrad_window=2: it"),
         (["--ab", "--attention_wgrad_window", "auto"], "error: --attention_wgrad_window=auto: it places"),
         (["--ab", "model.recompute_modules=[moe]"], "error: model.recompute_modules=['moe']: with recompute_granular"),
+        (FULL[:-1] + ["0"], "error: model.recompute_num_layers=0: full recompute needs the layers per segment"),
+        (FULL + ["--recompute_modules", "moe"], "error: --recompute_modules moe: it lists selective recompute's"),
+        (FULL[2:4], "error: model.recompute_method='uniform': a recompute method chooses the layers of full"),
         (["model.moe_layer_freq=[0,0]"], "error: model.moe_layer_freq=[0, 0]: no MoE layer, so there is no all-to"),
         (["model.moe_layer_freq=[1,1,1]"], "error: model.moe_layer_freq=[1, 1, 1]: has 3 entries and num_layers=2"),
         (["model.moe_layer_freq=[2,0]"], "error: model.moe_layer_freq=[2, 0]: entries must be 0 (dense) or 1 (MoE)"),
@@ -343,6 +347,17 @@ def test_a_flag_or_field_that_cannot_act_is_refused_before_any_rank(argv, line):
     run = harness(*TINY[2:], "-d", *argv)
     assert run.returncode == 2, run.stdout
     assert [entry[: len(line)] for entry in run.stderr.splitlines()] == [line]
+
+
+def test_full_recompute_flags_reach_the_config_and_the_printed_schedule():
+    run = harness(*TINY[2:], "-d", "--ab", "-rl", "1")  # upstream's -rl alone: full recompute of the first layer
+    assert run.returncode == 0, run.stderr
+    for line in ("model.recompute_granularity = 'full'", "model.recompute_method = 'block'",
+                 "model.recompute_num_layers = 1"):  # fmt: skip
+        assert line in run.stdout, run.stdout
+    run = harness(*TINY, "--ab", "--print_schedule", *FULL)
+    assert run.returncode == 0, run.stderr
+    assert "compute replay_pre_dispatch u0 L0; launch replay_dispatch u0 L0" in run.stdout, run.stdout
 
 
 def test_the_flags_that_act_are_accepted_and_shown_in_the_dry_run():
