@@ -23,6 +23,8 @@ Contract:
 
       B's attention wgrad (delayed) fills window ``attention_wgrad_window`` (1 or 2) of the next layer step; with
       window 1 and a dense F layer it runs before F.pre_dispatch (there are no split sizes to hide behind it).
+    * Full recompute (``ChunkShape.segments``): B replays a recomputed segment's forward before the backward of its
+      last layer, with ``replay_`` ops laid out beside F's (``replay.py``); the words are in ``ops.py``.
 """
 
 import functools
