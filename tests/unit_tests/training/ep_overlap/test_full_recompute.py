@@ -183,3 +183,21 @@ def test_measured_costs_take_the_plain_paths_replay_off_the_backward():
     assert (layer0.f_pre, layer0.f_exp, layer0.b_exp) == (1.5, 2.0, 4.0)
     assert costs.b_head == 0.25 + 2.0  # what ran from the head down to layer 0's combine backward, less the replay
     assert costs.segments == ((0, 1),)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_planner_charges_each_replay_its_forward_and_its_all_to_alls(overlap):
+    from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+    from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts, simulate
+
+    layer = LayerCosts(f_pre=1.0, f_exp=2.0, b_exp=4.0, b_pre=3.0, dispatch_bytes=5.0, combine_bytes=7.0)
+    kept = StepCosts(layers=(layer, layer), f_tail=0.5, b_head=1.0)
+    options = EPOverlapOptions(overlap=overlap)
+    link = Link(bandwidth_Bps=10.0)
+    before = simulate(kept, link, 4, options)
+    after = simulate(replace(kept, segments=((0, 1), (1, 2))), link, 4, options)
+    # Every layer of every microbatch runs its forward once more, and its dispatch and combine once more.
+    assert after.compute_s == pytest.approx(before.compute_s + 4 * 2 * (1.0 + 2.0))
+    assert after.comm_s == pytest.approx(before.comm_s + 4 * 2 * (5.0 + 7.0) / 10.0)
+    replays = [key for key in after.launches if key[0].startswith("replay_")]
+    assert len(replays) == 4 * 2 * 2 and ("replay_dispatch", 1, 0) in replays
