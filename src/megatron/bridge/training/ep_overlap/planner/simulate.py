@@ -243,11 +243,11 @@ class _LayerCharge:
         self.sim.compute(self.attention_wgrad)
 
     # full recompute: the replay costs what the forward did; its split sizes are the forward's (no exchange)
+    compute_replay_pre_dispatch, compute_replay_experts = compute_pre_dispatch, compute_experts
+    compute_replay_combine = compute_combine
+
     def compute_replay_input(self) -> None:
         """The segment's kept input: nothing to compute."""
-
-    def compute_replay_pre_dispatch(self, x) -> None:
-        self.sim.compute(self.costs.f_pre)
 
     def launch_replay_dispatch(self) -> None:
         self._launch("replay_dispatch", self.costs.dispatch_bytes)
@@ -255,17 +255,11 @@ class _LayerCharge:
     def wait_replay_dispatch(self) -> None:
         self._wait("replay_dispatch")
 
-    def compute_replay_experts(self) -> None:
-        self.sim.compute(self.costs.f_exp)
-
     def launch_replay_combine(self) -> None:
         self._launch("replay_combine", self.costs.combine_bytes)
 
     def wait_replay_combine(self) -> None:
         self._wait("replay_combine")
-
-    def compute_replay_combine(self) -> None:
-        """Unpermute and residual add: part of the next segment."""
 
 
 class _UnitCharge(NoPipeline):

@@ -100,6 +100,19 @@ class Window:
     ops: tuple[Op, ...]
 
 
+def _backward_begin(u: int, shape) -> Op:
+    return Op(COMPUTE, "head_bwd", u) if shape.last else Op(WAIT, "recv_grad", u)
+
+
+def _backward_end(u: int, shape) -> Op:
+    return Op(COMPUTE, "embedding_bwd", u) if shape.first else Op(LAUNCH, "send_grad", u)
+
+
+def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
+    ops = _experts_dgrad(u, k) + [Op(LAUNCH, "dispatch_bwd", u, k)]
+    return ops + ([Op(WGRAD, "experts", u, k)] if delay and moe else [])
+
+
 def _combine_bwd(u: int, k: int) -> list[Op]:
     return [Op(COMPUTE, "combine_bwd", u, k), Op(LAUNCH, "combine_bwd", u, k)]
 

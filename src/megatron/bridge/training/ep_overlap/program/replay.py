@@ -5,7 +5,9 @@ Contract:
       input (``compute replay_input``), then each layer's ``replay_`` ops, whose all-to-alls are launched on the comm
       lane and waited for where their consumer runs.
     * In a paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`); a longer one just in
-      time (:func:`replay_step`); a step without a partner replays alone (:func:`replay_before_backward`).
+      time (:func:`replay_step`). Backwards without a forward beside them replay a layer ahead too, where every
+      segment is one layer (:func:`backwards_ahead`); otherwise each segment just before its backward
+      (:func:`replay_before_backward`), as the plain path's checkpoint does.
     * No torch here.
 """
 
@@ -19,7 +21,10 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     Op,
     Window,
     _attention_wgrad,
+    _backward_begin,
+    _backward_end,
     _combine_bwd,
+    _experts_bwd,
     _experts_dgrad,
     _pre_dispatch_bwd,
     _replay_below,
@@ -106,3 +111,39 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
         out.pending = j
     label = f"F L{j} + B L{k} replayed"
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
+
+
+def replays_ahead(shape) -> bool:
+    """Whether every recomputed segment of ``shape`` is one layer (and there is one): each can be replayed while
+    the layer above finishes its backward."""
+    return bool(shape.segments) and all(stop - first == 1 for first, stop in shape.segments)
+
+
+def backwards_ahead(b: Sequence[int], shape, delay: bool) -> list[Window]:
+    """One or two backwards with no forward beside them (warmup's end, cooldown), one-layer segments replayed a
+    layer ahead: each B's replay of the layer below runs while its own layer's backward finishes, so each
+    all-to-all has compute of that B (or of the other) to hide behind. Every parameter gets the first B's
+    contribution first; the attention wgrad (delayed) of a layer runs beside the combine backward of the next."""
+    top = len(shape.moe) - 1
+    ahead = {first for first, _ in shape.segments}
+    begin = []
+    if top in ahead:
+        begin += [op for u in b for op in [Op(COMPUTE, "replay_input", u, top)] + _replay_to_dispatch(u, top)]
+    begin += [_backward_begin(u, shape) for u in b]
+    if top in ahead:
+        begin += [op for u in b for op in _replay_to_combine(u, top)]
+    windows, pending = [Window("B begin", tuple(begin))], None
+    for k in reversed(range(top + 1)):
+        below = k - 1 if k - 1 in ahead else None
+        ops = [op for u in b for op in (_replay_output(u, k) if k in ahead else []) + _combine_bwd(u, k)]
+        ops += _attention_wgrad(b, pending, delay)
+        if below is not None:
+            ops += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
+        ops += [op for u in b for op in _experts_bwd(u, k, shape.moe[k], delay)]
+        if below is not None:
+            ops += [op for u in b for op in _replay_to_combine(u, below)]
+        ops += [op for u in b for op in _pre_dispatch_bwd(u, k)]
+        windows.append(Window(f"B L{k} replayed" + (" x2" if len(b) == 2 else ""), tuple(ops)))
+        pending = k
+    ends = _attention_wgrad(b, pending, delay) + [_backward_end(u, shape) for u in b]
+    return windows + [Window("ends", tuple(ends))]

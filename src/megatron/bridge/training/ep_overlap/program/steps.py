@@ -43,7 +43,10 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     OpKind,
     Window,
     _attention_wgrad,
+    _backward_begin,
+    _backward_end,
     _combine_bwd,
+    _experts_bwd,
     _experts_dgrad,
     _pre_dispatch_bwd,
     _replay_ahead,
@@ -51,7 +54,13 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     _replay_to_dispatch,
 )
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase, Transfer, pipeline_schedule
-from megatron.bridge.training.ep_overlap.program.replay import replay_before_backward, replay_step, replayed_step
+from megatron.bridge.training.ep_overlap.program.replay import (
+    backwards_ahead,
+    replay_before_backward,
+    replay_step,
+    replayed_step,
+    replays_ahead,
+)
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 
 __all__ = ["OPS", "ChunkShape", "Op", "OpKind", "Step", "StepKind", "Window", "program", "windows_of"]
@@ -172,19 +181,6 @@ def _layer_forward(out: _Output, j: int, moe: bool) -> list[Op]:
     return ops
 
 
-def _backward_begin(u: int, shape: ChunkShape) -> Op:
-    return Op(COMPUTE, "head_bwd", u) if shape.last else Op(WAIT, "recv_grad", u)
-
-
-def _backward_end(u: int, shape: ChunkShape) -> Op:
-    return Op(COMPUTE, "embedding_bwd", u) if shape.first else Op(LAUNCH, "send_grad", u)
-
-
-def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
-    ops = _experts_dgrad(u, k) + [Op(LAUNCH, "dispatch_bwd", u, k)]
-    return ops + ([Op(WGRAD, "experts", u, k)] if delay and moe else [])
-
-
 def _layer_backward(u: int, k: int, shape: ChunkShape, delay: bool) -> list[Op]:
     ops = (
         replay_before_backward(u, k, shape)
@@ -219,6 +215,8 @@ class StepWork:
 
 def _alone(w: StepWork) -> list[Window]:
     role, (u,), shape = (FORWARD, w.f, w.fs) if w.f else (BACKWARD, w.b, w.bs)
+    if role == BACKWARD and replays_ahead(shape):
+        return backwards_ahead(w.b, shape, w.delay)
     return [Window("alone", tuple(unit_ops(role, u, shape, w.delay)))]
 
 
@@ -332,12 +330,14 @@ def _forward_pair(w: StepWork) -> list[Window]:
 def _backward_pair(w: StepWork) -> list[Window]:
     """Two backwards interleaved layer by layer; every parameter gets the first one's contribution first."""
     b, bs, delay = w.b, w.bs, w.delay
+    if replays_ahead(bs):
+        return backwards_ahead(b, bs, delay)
     x, y = b
     windows = [Window("B begin", (_backward_begin(x, bs), _backward_begin(y, bs)))]
     pending = None
     for k in reversed(range(len(bs.moe))):
         moe = bs.moe[k]
-        ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)
+        ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)  # segments of several layers
         ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
         ops += _experts_bwd(x, k, moe, delay) + _experts_bwd(y, k, moe, delay)
         windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))
