@@ -64,6 +64,10 @@ CASES = {
         ({**BRIDGE, **FULL, "recompute_method": "block", "recompute_num_layers": 2}, {}),
     ),
     "full_recompute_dropout": (({**BRIDGE, **FULL, "hidden_dropout": 0.1}, {}), ({**BRIDGE, **FULL}, {})),
+    "full_recompute_wgrad_window": (
+        ({**BRIDGE, **FULL}, {"options": {"attention_wgrad_window": 2}}),
+        ({**BRIDGE, **FULL, "recompute_method": "block"}, {"options": {"attention_wgrad_window": 2}}),
+    ),
     "no_moe_recompute": (
         ({"recompute_modules": ["moe", "core_attn"]}, {}),
         ({"recompute_modules": ["core_attn"]}, {}),

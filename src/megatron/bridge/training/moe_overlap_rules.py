@@ -491,6 +491,15 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
         "set attention_wgrad_window to 1, 2, or None (auto: the planner chooses).",
     ),
     Rule(
+        "full_recompute_wgrad_window",
+        (WGRAD_WINDOW, "model.recompute_method"),
+        lambda f: _full_recompute(f) and f["model.recompute_method"] == "uniform",
+        lambda f: f[WGRAD_WINDOW] != 2,
+        "with every layer replayed (full recompute, 'uniform'), each layer step runs B's delayed attention wgrad "
+        "beside its combine backward (window 1's place); window 2 would change nothing.",
+        "set attention_wgrad_window=1 (or None).",
+    ),
+    Rule(
         "attention_wgrad_auto_pp1",
         (WGRAD_WINDOW, "model.pipeline_model_parallel_size"),
         lambda f: f[WGRAD_WINDOW] is None,

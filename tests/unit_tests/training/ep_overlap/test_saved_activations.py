@@ -113,7 +113,7 @@ OPTIONS = {
 }
 
 
-def _measured_and_planned(rank: int, world: int, config, microbatches: int) -> dict:
+def _measured_and_planned(rank: int, world: int, config, microbatches: int, options_by_name=None) -> dict:
     from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, activation_peak
     from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 
@@ -121,7 +121,7 @@ def _measured_and_planned(rank: int, world: int, config, microbatches: int) -> d
     shape = ActivationShape.of_reference_model(config, micro_batch_size=2)
     out = {}
     losses = config.moe_aux_loss_coeff or config.moe_z_loss_coeff is not None
-    for name, options in OPTIONS.items():
+    for name, options in (options_by_name or OPTIONS).items():
         if losses and "chunks" in name:  # refused: a router loss over half a microbatch is another loss
             continue
         model = MoEGPTModel(config, groups)
