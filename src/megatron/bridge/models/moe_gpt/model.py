@@ -63,7 +63,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
 )
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
-from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
+from megatron.bridge.training.ep_overlap.segments import recompute_segments
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
@@ -454,20 +454,13 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
         """The plain path: the whole microbatch through ordinary autograd (a whole model, not a chunk)."""
         return self.head_loss(self.run_layers(self.embed(tokens_BS)), labels_BS, normalizer)
 
-    def run_layers(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The layers in order; with full recompute each of ``recompute_segments`` keeps only its input (reentrant
-        checkpoint: its first forward builds no graph, so the router counts tokens and builds its losses once, in
-        the replay, as the overlapped schedule's replay does)."""
-        j = 0
-        while j < len(self.layers):
-            segment = segment_of(self.recompute_segments, j)
-            if segment is None:
-                x_TD, j = self.layers[j](x_TD), j + 1
-            else:
-                x_TD, j = recompute.run(True, functools.partial(self._run_segment, *segment), x_TD), segment[1]
-        return x_TD
+    def run_segment(self, first: int, stop: int, x_TD: torch.Tensor) -> torch.Tensor:
+        """A recomputed segment of the plain path (``run_layers``): a reentrant checkpoint keeps only its input. Its
+        first forward builds no graph, so the router counts tokens and builds its losses once, in the replay, as the
+        overlapped schedule's replay does."""
+        return recompute.run(True, functools.partial(self._replayable, first, stop), x_TD)
 
-    def _run_segment(self, first: int, stop: int, x_TD: torch.Tensor) -> torch.Tensor:
+    def _replayable(self, first: int, stop: int, x_TD: torch.Tensor) -> torch.Tensor:
         replaying = torch.is_grad_enabled()  # the reentrant checkpoint's first forward runs without grad
         for layer in self.layers[first:stop]:
             layer.replaying = replaying

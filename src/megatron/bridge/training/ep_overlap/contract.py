@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from megatron.bridge.training.ep_overlap.segments import segment_of
+
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
 
 
@@ -116,10 +118,18 @@ class ChunkHooks:
     recompute_segments: tuple[tuple[int, int], ...] = ()
 
     def run_layers(self, x: Any) -> Any:
-        """The plain path through the chunk's layers (ordinary autograd), recomputing ``recompute_segments``."""
-        for layer in self.layers:
-            x = layer(x)
+        """The plain path through the chunk's layers (ordinary autograd); each of ``recompute_segments`` runs as
+        :meth:`run_segment` checkpoints it."""
+        j = 0
+        while j < len(self.layers):
+            segment = segment_of(self.recompute_segments, j)
+            x, j = (self.layers[j](x), j + 1) if segment is None else (self.run_segment(*segment, x), segment[1])
         return x
+
+    def run_segment(self, first: int, stop: int, x: Any) -> Any:
+        """Layers ``first`` to ``stop`` (exclusive) of the plain path, keeping only ``x`` for backward and running
+        them again there (a chunk with ``recompute_segments`` gives its checkpoint)."""
+        raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
 
     def start_step(self, loss: StepLoss) -> None:
         """Called before a step's first op with the step's :class:`StepLoss`: a chunk whose auxiliary losses set their

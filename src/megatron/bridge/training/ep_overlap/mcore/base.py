@@ -26,7 +26,7 @@ from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
-from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
+from megatron.bridge.training.ep_overlap.segments import recompute_segments
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
@@ -322,19 +322,14 @@ class McorePlan(ChunkHooks):
         )
         return (losses * keep_BS).sum() / normalizer
 
-    def run_layers(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """A pipeline chunk's plain path: its units in order, each of ``recompute_segments`` checkpointed (reentrant,
-        as Megatron-Core's block checkpoints its layers; a whole model runs its own forward, which does)."""
-        j = 0
-        while j < len(self.layers):
-            segment = segment_of(self.recompute_segments, j)
-            if segment is None or not (torch.is_grad_enabled() and x_SBH.requires_grad):
-                x_SBH, j = self.layers[j](x_SBH), j + 1
-                continue
-            run = functools.partial(self._run_units, *segment)
-            x_SBH = torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)
-            j = segment[1]
-        return x_SBH
+    def run_segment(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
+        """A recomputed segment of a pipeline chunk's plain path (``run_layers``): its units under a reentrant
+        checkpoint, as Megatron-Core's block checkpoints its layers (a whole model runs its own forward, which
+        does)."""
+        if not (torch.is_grad_enabled() and x_SBH.requires_grad):
+            return self._run_units(first, stop, x_SBH)
+        run = functools.partial(self._run_units, first, stop)
+        return torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)
 
     def _run_units(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
         for unit in self.layers[first:stop]:
