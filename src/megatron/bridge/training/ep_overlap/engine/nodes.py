@@ -83,11 +83,11 @@ class LayerNodes:
     backward, which then runs as without recompute.
     """
 
-    def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True, segment=None):
+    def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True, position: int = 0, segment=None):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
         self.routing = None
         self.owns_comm = layer.owns_comm
-        self.position = None  # the layer's position in its chunk (set by MicrobatchNodes)
+        self.position = position  # in the chunk (``index`` is the layer's global number)
         self.segment = segment if grad else None
         self._replaying = False
         self._input = self._exchanged = None  # what a recomputed forward keeps for its replay
@@ -264,20 +264,10 @@ class LayerNodes:
             self._splits_known, self._exchange = True, "replayed"  # no exchange: the first forward's sizes
         self._exchanged = None
 
-    def launch_replay_dispatch(self) -> None:
-        self.launch_dispatch()
-
-    def wait_replay_dispatch(self) -> None:
-        self.wait_dispatch()
-
-    def compute_replay_experts(self) -> None:
-        self.compute_experts()
-
-    def launch_replay_combine(self) -> None:
-        self.launch_combine()
-
-    def wait_replay_combine(self) -> None:
-        self.wait_combine()
+    # the same forward ops, named replay_* in the records while _replaying
+    launch_replay_dispatch, wait_replay_dispatch = launch_dispatch, wait_dispatch
+    compute_replay_experts = compute_experts
+    launch_replay_combine, wait_replay_combine = launch_combine, wait_combine
 
     def compute_replay_combine(self) -> torch.Tensor | None:
         """The replayed output: the next replayed layer's input (None on the segment's last layer, whose backward
@@ -396,11 +386,9 @@ class MicrobatchNodes:
         self.tokens, self.labels, self.normalizer = unit.tokens, unit.labels, unit.normalizer
         segments = tuple(getattr(model, "recompute_segments", ()))
         self.layers = [
-            LayerNodes(layer, j, microbatch, lane, grad, segment_of(segments, i))
+            LayerNodes(layer, j, microbatch, lane, grad, i, segment_of(segments, i))
             for i, (j, layer) in enumerate(zip(model.layer_numbers, model.layers))
         ]
-        for i, layer in enumerate(self.layers):
-            layer.position = i
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
 

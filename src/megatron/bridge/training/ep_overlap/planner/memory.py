@@ -324,14 +324,6 @@ class _LayerHolds(NoComm):
     def compute_replay_combine(self) -> None:
         self.holds.forward(self.index, "combine")
 
-    def launch_replay_dispatch(self) -> None: ...
-
-    def wait_replay_dispatch(self) -> None: ...
-
-    def launch_replay_combine(self) -> None: ...
-
-    def wait_replay_combine(self) -> None: ...
-
     def compute_combine_bwd(self, g) -> None:
         self.holds.backward(self.index, "combine")
 
