@@ -152,6 +152,11 @@ def _replay_below(u: int, segment: tuple[int, int]) -> list[Op]:
     return [Op(COMPUTE, "replay_input", u, first)] + [op for j in range(first, stop - 1) for op in _replay_layer(u, j)]
 
 
+def _replay_start(u: int, k: int) -> list[Op]:
+    """Layer ``k``'s replay (a one-layer segment) from its kept input up to its dispatch, left in flight."""
+    return [Op(COMPUTE, "replay_input", u, k)] + _replay_to_dispatch(u, k)
+
+
 def _replay_ahead(u: int, k: int) -> list[Op]:
     """Layer ``k``'s replay (a one-layer segment) up to its combine, which is left in flight for the next step."""
-    return [Op(COMPUTE, "replay_input", u, k)] + _replay_to_dispatch(u, k) + _replay_to_combine(u, k)
+    return _replay_start(u, k) + _replay_to_combine(u, k)

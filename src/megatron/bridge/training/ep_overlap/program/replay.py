@@ -30,6 +30,7 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     _replay_below,
     _replay_layer,
     _replay_output,
+    _replay_start,
     _replay_to_combine,
     _replay_to_dispatch,
 )
@@ -100,7 +101,7 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
     w2 += [Op(WAIT, "split", u, j) for u in f] if moe_f else []
     w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay)
     if below is not None:
-        w2 += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
+        w2 += [op for u in b for op in _replay_start(u, below)]
     w3 = [op for u in b for op in _experts_dgrad(u, k)] + [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
     w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
     w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
@@ -111,6 +112,16 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
         out.pending = j
     label = f"F L{j} + B L{k} replayed"
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
+
+
+def backward_begin(b: Sequence[int], shape, *, replay_top: bool) -> Window:
+    """The start of B's backward (the head's backward, or the wait for the output gradient); with ``replay_top``
+    the top layer's replay (a one-layer segment) runs around it, its combine left in flight."""
+    top = len(shape.moe) - 1
+    begin = [op for u in b for op in _replay_start(u, top)] if replay_top else []
+    begin += [_backward_begin(u, shape) for u in b]
+    begin += [op for u in b for op in _replay_to_combine(u, top)] if replay_top else []
+    return Window("B begin", tuple(begin))
 
 
 def replays_ahead(shape) -> bool:
@@ -126,19 +137,13 @@ def backwards_ahead(b: Sequence[int], shape, delay: bool) -> list[Window]:
     contribution first; the attention wgrad (delayed) of a layer runs beside the combine backward of the next."""
     top = len(shape.moe) - 1
     ahead = {first for first, _ in shape.segments}
-    begin = []
-    if top in ahead:
-        begin += [op for u in b for op in [Op(COMPUTE, "replay_input", u, top)] + _replay_to_dispatch(u, top)]
-    begin += [_backward_begin(u, shape) for u in b]
-    if top in ahead:
-        begin += [op for u in b for op in _replay_to_combine(u, top)]
-    windows, pending = [Window("B begin", tuple(begin))], None
+    windows, pending = [backward_begin(b, shape, replay_top=top in ahead)], None
     for k in reversed(range(top + 1)):
         below = k - 1 if k - 1 in ahead else None
         ops = [op for u in b for op in (_replay_output(u, k) if k in ahead else []) + _combine_bwd(u, k)]
         ops += _attention_wgrad(b, pending, delay)
         if below is not None:
-            ops += [op for u in b for op in [Op(COMPUTE, "replay_input", u, below)] + _replay_to_dispatch(u, below)]
+            ops += [op for u in b for op in _replay_start(u, below)]
         ops += [op for u in b for op in _experts_bwd(u, k, shape.moe[k], delay)]
         if below is not None:
             ops += [op for u in b for op in _replay_to_combine(u, below)]

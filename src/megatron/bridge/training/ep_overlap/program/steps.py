@@ -50,11 +50,10 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     _experts_dgrad,
     _pre_dispatch_bwd,
     _replay_ahead,
-    _replay_to_combine,
-    _replay_to_dispatch,
 )
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase, Transfer, pipeline_schedule
 from megatron.bridge.training.ep_overlap.program.replay import (
+    backward_begin,
     backwards_ahead,
     replay_before_backward,
     replay_step,
@@ -283,12 +282,7 @@ def _paired(w: StepWork) -> list[Window]:
     paired = min(nf, nb)
     # One-layer segments of B's paired layers are replayed a step ahead (the top one around the head's backward)
     ahead = {k for k in range(nb - paired, nb) if (k, k + 1) in bs.segments}
-    begin = [_backward_begin(u, bs) for u in b]
-    if nb - 1 in ahead:
-        top = nb - 1
-        begin = [op for u in b for op in [Op(COMPUTE, "replay_input", u, top)] + _replay_to_dispatch(u, top)]
-        begin += [_backward_begin(u, bs) for u in b] + [op for u in b for op in _replay_to_combine(u, top)]
-    windows = [Window("B begin", tuple(begin))]
+    windows = [backward_begin(b, bs, replay_top=nb - 1 in ahead)]
     pending = None
     for j in range(paired):
         k = nb - 1 - j
