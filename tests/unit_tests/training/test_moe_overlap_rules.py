@@ -81,6 +81,33 @@ CASES = {
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]}, {}),
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_router"]}, {}),
     ),
+    # No modules: whole layers, the MoE layer's all-to-all inside the graph.
+    "cuda_graph_whole_layer": (
+        ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": []}, {}),
+        (ATTN_GRAPH, {}),
+    ),
+    # A graph of the whole step: Megatron-Core's own schedule is upstream's call; this project's syncs on the host.
+    "cuda_graph_host_sync": (({**BRIDGE, "cuda_graph_impl": "local"}, {}), ({"cuda_graph_impl": "local"}, {})),
+    "cuda_graph_mtp": (({**BRIDGE, **ATTN_GRAPH, "mtp_num_layers": 1}, {}), ({**ATTN_GRAPH, "mtp_num_layers": 1}, {})),
+    "cuda_graph_full_recompute": (({**BRIDGE, **FULL, **ATTN_GRAPH}, {}), ({**BRIDGE, **FULL}, {})),
+    "cuda_graph_chunks": ((ATTN_GRAPH, CHUNKS), ({}, CHUNKS)),
+    # Current scaling quantizes the replay as the first forward; delayed scaling's scales move in between.
+    "fp8_delayed_full_recompute": (
+        ({**BRIDGE, **FULL, "fp8": "hybrid", "fp8_recipe": "delayed"}, {}),
+        ({**BRIDGE, **FULL, "fp8": "hybrid", "fp8_recipe": "mxfp8"}, {}),
+    ),
+    # What this project's plan does not schedule (the field audit): refused for it; Megatron-Core's schedule decides.
+    "mlp_chunks": (({**BRIDGE, "mlp_chunks_for_training": 2}, {}), ({"mlp_chunks_for_training": 2}, {})),
+    "paged_stash": (({**BRIDGE, "moe_paged_stash": True}, {}), ({"moe_paged_stash": True}, {})),
+    "activation_offloading": (
+        ({**BRIDGE, "fine_grained_activation_offloading": True}, {}),
+        ({"fine_grained_activation_offloading": True}, {}),
+    ),
+    "early_attention_release": (
+        ({**BRIDGE, "ep_overlap_early_attn_memory_release": True}, {}),
+        ({"ep_overlap_early_attn_memory_release": True}, {}),
+    ),
+    "latent_moe": (({**BRIDGE, "moe_latent_size": 16}, {}), ({"moe_latent_size": 16}, {})),
     "no_dispatch_wgrad_overlap": (
         ({"overlap_dispatch_backward_with_experts_wgrad": True}, {}),
         ({"overlap_dispatch_backward_with_experts_wgrad": False}, {}),

@@ -1,0 +1,277 @@
+"""The facts the EP-overlap rules read, and what a rule and a violation are.
+
+Contract:
+    * :func:`gather_facts` reads every value the rules need into one flat mapping keyed by where it comes from
+      (``model.*`` from the model config, read by attribute name so a Megatron-Core ``TransformerConfig`` or any
+      object with the same attribute names works; ``comm_overlap.*`` the resolved flags; ``installed.*`` package
+      versions from their metadata, nothing imports CUDA code; ``ep_overlap.*`` this project's schedule options).
+    * :class:`Rule` is one requirement as data; :class:`Violation` a failed one with the values seen;
+      :class:`CommOverlapConfigError` carries every violation of a check, one line each.
+    * Which schedule runs the layers (:func:`schedule_of`) decides which rules apply: Megatron-Core's own overlapped
+      schedule, or this project's (marked on the config by :func:`use_bridge_schedule`).
+    * The predicates below (``overlap_on``, ``bridge_schedule``, ...) are what the rule tables of the topic modules
+      say "applies" with.
+"""
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import Version
+
+from megatron.bridge.utils import versions
+
+# Keys of the facts mapping. Prefixes say where a value comes from, and are what error messages print.
+OVERLAP = "comm_overlap.overlap_moe_expert_parallel_comm"
+DELAY_WGRAD = "comm_overlap.delay_wgrad_compute"
+OVERLAP_GRAD_REDUCE = "comm_overlap.overlap_grad_reduce"
+TORCH = "installed.torch"
+TE = "installed.transformer_engine"
+TORCH_AT_LEAST = "check.torch_at_least"  # callable: minimum version string -> bool
+TE_AT_LEAST = "check.te_at_least"
+GROUPED_GEMM = "expert_grouped_gemm_backend"
+SCHEDULE = "model.ep_overlap_schedule"
+# This project's schedule options (an ``EPOverlapOptions``), and what a launcher knows of its data.
+CHUNKS = "ep_overlap.moe_ep_overlap_chunks"
+EDGE_PAIRING = "ep_overlap.edge_pairing"
+WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
+OFF_HOST = "ep_overlap.launch_off_host"
+MICRO_BATCH = "train.micro_batch_size"
+# Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
+MCORE_FULL_RECOMPUTE = "0.19; its dev line replays it (PRs #5869, #6311), main's PR #6429 is still open"
+_SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
+
+TE_GROUPED_GEMM = "transformer_engine"
+TORCH_GROUPED_GEMM = "torch"
+
+# Model-config attributes the rules read, with the value assumed when an object lacks the attribute.
+_MODEL_FIELDS: dict[str, Any] = {
+    "expert_model_parallel_size": 1,
+    "num_moe_experts": None,
+    "moe_token_dispatcher_type": "allgather",
+    "bf16": False,
+    "fp16": False,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_modules": None,
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "moe_shared_expert_overlap": False,
+    "moe_shared_expert_intermediate_size": None,
+    "mtp_num_layers": None,
+    "cuda_graph_impl": "none",
+    "gradient_accumulation_fusion": False,
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "overlap_dispatch_backward_with_experts_wgrad": False,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+    "moe_expert_capacity_factor": None,
+    "fp8": None,
+    "fp8_recipe": "delayed",
+    "fp4": None,
+    "mlp_chunks_for_training": 1,
+    "moe_paged_stash": False,
+    "fine_grained_activation_offloading": False,
+    "cpu_offloading": False,
+    "ep_overlap_early_attn_memory_release": False,
+    "moe_latent_size": None,
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One requirement of EP overlap, as data.
+
+    Attributes:
+        name: Short identifier, printed in brackets.
+        fields: Fact keys whose values the message shows.
+        applies: True when the rule is relevant for these facts (e.g. only with delayed wgrad on).
+        holds: True when the requirement is met.
+        message: What is wrong, in one sentence.
+        fix: What to change, in one sentence.
+    """
+
+    name: str
+    fields: tuple[str, ...]
+    applies: Callable[[Mapping[str, Any]], bool]
+    holds: Callable[[Mapping[str, Any]], bool]
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A failed rule (or a model/comm_overlap disagreement) with the values seen."""
+
+    name: str
+    values: dict[str, Any]
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        seen = ", ".join(f"{key}={_show(value)}" for key, value in self.values.items())
+        return f"[{self.name}] {seen}: {self.message} Fix: {self.fix}"
+
+
+def _show(value: Any) -> str:
+    return str(value) if isinstance(value, Version) else repr(value)
+
+
+class CommOverlapConfigError(ValueError, AssertionError):
+    """Raised once with every violated rule listed, one per line.
+
+    An ``AssertionError`` too: Megatron-Bridge raised that for the same rules, and callers catch it.
+    """
+
+    def __init__(self, violations: Iterable[Violation]):
+        self.violations = tuple(violations)
+        count = len(self.violations)
+        lines = [f"communication overlap config has {count} problem{'s' if count != 1 else ''}:"]
+        lines += [f"  - {violation}" for violation in self.violations]
+        super().__init__("\n".join(lines))
+
+
+def graph_modules(model_config: Any) -> tuple[str, ...]:
+    """Per-layer CUDA-graph modules as plain names, from ``cuda_graph_modules`` and the legacy ``cuda_graph_scope``.
+
+    Megatron-Core 0.19 renamed the field; older Bridge configs still set the old one, so both count.
+    """
+    names: list[str] = []
+    for raw in (getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)):
+        if raw is None:
+            continue
+        if isinstance(raw, str) or not isinstance(raw, Iterable):
+            raw = [raw]
+        names += [getattr(scope, "name", scope) for scope in raw]
+    return tuple(names)
+
+
+def grouped_gemm_backend(te_version: Version | None) -> str:
+    """Which backend runs expert grouped GEMMs: Transformer Engine when installed, else pure torch."""
+    return TE_GROUPED_GEMM if te_version is not None else TORCH_GROUPED_GEMM
+
+
+def gather_facts(
+    model_config: Any,
+    *,
+    overlap_moe_expert_parallel_comm: bool,
+    delay_wgrad_compute: bool,
+    overlap_grad_reduce: bool = False,
+    torch_at_least: Callable[[str], bool] | None = None,
+    te_at_least: Callable[[str], bool] | None = None,
+    options: Any = None,
+    micro_batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Collects every value the rules read into one flat mapping keyed by where it comes from.
+
+    ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions. ``options``
+    (an ``EPOverlapOptions``, read by attribute) adds the schedule's options; ``micro_batch_size`` what a launcher
+    knows of the data.
+    """
+    facts: dict[str, Any] = {
+        f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
+    }
+    facts["model.cuda_graph_scope"] = graph_modules(model_config)
+    facts[SCHEDULE] = schedule_of(model_config)
+    facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
+    facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
+    facts[OVERLAP_GRAD_REDUCE] = bool(overlap_grad_reduce)
+    facts[TORCH] = versions.torch_version()
+    facts[TE] = versions.te_version()
+    facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
+    facts[TORCH_AT_LEAST] = torch_at_least or (lambda minimum: _at_least(facts[TORCH], minimum))
+    facts[TE_AT_LEAST] = te_at_least or (lambda minimum: _at_least(facts[TE], minimum))
+    for key, default in _SCHEDULE_DEFAULTS.items():
+        facts[key] = getattr(options, key.split(".", 1)[1], default)
+    facts[MICRO_BATCH] = micro_batch_size
+    return facts
+
+
+def use_bridge_schedule(model_config: Any) -> Any:
+    """Marks ``model_config`` as run by this project's schedule (``EPOverlapEngine``, ``use_ep_overlap_schedule``),
+    whose rules apply instead of Megatron-Core's own overlapped schedule's (fp32 is tested bitwise there). The
+    Megatron-Core plan marks the config itself when it is built; a recipe whose ``setup`` runs before that calls
+    this first. Returns the config."""
+    model_config.ep_overlap_schedule = "bridge"
+    return model_config
+
+
+def schedule_of(model_config: Any) -> str:
+    """Which schedule runs the layers: "bridge" (this project's) where the config is marked
+    (:func:`use_bridge_schedule`) or a Megatron-Bridge recipe registered the hook that installs it
+    (``cfg.model.register_pre_wrap_hook``, the hook itself or a ``functools.partial`` of it); else "mcore"."""
+    if getattr(model_config, "ep_overlap_schedule", "mcore") == "bridge":
+        return "bridge"
+    for hook in getattr(model_config, "_pre_wrap_hooks", None) or ():
+        while isinstance(hook, functools.partial):
+            hook = hook.func
+        if getattr(hook, "runs_bridge_schedule", False):
+            return "bridge"
+    return "mcore"
+
+
+def _at_least(version: Version | None, minimum: str) -> bool:
+    return version is not None and version >= Version(minimum)
+
+
+def overlap_on(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP]
+
+
+def mcore_schedule(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP] and f[SCHEDULE] == "mcore"
+
+
+def bridge_schedule(f: Mapping[str, Any]) -> bool:
+    return f[OVERLAP] and f[SCHEDULE] != "mcore"
+
+
+def full_recompute(f: Mapping[str, Any]) -> bool:
+    return bridge_schedule(f) and f["model.recompute_granularity"] == "full"
+
+
+def delay_on(f: Mapping[str, Any]) -> bool:
+    return f[DELAY_WGRAD]
+
+
+def delay_with_te(f: Mapping[str, Any]) -> bool:
+    return f[DELAY_WGRAD] and f[GROUPED_GEMM] == TE_GROUPED_GEMM
+
+
+def te_graphs(f: Mapping[str, Any]) -> bool:
+    return f["model.cuda_graph_impl"] == "transformer_engine"
+
+
+def graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
+    """CUDA-graphed attention (or a graphed router whose shared experts are not overlapped) with delayed wgrad.
+
+    Judged by the graph modules alone, as Megatron-Bridge does: recipes set ``cuda_graph_impl`` separately, and
+    a module listed for capture is taken as a request to capture it.
+    """
+    scopes = f["model.cuda_graph_scope"]
+    router_with_plain_shared = (
+        "moe_router" in scopes
+        and f["model.moe_shared_expert_intermediate_size"] is not None
+        and not f["model.moe_shared_expert_overlap"]
+    )
+    return f[DELAY_WGRAD] and ("attn" in scopes or router_with_plain_shared)
+
+
+def fp8_recipe(f: Mapping[str, Any]) -> str:
+    """The fp8 recipe's name ("delayed", "tensorwise", "blockwise", "mxfp8", ...), from its enum or string."""
+    recipe = f["model.fp8_recipe"]
+    return str(getattr(recipe, "value", recipe))
+
+
+def chunked(f: Mapping[str, Any]) -> bool:
+    return f[CHUNKS] == 2
+
+
+NO_TE_NOTE = (
+    " (Transformer Engine grouped GEMMs only; the pure-torch grouped GEMM path has no Transformer Engine requirement.)"
+)

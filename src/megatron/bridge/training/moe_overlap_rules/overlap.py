@@ -1,0 +1,90 @@
+"""overlap_moe_expert_parallel_comm itself: what it needs of the model and what it excludes."""
+
+from megatron.bridge.training.moe_overlap_rules.facts import (
+    OVERLAP,
+    SCHEDULE,
+    TORCH,
+    TORCH_AT_LEAST,
+    Rule,
+    overlap_on,
+)
+
+OVERLAP_RULES: tuple[Rule, ...] = (
+    # --- overlap_moe_expert_parallel_comm ---
+    Rule(
+        "expert_parallel",
+        ("model.expert_model_parallel_size",),
+        overlap_on,
+        lambda f: (f["model.expert_model_parallel_size"] or 1) > 1,
+        "EP overlap is only supported when expert_model_parallel_size > 1: it hides the expert-parallel all-to-all.",
+        "set expert_model_parallel_size > 1, or turn overlap_moe_expert_parallel_comm off.",
+    ),
+    Rule(
+        "moe_experts",
+        ("model.num_moe_experts",),
+        overlap_on,
+        lambda f: (f["model.num_moe_experts"] or 0) > 1,
+        "EP overlap is only supported when num_moe_experts > 1.",
+        "set num_moe_experts > 1, or turn overlap_moe_expert_parallel_comm off for a dense model.",
+    ),
+    Rule(
+        "token_dispatcher",
+        ("model.moe_token_dispatcher_type",),
+        overlap_on,
+        lambda f: f["model.moe_token_dispatcher_type"] in ("alltoall", "flex"),
+        "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
+        "set moe_token_dispatcher_type='alltoall', or call apply_flex_dispatcher_backend(model, 'deepep'|'hybridep').",
+    ),
+    Rule(
+        "precision",
+        ("model.bf16", "model.fp16", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
+        lambda f: bool(f["model.bf16"] or f["model.fp16"]),
+        "Megatron-Core's own overlapped schedule is only supported when using bf16 or fp16 models.",
+        "set bf16=True (or fp16=True); where this project's schedule runs the layers (EPOverlapEngine or "
+        "use_ep_overlap_schedule), say so first: register the hook (cfg.model.register_pre_wrap_hook) or call "
+        "use_bridge_schedule() on the model config, before setup.",
+    ),
+    Rule(
+        "torch_version",
+        (TORCH,),
+        overlap_on,
+        lambda f: f[TORCH_AT_LEAST]("2.6.0"),
+        "EP overlap (A2A overlap) has a known hang issue with torch version < 2.6.0.",
+        "upgrade PyTorch to >= 2.6.0.",
+    ),
+    Rule(
+        "pipeline_needs_vpp",
+        ("model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"),
+        lambda f: f[OVERLAP] and (f["model.pipeline_model_parallel_size"] or 1) > 1,
+        lambda f: f["model.virtual_pipeline_model_parallel_size"] is not None,
+        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1: EP overlap "
+        "pairs microbatches across virtual stages.",
+        "set virtual_pipeline_model_parallel_size (e.g. 2), or pipeline_model_parallel_size=1.",
+    ),
+    Rule(
+        "no_shared_expert_overlap",
+        ("model.moe_shared_expert_overlap",),
+        overlap_on,
+        lambda f: not f["model.moe_shared_expert_overlap"],
+        "moe_shared_expert_overlap schedules shared experts on its own and conflicts with EP overlap: disable "
+        "moe_shared_expert_overlap.",
+        "set moe_shared_expert_overlap=False (EP overlap already hides the all-to-all).",
+    ),
+    Rule(
+        "mtp_layers",
+        ("model.mtp_num_layers",),
+        overlap_on,
+        lambda f: f["model.mtp_num_layers"] in (None, 0, 1),
+        "with EP overlap, MTP supports at most one layer (mtp_num_layers).",
+        "set mtp_num_layers to None, 0 or 1.",
+    ),
+    Rule(
+        "no_dispatch_wgrad_overlap",
+        ("model.overlap_dispatch_backward_with_experts_wgrad",),
+        overlap_on,
+        lambda f: not f["model.overlap_dispatch_backward_with_experts_wgrad"],
+        "overlap_dispatch_backward_with_experts_wgrad is a separate, non-paired schedule.",
+        "set overlap_dispatch_backward_with_experts_wgrad=False (delay_wgrad_compute gives that overlap here).",
+    ),
+)

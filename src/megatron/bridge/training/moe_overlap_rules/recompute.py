@@ -1,0 +1,95 @@
+"""Recompute with the overlap: refused by Megatron-Core's own schedule, replayed by this project's (full
+recompute's segments, ``ep_overlap/segments.py``)."""
+
+from megatron.bridge.training.moe_overlap_rules.facts import (
+    MCORE_FULL_RECOMPUTE,
+    OVERLAP,
+    SCHEDULE,
+    WGRAD_WINDOW,
+    Rule,
+    bridge_schedule,
+    full_recompute,
+    mcore_schedule,
+)
+
+RECOMPUTE_RULES: tuple[Rule, ...] = (
+    Rule(
+        "no_full_recompute",
+        ("model.recompute_granularity", SCHEDULE),
+        mcore_schedule,
+        lambda f: f["model.recompute_granularity"] != "full",
+        "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation. "
+        f"Megatron-Core's own overlapped schedule refuses it up to its latest release ({MCORE_FULL_RECOMPUTE}); "
+        "this project's schedule replays it.",
+        "set recompute_granularity=None (or 'selective' without 'moe'), or run this project's schedule "
+        "(EPOverlapEngine with the reference MoE GPT).",
+    ),
+    Rule(
+        "no_recompute_method",
+        ("model.recompute_method", SCHEDULE),
+        mcore_schedule,
+        lambda f: f["model.recompute_method"] is None,
+        "a recompute method implies layer recompute, which EP overlap does not support: disable recomputation method.",
+        "set recompute_method=None.",
+    ),
+    Rule(
+        "no_recompute_num_layers",
+        ("model.recompute_num_layers", SCHEDULE),
+        mcore_schedule,
+        lambda f: f["model.recompute_num_layers"] is None,
+        "recompute_num_layers must be None with EP overlap: it implies layer recompute.",
+        "set recompute_num_layers=None.",
+    ),
+    # This project's schedule replays full recompute's segments (ep_overlap/segments.py).
+    Rule(
+        "recompute_layers_need_full",
+        ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"),
+        lambda f: bridge_schedule(f) and f["model.recompute_granularity"] != "full",
+        lambda f: f["model.recompute_method"] is None and f["model.recompute_num_layers"] is None,
+        "recompute_method and recompute_num_layers choose the layers of full recompute, which is not asked for.",
+        "set recompute_granularity='full', or recompute_method=None and recompute_num_layers=None.",
+    ),
+    Rule(
+        "full_recompute_method",
+        ("model.recompute_method",),
+        full_recompute,
+        lambda f: f["model.recompute_method"] in ("uniform", "block"),
+        "full recompute replays segments of recompute_num_layers layers ('uniform') or the first "
+        "recompute_num_layers layers ('block').",
+        "set recompute_method='uniform' (or 'block').",
+    ),
+    Rule(
+        "full_recompute_num_layers",
+        ("model.recompute_num_layers",),
+        full_recompute,
+        lambda f: type(f["model.recompute_num_layers"]) is int and f["model.recompute_num_layers"] >= 1,
+        "full recompute needs the number of layers per segment ('uniform') or recomputed ('block').",
+        "set a positive integer, e.g. recompute_num_layers=1.",
+    ),
+    Rule(
+        "full_recompute_dropout",
+        ("model.hidden_dropout", "model.attention_dropout"),
+        full_recompute,
+        lambda f: not f["model.hidden_dropout"] and not f["model.attention_dropout"],
+        "the replay of full recompute does not restore the RNG state, so dropout would draw other masks than the "
+        "first forward and change the gradients.",
+        "set hidden_dropout=0.0 and attention_dropout=0.0.",
+    ),
+    Rule(
+        "no_moe_recompute",
+        ("model.recompute_modules", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
+        lambda f: "moe" not in (f["model.recompute_modules"] or ()),
+        "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules.",
+        "remove 'moe' from recompute_modules.",
+    ),
+    Rule(
+        "full_recompute_wgrad_window",
+        (WGRAD_WINDOW, "model.recompute_method"),
+        lambda f: full_recompute(f) and f["model.recompute_method"] == "uniform",
+        lambda f: f[WGRAD_WINDOW] != 2,
+        "with every layer replayed (full recompute, 'uniform'), each layer step runs B's delayed attention wgrad "
+        "beside its combine backward (window 1's place); window 2 would change nothing.",
+        "set attention_wgrad_window=1 (or None).",
+    ),
+)
