@@ -40,6 +40,8 @@ class McoreCase:
     z_loss_coeff: float | None = None
     per_token_loss: bool = False  # calculate_per_token_loss
     packed: bool = False  # core attention that runs packed (THD) microbatches (thd_attention.py)
+    config: tuple = ()  # more TransformerConfig fields, as (name, value) pairs, set when the config is built
+    te: bool = False  # Megatron-Core's Transformer Engine spec (GPU)
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -68,11 +70,14 @@ def local_mla_core_attention():
     return LocalMLACoreAttention
 
 
-def gpt_block_spec(config, vp_stage: int | None = None):
-    """Megatron-Core's local decoder block spec for ``config`` (with MLA's core attention made to build)."""
+def gpt_block_spec(config, vp_stage: int | None = None, te: bool = False):
+    """Megatron-Core's local decoder block spec for ``config`` (with MLA's core attention made to build), or with
+    ``te`` its Transformer Engine spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, vp_stage=vp_stage)
+    if te:
+        return spec
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
             layer_spec.submodules.self_attention.submodules.core_attention = local_mla_core_attention()
@@ -130,6 +135,7 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
                 "recompute_modules": list(case.recompute) or None,
             }
         ),
+        **dict(case.config),
         **fields,
     )
 
@@ -140,7 +146,7 @@ def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    spec = gpt_block_spec(config, vp_stage=vp_stage)
+    spec = gpt_block_spec(config, vp_stage=vp_stage, te=case.te)
     if case.packed:
         from .thd_attention import with_packed_attention
 
@@ -189,7 +195,6 @@ class HybridCase(McoreCase):
     ``layer_freq`` is unused)."""
 
     pattern: str = "*E*E"
-    te: bool = False  # Megatron-Core's Transformer Engine spec (GPU), which has Mamba and GDN layers
 
 
 def build_hybrid(
@@ -260,7 +265,7 @@ def build_hybrid(
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
-        **_full_recompute_fields(case),
+        **_full_recompute_fields(case), **dict(case.config),
     )  # fmt: skip
     torch.manual_seed(1234)
     model = HybridModel(

@@ -36,8 +36,8 @@ def masked_token_loss(loss_mask_BS: torch.Tensor, per_token_BS: torch.Tensor):
 def bridge_style_forward_step(data_iterator, model, return_schedule_plan: bool = False):
     tokens, labels = next(data_iterator)
     loss_mask = (labels % 5 != 0).float()  # some tokens do not count
-    position_ids = torch.arange(SEQ)[None].expand_as(tokens)
-    attention_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(SEQ, device=tokens.device)[None].expand_as(tokens)
+    attention_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
     loss_func = partial(masked_token_loss, loss_mask)
     if return_schedule_plan:
         plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)

@@ -15,6 +15,7 @@ Losses are token-summed cross-entropies divided by a normalizer the engine passe
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -130,6 +131,11 @@ class ChunkHooks:
         """Layers ``first`` to ``stop`` (exclusive) of the plain path, keeping only ``x`` for backward and running
         them again there (a chunk with ``recompute_segments`` gives its checkpoint)."""
         raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
+
+    def step_context(self) -> Any:
+        """A context the engine enters around each overlapped step of the program (the plain path's whole-chunk
+        call enters its own): Megatron-Core's fp8 delayed scaling opens one around a whole stack."""
+        return nullcontext()
 
     def start_step(self, loss: StepLoss) -> None:
         """Called before a step's first op with the step's :class:`StepLoss`: a chunk whose auxiliary losses set their

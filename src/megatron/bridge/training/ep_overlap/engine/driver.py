@@ -308,7 +308,8 @@ class Engine:
                 bound = {member.unit: runner(member) for member in step.units}
                 if p2p is not None:
                     _connect(step, bound, p2p)
-                run_ops(step.ops, bound)
+                with nullcontext() if step.plain else self.chunks[0].step_context():
+                    run_ops(step.ops, bound)
                 for member in step.units:
                     if member.role == FORWARD and self.chunks[member.virtual].post_process:
                         losses.setdefault(member.microbatch, []).append(bound[member.unit].loss)

@@ -26,6 +26,8 @@ from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
+from megatron.bridge.training.ep_overlap.mcore.graphs import replays
+from megatron.bridge.training.ep_overlap.mcore.quantization import step_context
 from megatron.bridge.training.ep_overlap.segments import recompute_segments
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
@@ -133,6 +135,13 @@ class McorePlan(ChunkHooks):
         # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
         self.recompute_segments = recompute_segments(config, len(self.layers))
         if delay_wgrad:
+            lost = sorted({name for unit in self.layers for name in unit.undelayable})
+            if lost:
+                raise ValueError(
+                    f"delay_wgrad_compute with {', '.join(lost)} layers built from Transformer Engine linears: their "
+                    "linears would defer weight gradients that nothing runs (they offer no backward_dw); fix: set "
+                    f"delay_wgrad_compute=False, {_OFF}"
+                )
             undelayed = [unit.name for unit in self.layers if unit.is_moe and not unit.expert_wgrad_delayable]
             if undelayed:
                 warn_rank0(
@@ -225,18 +234,69 @@ class McorePlan(ChunkHooks):
         keep_BS = labels_BS != IGNORE_INDEX
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
+    def step_context(self):
+        """The low-precision context around a whole step (fp8 delayed scaling's; ``quantization.step_context``):
+        the engine enters it around each step of the program, as Megatron-Core's driver around each ``run``."""
+        return step_context(self.config)
+
+    def run_layers(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """The plain path through a pipeline chunk's units, inside the step's context as the stack's forward runs
+        its layers."""
+        with self.step_context():
+            return super().run_layers(x_SBH)
+
     def start_step(self, loss: StepLoss | None = None) -> None:
         """A new step: head gradients a failed step held for tied weights are dropped. Under the engine (``loss``
         given) the MTP and MoE auxiliary-loss scales are set for this step as Megatron-Core's ``forward_step``
         sets them and its DDP then averages (``loss_scales.backward_scales``), and :meth:`finish_step` puts back
-        what it found; under Megatron-Core's driver (None) its ``forward_step`` sets them per microbatch."""
+        what it found; under Megatron-Core's driver (None) its ``forward_step`` sets them per microbatch. The engine
+        also does what Megatron-Core's driver does for the step's first microbatch: low-precision modules cast their
+        weights afresh (``set_is_first_microbatch``).
+
+        Raises:
+            ValueError: Under the engine, for what only Megatron-Core's driver does: replay Transformer Engine CUDA
+                graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast.
+        """
         for tied in self._tied.values():
             tied.held.clear()
         if loss is None:
             return
+        problems = self._engine_problems()
+        if problems:
+            raise ValueError("the EP-overlap engine cannot run this step: " + "; ".join(problems))
+        self.model.set_is_first_microbatch()
         cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
         mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss, context_parallel=cp)
         self._scales.set(mtp, moe, next(self.model.parameters()).device)
+
+    def _engine_problems(self) -> list[str]:
+        """What Megatron-Core's driver does for a step that the engine, its own driver, does not (see start_step)."""
+        config, problems = self.config, []
+        graphed = [m.layer_number for m in self.model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
+        if graphed:
+            problems.append(
+                f"layers {graphed} replay Transformer Engine CUDA graphs, which the engine does not number by "
+                "microbatch; fix: run them under Megatron-Core's driver (use_ep_overlap_schedule), or set "
+                "cuda_graph_impl='none'"
+            )
+        for name in ("grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func"):
+            scale = getattr(config, name, None)
+            if scale is not None and float(scale(torch.ones(1)) if name == "grad_scale_func" else scale()) != 1.0:
+                problems.append(
+                    f"{name} scales the loss (fp16 loss scaling), and the engine sets its loss scales itself; fix: "
+                    "run under Megatron-Core's driver (use_ep_overlap_schedule), or train in bf16 or fp32"
+                )
+        if config.experimental_attention_variant == "dsa" or config.experimental_attention_variant_loss_scale_func:
+            problems.append(
+                "experimental_attention_variant: Megatron-Core's driver scales the DSA indexer's loss per "
+                "microbatch, the engine does not; fix: run under Megatron-Core's driver (use_ep_overlap_schedule)"
+            )
+        if getattr(config, "enable_autocast", False):
+            problems.append(
+                "enable_autocast: Megatron-Core's driver runs the step under torch.autocast, the engine does not; "
+                "fix: run under Megatron-Core's driver (use_ep_overlap_schedule), or set enable_autocast=False"
+            )
+        return problems
 
     def finish_step(self) -> None:
         """Puts back the auxiliary-loss scales :meth:`start_step` found, so another driver sees its own."""
@@ -349,15 +409,18 @@ class McorePlan(ChunkHooks):
 
 
 class MicrobatchView:
-    """One microbatch's view of a plan: its position ids (None: the plan's), attention mask, rotary embedding and, for
+    """One microbatch's view of a plan: its index in the step under Megatron-Core's driver (None under the engine),
+    its position ids (None: the plan's), attention mask, rotary embedding and, for
     a packed (THD) microbatch, its packed-sequence parameters, which every attention, the rotary embedding and the
     MTP layer read (the model's forward gives a packed microbatch no attention mask). The plan's layers are bound to
     it; everything else is the plan's. Under the engine, ``head_loss`` and the plain ``__call__`` reduce the loss as
     the plan's do."""
 
-    def __init__(self, plan: McorePlan, position_ids=None, attention_mask=None, packed_seq_params=None):
+    def __init__(
+        self, plan: McorePlan, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
+    ):
         self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
-        self.packed_seq_params = packed_seq_params
+        self.packed_seq_params, self.microbatch = packed_seq_params, microbatch
         self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
         self.layers = [layer.bound_to(self) for layer in plan.layers]
 

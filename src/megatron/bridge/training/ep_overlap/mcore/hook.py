@@ -95,8 +95,10 @@ class _MicrobatchModel(MicrobatchView):
     """One microbatch's view of a plan under Megatron-Core's driver: also its loss mask, and a head that returns
     per-token losses (the recipe's loss function reduces them)."""
 
-    def __init__(self, plan: McorePlan, position_ids, attention_mask, loss_mask=None, packed_seq_params=None):
-        super().__init__(plan, position_ids, attention_mask, packed_seq_params)
+    def __init__(
+        self, plan: McorePlan, microbatch: int, position_ids, attention_mask, loss_mask=None, packed_seq_params=None
+    ):
+        super().__init__(plan, position_ids, attention_mask, packed_seq_params, microbatch)
         self.loss_mask = loss_mask
 
     def head_loss(
@@ -338,7 +340,7 @@ class EPOverlapPlanBuilder:
         index = self._next_microbatch
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
-        view = _MicrobatchModel(self.plan, position_ids, attention_mask, loss_mask, packed_seq_params)
+        view = _MicrobatchModel(self.plan, index, position_ids, attention_mask, loss_mask, packed_seq_params)
         nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor

@@ -33,6 +33,7 @@ Contract:
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,15 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bridge.training.ep_overlap.contract import LayerHooks, PreDispatch
+from megatron.bridge.training.ep_overlap.mcore.graphs import (
+    pre_dispatch_backward_dw,
+    replay_pre_dispatch,
+    replays,
+    replays_split,
+    run_whole,
+    set_microbatch,
+)
+from megatron.bridge.training.ep_overlap.mcore.quantization import layer_context
 
 
 def _as_list(splits) -> list[int]:
@@ -69,10 +79,37 @@ def run_stack_layer(
     return out[0] if isinstance(out, tuple) else out
 
 
-def _attention_modules(layers) -> list[torch.nn.Module]:
-    """The attention modules of ``layers`` that have weight gradients to compute (``backward_dw``)."""
-    found = [getattr(layer, "self_attention", None) for layer in layers]
-    return [module for module in found if module is not None and hasattr(module, "backward_dw")]
+def _in_layer_context(node):
+    """A node function of :class:`McoreLayer`, run inside its layer's low-precision context (``quantization.py``)."""
+
+    @functools.wraps(node)
+    def run(self, *args, **kwargs):
+        with layer_context(self.layer.config, self.layer):
+            return node(self, *args, **kwargs)
+
+    return run
+
+
+def _uses_te(layers) -> bool:
+    return any(uses_transformer_engine(layer) for layer in layers)
+
+
+def whole_layer_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> None:
+    """The delayed weight gradients of a layer the plan runs whole (attention, a dense MLP; graphed or eager)."""
+    pre_dispatch_backward_dw(layer, microbatch)
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None and not getattr(layer, "is_moe_layer", False) and hasattr(mlp, "backward_dw"):
+        mlp.backward_dw()
+
+
+def _undelayable(layers) -> list[str]:
+    """Layers whose Transformer Engine linears would defer their weight gradients with no ``backward_dw`` to run
+    them (Megatron-Core's Mamba mixer has none): delayed wgrad would lose those gradients."""
+    return [
+        type(layer).__name__
+        for layer in layers
+        if hasattr(layer, "mixer") and not hasattr(layer.mixer, "backward_dw") and uses_transformer_engine(layer)
+    ]
 
 
 @dataclass
@@ -125,23 +162,30 @@ class _Unit(LayerHooks):
 
     def bound_to(self, context):
         """The same unit, reading its attention mask, rotary embedding and packed-sequence parameters from
-        ``context`` (one microbatch's)."""
+        ``context`` (one microbatch's), and the microbatch's index where the context has one."""
         bound = copy.copy(self)
         bound.plan = context
         return bound
 
+    @property
+    def microbatch(self) -> int | None:
+        """This microbatch's index in the step, under Megatron-Core's driver (the graph a replay reads)."""
+        return getattr(self.plan, "microbatch", None)
+
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
+        """``layers`` whole, each inside its low-precision context and replaying its graph, as the stacks run them."""
+        plan = self.plan
         for layer in layers:
-            plan = self.plan
-            x_SBH = run_stack_layer(layer, x_SBH, plan.attention_mask, plan.rotary_pos_emb, plan.packed_seq_params)
+            set_microbatch(layer, self.microbatch)
+            with layer_context(layer.config, layer):
+                if replays_split(layer):
+                    x_SBH = run_whole(layer, x_SBH, plan)
+                    continue
+                x_SBH = run_stack_layer(layer, x_SBH, plan.attention_mask, plan.rotary_pos_emb, plan.packed_seq_params)
         return x_SBH
 
     def delayable_linears(self) -> list:
         return []  # Megatron-Core modules own their delay setting (config.delay_wgrad_compute at build time)
-
-    def attention_backward_dw(self) -> None:
-        for attention in self.attentions:
-            attention.backward_dw()
 
 
 class McoreLayer(_Unit):
@@ -170,9 +214,8 @@ class McoreLayer(_Unit):
                 "every microbatch, and the EP-overlap schedule keeps two microbatches' tokens in flight; fix: set "
                 "moe_ncclep_zero_copy=False, or turn overlap_moe_expert_parallel_comm off for this model"
             )
-        self.attentions = _attention_modules([*self.before, layer])
         self.expert_wgrad_delayable = self.is_moe and uses_transformer_engine(layer.mlp.experts)
-        self.attention_wgrad_delayable = any(uses_transformer_engine(module) for module in self.attentions)
+        self.undelayable = _undelayable(self.before)
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         """The plain path: the layers as the stack runs them."""
@@ -187,23 +230,35 @@ class McoreLayer(_Unit):
                 f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
                 f"got {tuple(x_SBH.shape)}"
             )
-        x_SBH = self._run(self.before, x_SBH)
+        x_SBH = self._run(self.before, x_SBH)  # each in its own context
+        with layer_context(layer.config, layer):
+            return self._layer_pre_dispatch(x_SBH)
+
+    def _layer_pre_dispatch(self, x_SBH: torch.Tensor) -> PreDispatch:
+        layer = self.layer
+        if self.is_moe:
+            # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine
+            # left (a backend resets what its combine consumed, such as HybridEP's row count), not that of a
+            # microbatch between its dispatch and its combine.
+            self._combined[0].restore()
+        set_microbatch(layer, self.microbatch)
+        if replays(layer):
+            h, tokens, permuted_probs, shared = replay_pre_dispatch(layer, x_SBH, self.plan)
+            if not self.is_moe:
+                return PreDispatch(h, (h,), None, None)
+            return PreDispatch(h, (tokens, permuted_probs), shared, McoreRouting.of(layer.mlp.token_dispatcher))
         h, _ = layer._forward_attention(
             hidden_states=x_SBH,
             attention_mask=self.plan.attention_mask,
             rotary_pos_emb=self.plan.rotary_pos_emb,
             packed_seq_params=self.plan.packed_seq_params,
         )
+        if not self.is_moe:  # the MLP part runs whole in experts, as the layer's forward runs it
+            return PreDispatch(h, (h,), None, None)
         normed = layer._forward_pre_mlp_layernorm(h)
         if isinstance(normed, tuple):
             raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")
-        if not self.is_moe:
-            return PreDispatch(h, (normed,), None, None)
         mlp = layer.mlp
-        # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine left
-        # (a backend resets what its combine consumed, such as HybridEP's row count), not that of a microbatch
-        # between its dispatch and its combine.
-        self._combined[0].restore()
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
@@ -236,10 +291,10 @@ class McoreLayer(_Unit):
                 f"{tuple(exchanged)}; full recompute needs deterministic routing (same inputs, same expert bias)"
             )
 
+    @_in_layer_context
     def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
-        if routing is None:
-            output, bias = self.layer.mlp(received[0])
-            return output
+        if routing is None:  # a dense layer: norm, MLP (chunked or recomputed as configured) and residual
+            return self.layer._forward_mlp(received[0], packed_seq_params=self.plan.packed_seq_params)
         tokens, probs = received
         with routing.active() as dispatcher:
             if self.owns_comm:  # the backend's permute reads the received probabilities from its manager
@@ -247,6 +302,7 @@ class McoreLayer(_Unit):
             output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
         return output
 
+    @_in_layer_context
     def dispatch_comm(self, sent: tuple[torch.Tensor, ...], routing: McoreRouting) -> tuple[torch.Tensor, ...]:
         """The flex dispatcher's fused permute and all-to-all of ``sent`` (tokens, top-k probabilities)."""
         tokens, probs = sent
@@ -254,25 +310,39 @@ class McoreLayer(_Unit):
             dispatcher._comm_manager.token_probs = probs  # the backend sends the probabilities it holds
             return dispatcher.token_dispatch(tokens, probs)
 
+    @_in_layer_context
     def combine_comm(self, expert_out: torch.Tensor, routing: McoreRouting) -> torch.Tensor:
         """The flex dispatcher's fused all-to-all back and unpermute."""
         with routing.active() as dispatcher:
             return dispatcher.token_combine(expert_out)
 
+    @_in_layer_context
     def combine(self, back: torch.Tensor, shared, h: torch.Tensor, routing: McoreRouting | None) -> torch.Tensor:
         if routing is None:
-            output = back
-        else:
-            with routing.active():
-                output = self.layer.mlp.postprocess(back, shared)
-            self._combined[0] = routing
+            return back  # a dense layer's experts node added its residual
+        with routing.active():
+            output = self.layer.mlp.postprocess(back, shared)
+        self._combined[0] = routing
+        if self.layer.config.fp32_residual_connection:  # as _forward_mlp keeps its residual
+            h = h.float()
         return self.layer._forward_post_mlp((output, None), h)
 
     # ---- delayed weight gradients -------------------------------------------------------------------
 
-    def expert_backward_dw(self) -> None:
+    def attention_backward_dw(self) -> None:
+        """Everything ``pre_dispatch`` computed: the layers before, then this layer's attention and shared experts;
+        for a dense layer its MLP too (the program runs no expert wgrad for a dense layer)."""
+        for layer in self.before:
+            whole_layer_backward_dw(layer, self.microbatch)
         if self.is_moe:
-            self.layer.mlp.backward_dw(routed_experts=True)
+            pre_dispatch_backward_dw(self.layer, self.microbatch)
+        else:
+            whole_layer_backward_dw(self.layer, self.microbatch)
+
+    def expert_backward_dw(self) -> None:
+        """What ``experts`` computed: the routed experts (the call Megatron-Core's plan makes)."""
+        if self.is_moe:
+            self.layer.mlp.backward_dw()
 
 
 class McoreComputeRun(_Unit):
@@ -287,8 +357,7 @@ class McoreComputeRun(_Unit):
     def __init__(self, layers: list[torch.nn.Module], index: int, plan):
         self.layers, self.plan = list(layers), plan
         self.name = f"layer{index}"
-        self.attentions = _attention_modules(self.layers)
-        self.attention_wgrad_delayable = any(uses_transformer_engine(module) for module in self.attentions)
+        self.undelayable = _undelayable(self.layers)
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self._run(self.layers, x_SBH)
@@ -309,5 +378,10 @@ class McoreComputeRun(_Unit):
     def combine(self, back: torch.Tensor, keep, h: torch.Tensor, routing) -> torch.Tensor:
         return back  # the last layer added its own residual
 
+    def attention_backward_dw(self) -> None:
+        """Every layer's: they ran whole (the last one's backward ran before this one's, in the experts node)."""
+        for layer in self.layers:
+            whole_layer_backward_dw(layer, self.microbatch)
+
     def expert_backward_dw(self) -> None:
-        """No experts."""
+        """No experts (the last layer's weight gradients run with the others in :meth:`attention_backward_dw`)."""

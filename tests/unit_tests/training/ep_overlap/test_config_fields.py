@@ -1,0 +1,157 @@
+"""The field audit: every ``TransformerConfig`` field Megatron-Core reads in a training step is read by this project's
+plan too, or ``ep_overlap/mcore/fields.py`` says why it need not be, or the plan refuses it by name.
+
+``config_reads.py`` records the fields each path reads in one step (``mcore_arms.py``): the plain path, Megatron-Core's
+own plan (``GPTModel``), the hook and the engine. Each case also runs bitwise against the plain path through the hook.
+Before the plan ran a dense layer's MLP through ``_forward_mlp``, this audit found ``mlp_chunks_for_training`` (and
+``mlp_chunks_for_prefill``) read by the plain path and Megatron-Core's plan, never by ours.
+"""
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+
+from megatron.bridge.training.ep_overlap.mcore.fields import NOT_READ_BY_THE_ENGINE, NOT_READ_BY_THE_PLAN
+from megatron.bridge.utils.multiprocess import run_local_ranks
+
+from .config_reads import ConfigReads
+from .mcore_arms import run_arm
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .mcore_models import HybridCase, McoreCase, build_model
+from .test_numerics import assert_bitwise
+
+MXFP8 = (("fp8", "e4m3"), ("fp8_recipe", "mxfp8"))
+# name -> (case, fields set after the model is built)
+CASES = {
+    "default": (McoreCase(layer_freq=(1, 0, 1), microbatches=3), ()),
+    "fp8": (McoreCase(layer_freq=(1, 0, 1), microbatches=3), MXFP8),
+    "recompute-mlp": (McoreCase(layer_freq=(1, 0, 1), recompute=("mlp",), microbatches=3), ()),
+    "recompute-mla-up-proj": (McoreCase(mla=True, recompute=("mla_up_proj",), microbatches=3), ()),
+    "recompute-shared-experts": (McoreCase(shared_ffn=16, recompute=("shared_experts",), microbatches=3), ()),
+    "recompute-core-attn": (McoreCase(recompute=("core_attn",), microbatches=3), ()),
+    "router-padding-for-quantization": (
+        McoreCase(microbatches=3),
+        (("moe_router_padding_for_quantization", True), *MXFP8),
+    ),
+    "probs-on-input": (McoreCase(topk=1, microbatches=3, config=(("moe_apply_probs_on_input", True),)), ()),
+    "mtp": (McoreCase(mtp=True, microbatches=3), ()),
+    "hybrid": (HybridCase(pattern="*E-E", microbatches=3), ()),
+}
+
+
+def read_fields(rank: int, world: int, name: str) -> dict:
+    case, fields = CASES[name]
+    install_cpu_stubs()
+    init_megatron(world)
+    arms = ("plain", "hook", "engine") if isinstance(case, HybridCase) else ("plain", "mcore", "hook", "engine")
+    out = {}
+    for arm in arms:
+        reads = ConfigReads()
+
+        def prepare(model, reads=reads):
+            for field, value in fields:
+                setattr(model.config, field, value)
+            reads.attach(model)
+
+        result = run_arm(arm, case, prepare=prepare, around_step=reads.recording)
+        out[arm] = {"fields": reads.fields, "losses": result["losses"], "grads": result["grads"]}
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_field_megatron_core_reads_in_a_step_is_read_by_the_plan_or_explained(name):
+    case = CASES[name][0]
+    for outcome in run_local_ranks(read_fields, case.world, (name,)):
+        got = outcome.result
+        reference = got["plain"]["fields"] & got.get("mcore", got["plain"])["fields"]
+        assert "num_moe_experts" in reference and "fp8" in reference  # the reader records something real
+        unread = reference - got["hook"]["fields"]
+        assert unread <= NOT_READ_BY_THE_PLAN.keys(), (
+            f"the plan reads none of {sorted(unread - NOT_READ_BY_THE_PLAN.keys())}"
+        )
+        unread = reference - got["engine"]["fields"]
+        explained = NOT_READ_BY_THE_PLAN.keys() | NOT_READ_BY_THE_ENGINE.keys()
+        assert unread <= explained, f"the engine reads none of {sorted(unread - explained)}"
+        for step, (want, have) in enumerate(zip(got["plain"]["losses"], got["hook"]["losses"])):
+            assert_bitwise(want, have, f"rank {outcome.rank} step {step} losses")
+        for param, grad in got["plain"]["grads"].items():
+            assert_bitwise(grad, got["hook"]["grads"][param], f"rank {outcome.rank} {param}")
+
+
+def test_the_tables_name_real_fields_and_no_field_twice():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {field.name for field in dataclasses.fields(TransformerConfig)}
+    assert set(NOT_READ_BY_THE_PLAN) <= names and set(NOT_READ_BY_THE_ENGINE) <= names
+    assert not NOT_READ_BY_THE_PLAN.keys() & NOT_READ_BY_THE_ENGINE.keys()
+
+
+# A feature the plan does not schedule: refused by the hook (and so before the engine or Megatron-Core's driver runs a
+# step) by its rule's name.
+REFUSED = {
+    "mlp_chunks": {"mlp_chunks_for_training": 2},
+    "paged_stash": {"moe_paged_stash": True},
+    "activation_offloading": {"fine_grained_activation_offloading": True},
+    "early_attention_release": {"ep_overlap_early_attn_memory_release": True},
+    "latent_moe": {"moe_latent_size": 16},
+}
+
+
+def _refused(rank: int, world: int, fields: dict) -> str:
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    model = build_model(McoreCase())
+    for field, value in fields.items():
+        setattr(model.config, field, value)
+    model.config.overlap_moe_expert_parallel_comm = True
+    try:
+        use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize("rule", sorted(REFUSED))
+def test_a_feature_the_plan_does_not_schedule_is_refused_by_name(rule):
+    for outcome in run_local_ranks(_refused, 2, (REFUSED[rule],)):
+        assert f"[{rule}]" in outcome.result and "Fix: " in outcome.result, outcome.result
+
+
+# The memory features among the audited ones: selective recompute of parts the plan calls whole.
+RECOMPUTED = {
+    "mlp": McoreCase(layer_freq=(1, 0, 1), microbatches=3),
+    "mla_up_proj": McoreCase(mla=True, microbatches=3),
+    "shared_experts": McoreCase(shared_ffn=16, microbatches=3),
+    "core_attn": McoreCase(microbatches=3),
+}
+
+
+def _activation_peaks(rank: int, world: int, module: str) -> dict:
+    from dataclasses import replace
+
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+
+    from .mcore_arms import _data
+
+    install_cpu_stubs()
+    init_megatron(world)
+    groups = mcore_ep_groups(timedelta(seconds=30))
+    peaks = {}
+    for recompute in ((), (module,)):
+        case = replace(RECOMPUTED[module], recompute=recompute)
+        for overlap in (False, True):
+            engine = EPOverlapEngine(plan_for(build_model(case)), groups, overlap=overlap, attention_wgrad_window=1)
+            peaks[(bool(recompute), overlap)] = engine.step(_data(case, 0)).activation_peak_bytes
+    return peaks
+
+
+@pytest.mark.parametrize("module", sorted(RECOMPUTED))
+def test_selective_recompute_holds_less_in_the_overlapped_schedule_as_in_the_plain_path(module):
+    for outcome in run_local_ranks(_activation_peaks, 2, (module,)):
+        peaks = outcome.result
+        for overlap in (False, True):
+            assert peaks[(True, overlap)] < peaks[(False, overlap)], (module, overlap, peaks)
