@@ -1,6 +1,7 @@
 """Stock Megatron-Bridge's own training loop on 2 gloo ranks, overlap off and with this project's hook (test-only).
 
-    python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook]
+    python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook] [--packed]
+                                [--full_recompute recipe|hook]
 
 Run by ``test_stock_bridge_loop.py`` with the scratch interpreter ``stock_bridge.py`` builds. ``TREE`` is the folder
 that holds the ``megatron/bridge`` package this run imports: a site-packages with stock 0.6.2 and our plugin wheel, or
@@ -69,8 +70,10 @@ def local_mtp_provider():
     return LocalMTPOlMoEProvider
 
 
-def recipe(arm: str, mtp: bool, steps: int, micro_batch: int):
-    """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines."""
+def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: str = ""):
+    """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines. ``full_recompute``:
+    "recipe" sets full recompute (uniform, 1) on the recipe's model config in both arms; "hook" there for the plain
+    arm only, and through the hook's ``full_recompute`` keyword for the hook arm."""
     import torch
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
 
@@ -121,6 +124,16 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int):
         )
         cfg.model.register_pre_wrap_hook(partial(use_ep_overlap_schedule, attention_wgrad_window=1))
         # ---- end of the recipe lines ----
+        if full_recompute == "hook":
+            cfg.model._pre_wrap_hooks[-1] = partial(
+                use_ep_overlap_schedule, attention_wgrad_window=1, full_recompute=("uniform", 1)
+            )
+    if full_recompute == "recipe" or (full_recompute == "hook" and arm == "plain"):
+        cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = (
+            "full",
+            "uniform",
+            1,
+        )
     return cfg
 
 
@@ -152,7 +165,9 @@ def batches(rank: int, step: int, mask_every: int, packed: bool = False):
     return out
 
 
-def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
+def train_arm(
+    rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int, packed: bool, full_recompute: str
+) -> dict:
     import torch
     from megatron.bridge.training.config import runtime_config_update
     from megatron.bridge.training.gpt_step import forward_step
@@ -165,7 +180,7 @@ def train_arm(rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every
 
     from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
 
-    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH)
+    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg
@@ -231,7 +246,9 @@ def initialize_on_cpu(cfg):
                            skip_mpu_initialization=False)  # fmt: skip
 
 
-def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool) -> dict:
+def rank_main(
+    rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool, full_recompute: str
+) -> dict:
     import torch
 
     from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs, made_on_host
@@ -240,7 +257,7 @@ def rank_main(rank: int, world: int, arms: list[str], mtp: bool, steps: int, mas
     # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda", and its local attention the default
     # causal mask: the host, as install_cpu_stubs does for torch.zeros.
     torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
-    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed) for arm in arms}
+    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute) for arm in arms}
 
 
 def main() -> None:
@@ -252,10 +269,11 @@ def main() -> None:
     parser.add_argument("--mask_every", type=int, default=3)
     parser.add_argument("--arms", default="plain,hook")
     parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--full_recompute", choices=["", "recipe", "hook"], default="")
     args = parser.parse_args()
     from megatron.bridge.utils.multiprocess import run_local_ranks
 
-    arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed)
+    arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed, args.full_recompute)
     outcomes = run_local_ranks(rank_main, 2, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 

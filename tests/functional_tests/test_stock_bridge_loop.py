@@ -107,6 +107,25 @@ def test_with_the_patch_packed_documents_train_bitwise_equal_through_bridges_loo
             assert rank["hook"][what] == rank["plain"][what], what
 
 
+def test_full_recompute_set_in_the_recipe_is_refused_with_our_line_not_megatron_cores_assert(python, plugin, tmp_path):
+    """Megatron-Core's config asserts on full recompute with the overlap flag when Bridge builds it; the recipe's
+    setup refuses first, naming the hook's keyword that sets it on the built config."""
+    run = stock_bridge.run(python, plugin, LOOP, str(tmp_path / "out.json"), "--steps", "1", "--arms", "hook",
+                           "--full_recompute", "recipe")  # fmt: skip
+    assert run.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert run.stderr.count("[full_recompute_in_the_recipe]") >= 2  # both ranks
+    assert "full_recompute=('uniform', 1)" in run.stderr
+    assert "transformer_config.py" not in run.stderr  # Megatron-Core's own assert never ran
+
+
+def test_full_recompute_given_to_the_hook_trains_bitwise_equal_in_bridges_loop(python, plugin, tmp_path):
+    ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "2", "--full_recompute", "hook")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        for what in ("losses", "grads", "params"):
+            assert rank["hook"][what] == rank["plain"][what], what
+
+
 def test_the_readme_recipe_is_the_one_these_tests_run():
     """The README's first-screen snippet, line for line, is the recipe ``stock_bridge_loop.py`` runs; its last line,
     ``pretrain(cfg, forward_step)``, is what that script runs step by step up to ``train()`` (``setup()`` needs

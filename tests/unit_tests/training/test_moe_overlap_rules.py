@@ -30,7 +30,9 @@ VALID_MODEL = dict(
 )
 
 ATTN_GRAPH = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"])
-ON = dict(overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None)
+ON = dict(
+    overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None, built=True
+)
 PP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 CHUNKS = {"options": {"moe_ep_overlap_chunks": 2}}
 BRIDGE = {"ep_overlap_schedule": "bridge"}
@@ -64,6 +66,12 @@ CASES = {
         ({**BRIDGE, **FULL, "recompute_method": "block", "recompute_num_layers": 2}, {}),
     ),
     "full_recompute_dropout": (({**BRIDGE, **FULL, "hidden_dropout": 0.1}, {}), ({**BRIDGE, **FULL}, {})),
+    "full_recompute_mtp": (
+        ({**BRIDGE, **FULL, "recompute_num_layers": 2, "mtp_num_layers": 1}, {}),
+        ({**BRIDGE, **FULL, "mtp_num_layers": 1}, {}),
+    ),
+    # A recipe's full recompute reaches Megatron-Core's config assert before the hook installs this project's schedule.
+    "full_recompute_in_the_recipe": (({**BRIDGE, **FULL}, {"built": False}), ({**BRIDGE, **FULL}, {})),
     "full_recompute_wgrad_window": (
         ({**BRIDGE, **FULL}, {"options": {"attention_wgrad_window": 2}}),
         ({**BRIDGE, **FULL, "recompute_method": "block"}, {"options": {"attention_wgrad_window": 2}}),
@@ -108,6 +116,10 @@ CASES = {
         ({"ep_overlap_early_attn_memory_release": True}, {}),
     ),
     "latent_moe": (({**BRIDGE, "moe_latent_size": 16}, {}), ({"moe_latent_size": 16}, {})),
+    "moe_tp_needs_sp": (
+        ({"tensor_model_parallel_size": 2}, {}),
+        ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {}),
+    ),
     "no_dispatch_wgrad_overlap": (
         ({"overlap_dispatch_backward_with_experts_wgrad": True}, {}),
         ({"overlap_dispatch_backward_with_experts_wgrad": False}, {}),
@@ -171,6 +183,7 @@ def violated(fake_versions, model_overrides, context_overrides):
         overlap_grad_reduce=context["grad_reduce"],
         options=EPOverlapOptions(**context["options"]),
         micro_batch_size=context["micro_batch"],
+        model_config_built=context["built"],
     )
     return {violation.name: violation for violation in found}
 
@@ -312,7 +325,7 @@ def test_graph_modules_count_without_cuda_graph_impl(fake_versions):
 # Names a fix may mention that are not config fields: functions of this project and Megatron-Bridge that do what the
 # fix asks.
 CALLABLES = {"apply_flex_dispatcher_backend", "use_bridge_schedule", "use_ep_overlap_schedule"}
-CALLABLES |= {"register_pre_wrap_hook"}
+CALLABLES |= {"register_pre_wrap_hook", "full_recompute"}  # use_ep_overlap_schedule's keyword
 
 
 def _existing_names() -> set[str]:

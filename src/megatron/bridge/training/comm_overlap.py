@@ -459,6 +459,7 @@ class CommOverlapConfig:
             # Looked up at call time, so code that patches this module's version checks is honoured.
             torch_at_least=lambda minimum: is_torch_min_version(minimum),
             te_at_least=lambda minimum: is_te_min_version(minimum),
+            model_config_built=False,  # Bridge builds the model config after the recipe's setup
         )
         return cfg, problems
 

@@ -76,6 +76,7 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
             overlap_moe_expert_parallel_comm=overlap,
             delay_wgrad_compute=delay,
             overlap_grad_reduce=bool(grad_reduce),
+            model_config_built=False,  # Bridge builds the model config after the recipe's setup
         )
         if problems:
             raise CommOverlapConfigError(problems)

@@ -153,3 +153,20 @@ def data_parallel_size_of(model_config: Any) -> int:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         model_parallel *= getattr(model_config, name, 1) or 1
     return max(1, dist.get_world_size() // model_parallel)
+
+
+def refuse_together(error: Exception | None) -> None:
+    """Every rank refuses when any rank does: ranks that found nothing wrong raise naming the first rank that did
+    (one small all-gather over the default group, which every rank must call), so none goes on to wait in a
+    collective for a peer that stopped. Raises ``error`` itself on a rank that has one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    for rank, line in enumerate(said):
+        if line is not None:
+            raise ValueError(f"rank {rank} refused this model, so every rank does: {line}")

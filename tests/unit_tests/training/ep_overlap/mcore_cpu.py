@@ -78,23 +78,26 @@ def made_on_host(make):
 
 
 def plain_cuda_rng() -> None:
-    """Megatron-Core forks a CUDA RNG state for attention dropout: on CPU, a plain context."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    """Megatron-Core forks a CUDA RNG state for attention dropout, and its checkpoint (recompute) saves and restores
+    the CUDA RNG state around the recompute: on CPU, a plain context and nothing to save."""
+    from megatron.core.tensor_parallel import random
 
-    get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    random._get_cuda_rng_state = lambda *args, **kwargs: None
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
-def init_megatron(expert_model_parallel_size: int, pipeline: int = 1, virtual: int | None = None) -> None:
+def init_megatron(
+    expert_model_parallel_size: int, pipeline: int = 1, virtual: int | None = None, tensor: int = 1, context: int = 1
+) -> None:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
+        context_parallel_size=context,
         expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
         pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=virtual,
     )
-    from megatron.core.tensor_parallel import random
-
     plain_cuda_rng()
-    # Megatron-Core's checkpoint (selective recompute) saves and restores the CUDA RNG state around the recompute.
-    random._get_cuda_rng_state = lambda *args, **kwargs: None
-    random._set_cuda_rng_state = lambda *args, **kwargs: None

@@ -219,8 +219,9 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     else:  # a HybridModel handed to the GPT plan by name
         model, plan = build_hybrid(HybridCase()), McoreGPTPlan
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
-    if kind in ("hybrid-as-gpt", "recompute-moe", "mtp-two-layers"):
-        # the hook picks the plan by class; its rules refuse 'moe' recompute and two MTP layers first
+    if kind in ("hybrid-as-gpt", "recompute-moe", "mtp-two-layers", "full-recompute-mtp-uniform2"):
+        # the hook picks the plan by class; its rules refuse 'moe' recompute, two MTP layers and uniform 2 with MTP
+        # first (test_parallel_layouts.py: on every rank of a pipeline)
         del builds["hook"]
     refused = {}
     for name, build in builds.items():

@@ -132,6 +132,11 @@ class ChunkHooks:
         them again there (a chunk with ``recompute_segments`` gives its checkpoint)."""
         raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
 
+    def engine_problems(self) -> list[str]:
+        """What the chunk needs that only another driver gives (one line each, with its fix), checked on every rank
+        when the engine is built: the engine refuses to run the chunk then."""
+        return []
+
     def step_context(self) -> Any:
         """A context the engine enters around each overlapped step of the program (the plain path's whole-chunk
         call enters its own): Megatron-Core's fp8 delayed scaling opens one around a whole stack."""

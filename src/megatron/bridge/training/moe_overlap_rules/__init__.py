@@ -96,6 +96,7 @@ def check_moe_overlap(
     rules: Iterable[Rule] = MOE_OVERLAP_RULES,
     options: Any = None,
     micro_batch_size: int | None = None,
+    model_config_built: bool = True,
 ) -> list[Violation]:
     """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
 
@@ -109,6 +110,8 @@ def check_moe_overlap(
         rules: The rule table; defaults to ``MOE_OVERLAP_RULES``.
         options: This project's schedule options (``EPOverlapOptions``); None: their defaults.
         micro_batch_size: Sequences per microbatch, when a launcher knows it.
+        model_config_built: False where a recipe's config is set up, before Megatron-Bridge builds (and Megatron-Core
+            validates) the model config.
     """
     facts = gather_facts(
         model_config,
@@ -119,6 +122,7 @@ def check_moe_overlap(
         te_at_least=te_at_least,
         options=options,
         micro_batch_size=micro_batch_size,
+        model_config_built=model_config_built,
     )
     return [
         Violation(rule.name, {key: facts[key] for key in rule.fields}, rule.message, rule.fix)

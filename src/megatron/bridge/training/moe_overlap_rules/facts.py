@@ -38,6 +38,8 @@ EDGE_PAIRING = "ep_overlap.edge_pairing"
 WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
 OFF_HOST = "ep_overlap.launch_off_host"
 MICRO_BATCH = "train.micro_batch_size"
+# False while a recipe's config is set up (CommOverlapConfig.setup runs before Bridge builds the model config).
+MODEL_BUILT = "check.model_config_built"
 # Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
 MCORE_FULL_RECOMPUTE = "0.19; its dev line replays it (PRs #5869, #6311), main's PR #6429 is still open"
 _SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
@@ -80,6 +82,8 @@ _MODEL_FIELDS: dict[str, Any] = {
     "cpu_offloading": False,
     "ep_overlap_early_attn_memory_release": False,
     "moe_latent_size": None,
+    "tensor_model_parallel_size": 1,
+    "sequence_parallel": False,
 }
 
 
@@ -166,6 +170,7 @@ def gather_facts(
     te_at_least: Callable[[str], bool] | None = None,
     options: Any = None,
     micro_batch_size: int | None = None,
+    model_config_built: bool = True,
 ) -> dict[str, Any]:
     """Collects every value the rules read into one flat mapping keyed by where it comes from.
 
@@ -189,6 +194,7 @@ def gather_facts(
     for key, default in _SCHEDULE_DEFAULTS.items():
         facts[key] = getattr(options, key.split(".", 1)[1], default)
     facts[MICRO_BATCH] = micro_batch_size
+    facts[MODEL_BUILT] = model_config_built
     return facts
 
 

@@ -87,4 +87,13 @@ OVERLAP_RULES: tuple[Rule, ...] = (
         "overlap_dispatch_backward_with_experts_wgrad is a separate, non-paired schedule.",
         "set overlap_dispatch_backward_with_experts_wgrad=False (delay_wgrad_compute gives that overlap here).",
     ),
+    Rule(
+        "moe_tp_needs_sp",
+        ("model.tensor_model_parallel_size", "model.sequence_parallel"),
+        overlap_on,
+        lambda f: (f["model.tensor_model_parallel_size"] or 1) == 1 or bool(f["model.sequence_parallel"]),
+        "MoE and tensor parallelism are enabled without also enabling sequence parallelism: Megatron-Core's MoE "
+        "layer refuses it in its forward, which the overlapped schedules run in parts and so never reach.",
+        "set sequence_parallel=True (or tensor_model_parallel_size=1).",
+    ),
 )

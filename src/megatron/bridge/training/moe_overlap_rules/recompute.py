@@ -3,6 +3,7 @@ recompute's segments, ``ep_overlap/segments.py``)."""
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
     MCORE_FULL_RECOMPUTE,
+    MODEL_BUILT,
     OVERLAP,
     SCHEDULE,
     WGRAD_WINDOW,
@@ -91,5 +92,26 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         "with every layer replayed (full recompute, 'uniform'), each layer step runs B's delayed attention wgrad "
         "beside its combine backward (window 1's place); window 2 would change nothing.",
         "set attention_wgrad_window=1 (or None).",
+    ),
+    Rule(
+        "full_recompute_mtp",
+        ("model.recompute_method", "model.recompute_num_layers", "model.mtp_num_layers"),
+        lambda f: full_recompute(f) and bool(f["model.mtp_num_layers"]) and f["model.recompute_method"] == "uniform",
+        lambda f: f["model.recompute_num_layers"] == 1,
+        "with recompute_method='uniform' and an MTP layer, Megatron-Core checkpoints the MTP depth as one segment "
+        "only with recompute_num_layers=1 (its MTP layer asserts it in its first forward, on the last stage only).",
+        "set recompute_num_layers=1, or recompute_method='block'.",
+    ),
+    Rule(
+        "full_recompute_in_the_recipe",
+        ("model.recompute_granularity", MODEL_BUILT),
+        lambda f: full_recompute(f) and not f[MODEL_BUILT],
+        lambda f: False,
+        "Megatron-Core's TransformerConfig asserts 'disable full recomputation when enabling "
+        "overlap_moe_expert_parallel_comm' when Megatron-Bridge builds the model config (cfg.validate()), before "
+        "this project's schedule, which replays full recompute, is installed.",
+        "leave recompute_granularity, recompute_method and recompute_num_layers unset in the recipe and give them "
+        "to the hook, which sets them on the built config: "
+        "partial(use_ep_overlap_schedule, full_recompute=('uniform', 1)).",
     ),
 )

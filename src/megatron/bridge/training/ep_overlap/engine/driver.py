@@ -121,7 +121,8 @@ class Engine:
 
     Raises:
         CommOverlapConfigError: When the config and options break an EP-overlap rule (one line each, with its fix).
-        ValueError: When the chunks do not match the pipeline layout, or ``launch_off_host=True`` cannot apply.
+        ValueError: When the chunks do not match the pipeline layout, a chunk needs another driver
+            (``ChunkHooks.engine_problems``), or ``launch_off_host=True`` cannot apply.
     """
 
     def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
@@ -134,6 +135,9 @@ class Engine:
         if violations:
             raise CommOverlapConfigError(violations)
         check_contract(self.chunks)
+        problems = [problem for chunk in self.chunks[:1] for problem in chunk.engine_problems()]
+        if problems:
+            raise ValueError("the EP-overlap engine cannot run this model: " + "; ".join(problems))
         unreplayed = [
             type(layer).__name__
             for chunk in self.chunks

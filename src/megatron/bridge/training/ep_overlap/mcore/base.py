@@ -269,6 +269,26 @@ class McorePlan(ChunkHooks):
         mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss, context_parallel=cp)
         self._scales.set(mtp, moe, next(self.model.parameters()).device)
 
+    def engine_problems(self) -> list[str]:
+        """What only Megatron-Core's driver and DDP do for this model's layout: the engine's gradient sync and loss
+        count cover data and expert parallelism, not tensor or context parallelism."""
+        problems = []
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            problems.append(
+                f"tensor parallelism ({tp} ranks): the engine would count each token's loss on every tensor-parallel "
+                "rank and leave the sequence-parallel norms' and the routers' gradients unreduced across them; fix: "
+                "run under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
+            )
+        cp = parallel_state.get_context_parallel_world_size()
+        if cp > 1:
+            problems.append(
+                f"context parallelism ({cp} ranks): the engine's microbatches are whole sequences and it does not "
+                "slice them across the context-parallel ranks; fix: set context_parallel_size=1, or run under "
+                "Megatron-Core's driver (use_ep_overlap_schedule)"
+            )
+        return problems
+
     def _engine_problems(self) -> list[str]:
         """What Megatron-Core's driver does for a step that the engine, its own driver, does not (see start_step)."""
         config, problems = self.config, []

@@ -57,6 +57,7 @@ from megatron.bridge.training.moe_overlap_rules import (
     use_bridge_schedule,
 )
 from megatron.bridge.utils.logging import warn_rank0
+from megatron.bridge.utils.process_groups import refuse_together
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +259,40 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         return f.loss if f_schedule_plan.builder.plan.post_process else output["x"]
 
 
+def checked_plan(
+    model: torch.nn.Module, attention_wgrad_window: int, high_priority: bool
+) -> tuple[EPOverlapOptions, McorePlan]:
+    """The options and the plan the hook runs ``model`` with, after every check (no collective).
+
+    Raises:
+        CommOverlapConfigError: When the model config breaks an EP-overlap rule.
+        ValueError: When the plan does not schedule the model (``plan_for``) or the window is not 1 or 2.
+    """
+    config = model.config
+    options = EPOverlapOptions(
+        delay_wgrad=bool(config.delay_wgrad_compute),
+        attention_wgrad_window=attention_wgrad_window,
+        high_priority_comm=high_priority,
+    )
+    use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
+    violations = check_ep_overlap_options(config, options)
+    if violations:
+        raise CommOverlapConfigError(violations)
+    if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
+        raise ValueError(
+            f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "
+            f"overlapped, so the hook cannot let the planner choose; give one of {WGRAD_WINDOWS}"
+        )
+    plan = plan_for(model, delay_wgrad=options.delay_wgrad)
+    if not config.overlap_moe_expert_parallel_comm:
+        warn_rank0(
+            logger,
+            "use_ep_overlap_schedule: overlap_moe_expert_parallel_comm is off, so Megatron-Core never asks for a "
+            "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
+        )
+    return options, plan
+
+
 class EPOverlapPlanBuilder:
     """``build_schedule_plan`` for one GPTModel or HybridModel, or one pipeline chunk (see the module docstring).
 
@@ -267,29 +302,10 @@ class EPOverlapPlanBuilder:
         attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2).
     """
 
-    def __init__(self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1):
-        config = model.config
-        self.options = EPOverlapOptions(
-            delay_wgrad=bool(config.delay_wgrad_compute),
-            attention_wgrad_window=attention_wgrad_window,
-            high_priority_comm=session.high_priority,
-        )
-        use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
-        violations = check_ep_overlap_options(config, self.options)
-        if violations:
-            raise CommOverlapConfigError(violations)
-        self.plan = plan_for(model, delay_wgrad=self.options.delay_wgrad)
-        if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
-            raise ValueError(
-                f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "
-                f"overlapped, so the hook cannot let the planner choose; give one of {WGRAD_WINDOWS}"
-            )
-        if not config.overlap_moe_expert_parallel_comm:
-            warn_rank0(
-                logger,
-                "use_ep_overlap_schedule: overlap_moe_expert_parallel_comm is off, so Megatron-Core never asks for a "
-                "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
-            )
+    def __init__(
+        self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1, checked=None
+    ):
+        self.options, self.plan = checked or checked_plan(model, attention_wgrad_window, session.high_priority)
         self.session = session
         self.shape = ChunkShape.of(self.plan)
         self._step, self._next_microbatch = 0, 0
@@ -348,29 +364,49 @@ class EPOverlapPlanBuilder:
 
 
 def use_ep_overlap_schedule(
-    models: list[torch.nn.Module], *, timeout: timedelta = DEFAULT_TIMEOUT, attention_wgrad_window: int = 1
+    models: list[torch.nn.Module],
+    *,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    attention_wgrad_window: int = 1,
+    full_recompute: tuple[str, int] | None = None,
 ) -> list[torch.nn.Module]:
     """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B then runs this project's layer schedule.
 
     Use it as ``cfg.model.register_pre_wrap_hook(use_ep_overlap_schedule)`` (``functools.partial`` sets the
     keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
-    ``build_schedule_plan``.
+    ``build_schedule_plan``. ``full_recompute=(method, layers)`` sets ``recompute_granularity="full"``,
+    ``recompute_method`` and ``recompute_num_layers`` on the built config first: Megatron-Core's config refuses them
+    with the overlap flag when Bridge builds it from the recipe.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
         ValueError: When the model is outside what the plan supports (another model class, more than one MTP layer,
-            biases, fused residual norms, full recompute, selective recompute of ``moe`` or ``layernorm``, NCCL EP's
-            zero-copy buffers, multimodal rotary positions; the list with what is supported, MTP, tied embeddings,
-            the flex dispatcher and packed sequences among them: ``docs/training/megatron-core-integration.md``).
+            biases, fused residual norms, selective recompute of ``moe`` or ``layernorm``, NCCL EP's zero-copy
+            buffers, multimodal rotary positions; the list with what is supported, MTP, tied embeddings, full
+            recompute, the flex dispatcher and packed sequences among them:
+            ``docs/training/megatron-core-integration.md``), or another rank refused it. Every rank raises, before
+            any collective of the step.
     """
-    config = models[0].config
+    config = models[0].config  # the chunks share it
+    if full_recompute is not None:
+        config.recompute_granularity = "full"
+        config.recompute_method, config.recompute_num_layers = full_recompute
+    high_priority = bool(getattr(config, "high_priority_a2a_comm_stream", False))
+    checked, refusal = [], None
+    try:
+        checked = [checked_plan(model, attention_wgrad_window, high_priority) for model in models]
+    except ValueError as error:  # a CommOverlapConfigError is one
+        refusal = error
+    # A pipeline stage may refuse what another accepts (a chunk's MTP layer): all refuse together, or one would
+    # wait for a peer that is gone.
+    refuse_together(refusal)
     groups = mcore_ep_groups(timeout)
     agree_group = None
     if torch.distributed.is_initialized() and groups.ep_size > 1:
         agree_group, _ = gloo_group_like(groups.ep_group, timeout)
-    session = _RankSession(groups, bool(getattr(config, "high_priority_a2a_comm_stream", False)), agree_group)
-    for model in models:
-        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, attention_wgrad_window=attention_wgrad_window)
+    session = _RankSession(groups, high_priority, agree_group)
+    for model, (options, plan) in zip(models, checked):
+        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, checked=(options, plan))
     return models
 
 
