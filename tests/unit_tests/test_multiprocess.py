@@ -20,9 +20,20 @@ def _steady_progress(rank: int, world: int, steps: int, pause: float) -> int:
 
 
 def test_a_run_that_keeps_reporting_is_never_cut_short():
-    # 3 s of work under a 1 s stall timeout: only silence counts, not duration.
-    outcomes = run_local_ranks(_steady_progress, 2, (6, 0.5), stall_timeout_s=1.0)
-    assert [o.result for o in outcomes] == [6, 6]
+    # 5 s of work under a 2.5 s stall timeout: only silence counts, not duration. A report every 0.5 s leaves 2 s of
+    # margin for a loaded machine (a 1 s timeout failed under load).
+    outcomes = run_local_ranks(_steady_progress, 2, (10, 0.5), stall_timeout_s=2.5)
+    assert [o.result for o in outcomes] == [10, 10]
+
+
+def _slow_start(rank: int) -> None:
+    time.sleep(2.0)  # heavy imports, a slow rendezvous: before the process group is up
+
+
+def test_start_up_is_not_silence():
+    # The stall clock runs once every rank's process group is up: 2 s of start-up under a 1.5 s stall timeout.
+    outcomes = run_local_ranks(_steady_progress, 2, (2, 0.1), stall_timeout_s=1.5, rank_setup=_slow_start)
+    assert [o.result for o in outcomes] == [2, 2]
 
 
 def _stall_after_two_steps(rank: int, world: int) -> None:

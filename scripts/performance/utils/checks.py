@@ -267,8 +267,9 @@ def run_problems(
     for flag, path in (("--json", args.json_path), ("--timeline", args.timeline)):
         if path is not None:
             problems += _output_problems(flag, Path(path))
-    if getattr(args, "profile", None) is not None:
-        problems += _output_problems("--profile", Path(args.profile) / "baseline.json")
+    if getattr(args, "profile", None) is not None:  # one trace per arm (utils/arms.py: DIR/<arm>.json)
+        for arm in ("baseline", "overlap") if args.ab else ("run",):
+            problems += _output_problems("--profile", Path(args.profile) / f"{arm}.json")
     if args.timeline is not None and Path(args.timeline).suffix.lower() not in TIMELINE_FORMATS:
         problems.append(f"--timeline={args.timeline!r}: use a file ending in one of {', '.join(TIMELINE_FORMATS)}")
     return problems

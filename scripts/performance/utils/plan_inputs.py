@@ -203,6 +203,9 @@ def read_measured(path: str) -> MeasuredRun:
         missing = [key for key in ("comm", "compute") if not isinstance(step, dict) or key not in step]
         if missing:
             raise PlanInputError(f"{where}: arms.baseline.records.0[{i}] has no {', '.join(missing)}")
+    problems = record_problems(records, times, warmup, num_layers)
+    if problems:
+        raise PlanInputError(f"{where}: {'; '.join(problems[:3])}; rerun the harness, or correct the file")
     return MeasuredRun(
         records=records[warmup:],
         step_times_s=times[warmup:],
@@ -212,3 +215,51 @@ def read_measured(path: str) -> MeasuredRun:
         first_step=warmup + 1,
         last_step=max_steps,
     )
+
+
+def record_problems(records: list, times: list, warmup: int, num_layers: int) -> list[str]:
+    """What is wrong with the steady steps' numbers: every time finite and not negative, every duration and byte count
+    not negative, every layer inside the model (``num_layers``, which the planner prices), some all-to-all time to
+    hide, and no more layers than the planner prices in bounded time."""
+    from megatron.bridge.training.ep_overlap.planner.simulate import MAX_LAYERS
+
+    if num_layers > MAX_LAYERS:
+        return [f"config.model.num_layers={num_layers}: the planner prices up to {MAX_LAYERS} layers"]
+    problems, comm_s, comm_records = [], 0.0, 0
+    for i, (step, total) in enumerate(zip(records[warmup:], times[warmup:]), start=warmup):
+        where = f"arms.baseline.records.0[{i}]"
+        if not _positive_number(total):
+            problems.append(f"arms.baseline.step_times_s[{i}]={total!r} (give a finite time above 0)")
+        for kind, lowest in (("compute", -1), ("comm", 0)):
+            for j, record in enumerate(step[kind]):
+                problem = _record_problem(record, kind, lowest, num_layers)
+                if problem:
+                    problems.append(f"{where}.{kind}[{j}] {problem}")
+                elif kind == "comm" and not str(record.get("op", "")).endswith("split_exchange"):
+                    comm_s += record["end_s"] - record["start_s"]
+                    comm_records += 1
+    if not problems and comm_records and comm_s <= 0:
+        problems.append("the baseline's all-to-alls took no time at all, so there is nothing to hide")
+    return problems
+
+
+def _record_problem(record, kind: str, lowest: int, num_layers: int) -> str | None:
+    numbers = ("start_s", "end_s") + (("bytes_sent", "bytes_received") if kind == "comm" else ())
+    if not isinstance(record, dict) or any(key not in record for key in (*numbers, "layer")):
+        return f"lacks one of {', '.join((*numbers, 'layer'))}"
+    bad = [f"{key}={record[key]!r}" for key in numbers if not _number_at_least(record[key], 0.0)]
+    if bad:
+        return f"has {', '.join(bad)} (give finite numbers, 0 or more)"
+    if record["end_s"] < record["start_s"]:
+        return f"ends ({record['end_s']!r} s) before it starts ({record['start_s']!r} s)"
+    layer = record["layer"]
+    if not (isinstance(layer, int) and lowest <= layer < num_layers):
+        return (
+            f"is of layer {layer!r}, outside config.model.num_layers={num_layers} (the records and the model must "
+            "agree)"
+        )
+    return None
+
+
+def _number_at_least(value, least: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= least

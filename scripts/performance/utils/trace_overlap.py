@@ -13,20 +13,29 @@ Contract:
       compute.
     * A step is the window of a range whose name matches ``step_pattern`` (torch's ``ProfilerStep#N``, or an NVTX
       ``step N``); with none, the whole trace is one step. Activities are clipped to the window.
+    * Memory copies and sets (a Chrome trace's ``gpu_memcpy``/``gpu_memset``, an nsys export's
+      ``CUPTI_ACTIVITY_KIND_MEMCPY``/``MEMSET``) are neither: they get a figure of their own, in both formats alike.
     * Per step: the union of communication intervals, the union of compute intervals, their intersection (time
       communication ran with compute beside it), the exposed communication (union minus intersection) and the
       concurrent fraction (intersection / communication union, as Megatron-Bridge #5094 reports it). Overlapping,
       nested and touching intervals count once, whichever stream they ran on.
     * Per range name (NVTX, or the host's annotations) where ranges exist: the same figures inside that name's
-      ranges, the numbers in a name (``L3``, ``mb2``) folded so one row stands for every layer and microbatch.
-    * A file that is missing, malformed, empty, or has no communication raises :class:`TraceError`, whose text is
-      the one line to print.
+      ranges (communication and compute both clipped to them), the numbers in a name (``L3``, ``mb2``) folded so one
+      row stands for every layer and microbatch.
+    * The work is linear in the activities (plus a logarithm per step): the unions are built once and each step
+      takes its slice of them.
+    * A file that is missing, malformed (a truncated ``.gz`` too), empty, holds an event whose time is not a finite
+      number or whose duration is negative, or has no communication raises :class:`TraceError`, whose text is the
+      one line to print.
 """
 
+import bisect
 import gzip
 import json
+import math
 import re
 import sqlite3
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +69,7 @@ class Trace:
     activities: list[Activity]
     ranges: list[Activity] = field(default_factory=list)
     device: bool = True  # the activities are device kernels (else host operators)
+    copies: list[Activity] = field(default_factory=list)  # memory copies and sets: neither comm nor compute
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -95,6 +105,18 @@ def clip(intervals: list[tuple[float, float]], window: tuple[float, float]) -> l
     return [(max(a, window[0]), min(b, window[1])) for a, b in intervals if min(b, window[1]) > max(a, window[0])]
 
 
+class Timeline:
+    """A union of intervals (disjoint, sorted) that hands out its part inside a window by bisection."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        self.spans = union(intervals)
+        self._starts = [a for a, _ in self.spans]
+
+    def within(self, window: tuple[float, float]) -> list[tuple[float, float]]:
+        first = max(bisect.bisect_right(self._starts, window[0]) - 1, 0)
+        return clip(self.spans[first : bisect.bisect_left(self._starts, window[1])], window)
+
+
 @dataclass
 class Figures:
     """Seconds of one window: communication union, compute union, both at once, and what they give."""
@@ -102,6 +124,7 @@ class Figures:
     comm_s: float
     compute_s: float
     concurrent_s: float
+    copy_s: float = 0.0  # memory copies and sets
 
     @property
     def exposed_s(self) -> float:
@@ -112,9 +135,9 @@ class Figures:
         return self.concurrent_s / self.comm_s if self.comm_s > 0 else 0.0
 
 
-def figures(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> Figures:
+def figures(comm: list[tuple[float, float]], compute: list[tuple[float, float]], copies=()) -> Figures:
     comm_u, compute_u = union(comm), union(compute)
-    return Figures(length(comm_u), length(compute_u), length(intersect(comm_u, compute_u)))
+    return Figures(length(comm_u), length(compute_u), length(intersect(comm_u, compute_u)), length(union(copies)))
 
 
 def classifier(extra: list[str] = ()):
@@ -150,28 +173,36 @@ def analyze(trace: Trace, extra_comm: list[str] = (), step_pattern: str = STEP_P
     if not steps:
         everything = [(a.start, a.end) for a in trace.activities]
         steps = [Activity("whole trace", min(a for a, _ in everything), max(b for _, b in everything))]
-    named = [r for r in trace.ranges if not step_re.search(r.name)]
+    comm_t, compute_t = Timeline(comm), Timeline(compute)
+    copies_t = Timeline([(a.start, a.end) for a in trace.copies])
+    named = _Ranges([r for r in trace.ranges if not step_re.search(r.name)])
     out = []
     for step in steps:
         window = (step.start, step.end)
-        step_comm, step_compute = clip(comm, window), clip(compute, window)
+        step_comm, step_compute = comm_t.within(window), compute_t.within(window)
         by_range: dict[str, list] = {}
-        for r in named:
-            inside = clip([(r.start, r.end)], window)
-            if inside:
-                by_range.setdefault(_fold(r.name), []).extend(inside)
-        out.append(
-            StepFigures(
-                step.name,
-                window,
-                figures(step_comm, step_compute),
-                {
-                    name: figures(intersect(union(step_comm), union(spans)), step_compute)
-                    for name, spans in sorted(by_range.items())
-                },
-            )
-        )
+        for r in named.overlapping(window):
+            by_range.setdefault(_fold(r.name), []).extend(clip([(r.start, r.end)], window))
+        rows = {}
+        for name, spans in sorted(by_range.items()):
+            inside = union(spans)
+            rows[name] = figures(intersect(step_comm, inside), intersect(step_compute, inside))
+        out.append(StepFigures(step.name, window, figures(step_comm, step_compute, copies_t.within(window)), rows))
     return out
+
+
+class _Ranges:
+    """Named ranges sorted by start, for the ones that overlap a window without scanning them all."""
+
+    def __init__(self, ranges: list[Activity]):
+        self.ranges = sorted(ranges, key=lambda r: r.start)
+        self._starts = [r.start for r in self.ranges]
+        self._longest = max((r.end - r.start for r in self.ranges), default=0.0)
+
+    def overlapping(self, window: tuple[float, float]) -> list[Activity]:
+        first = bisect.bisect_left(self._starts, window[0] - self._longest)
+        last = bisect.bisect_left(self._starts, window[1])
+        return [r for r in self.ranges[first:last] if r.end > window[0]]
 
 
 def _fold(name: str) -> str:
@@ -206,8 +237,9 @@ def _read_chrome(path: str, head: bytes) -> Trace:
     try:
         raw = gzip.open(path).read() if head.startswith(b"\x1f\x8b") else Path(path).read_bytes()
         data = json.loads(raw) if raw.strip() else None
-    except (OSError, ValueError) as exc:
-        raise TraceError(f"{path}: not a Chrome trace (JSON: {exc}); give a torch-profiler trace or an nsys "
+    except (OSError, EOFError, zlib.error, ValueError) as exc:  # a truncated .gz ends in EOFError
+        what = "JSON" if isinstance(exc, ValueError) else "gzip"
+        raise TraceError(f"{path}: not a Chrome trace ({what}: {exc}); give a torch-profiler trace or an nsys "
                          "SQLite export") from None  # fmt: skip
     if data is None:
         raise TraceError(f"{path}: empty; give a torch-profiler trace or an nsys SQLite export")
@@ -220,17 +252,29 @@ def _read_chrome(path: str, head: bytes) -> Trace:
                  for e in complete]  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{path}: an event's ts or dur is not a number ({exc})") from None
-    kernels = [Activity(n, t, t + d) for n, c, t, d in spans if c.lower() in ("kernel", "gpu_memcpy", "gpu_memset")]
+    _check_times(path, ((n, t, t + d) for n, _, t, d in spans))
+    kernels = [Activity(n, t, t + d) for n, c, t, d in spans if c.lower() == "kernel"]
+    copies = [Activity(n, t, t + d) for n, c, t, d in spans if c.lower() in ("gpu_memcpy", "gpu_memset")]
     annotations = [(n, t, d) for n, c, t, d in spans if c.lower() in ("user_annotation", "gpu_user_annotation")]
     # A process group's own work spans (gloo:all_to_all on gloo's worker thread): the transfer itself, not a range.
     work = [Activity(n, t, t + d) for n, t, d in annotations if _WORK.match(n)]
     ranges = [Activity(n, t, t + d) for n, t, d in annotations if not _WORK.match(n)]
     if kernels:
-        return Trace(path, kernels, ranges, device=True)
+        return Trace(path, kernels, ranges, device=True, copies=copies)
     operators = [Activity(n, t, t + d) for n, c, t, d in spans if c.lower() == "cpu_op"]
     if work:  # then the host's c10d:: calls are only the launches of that work
         operators = [a for a in operators if not a.name.startswith("c10d::")] + work
-    return Trace(path, operators, ranges, device=False)
+    return Trace(path, operators, ranges, device=False, copies=copies)
+
+
+def _check_times(path: str, events) -> None:
+    """Refuses the first event whose start or end is not a finite number, or that ends before it starts."""
+    for name, start, end in events:
+        if not (math.isfinite(start) and math.isfinite(end)) or end < start:
+            raise TraceError(
+                f"{path}: the event {name!r} has start {start!r} s and end {end!r} s (a time that is not a finite "
+                "number, or a negative duration); fix: profile again, or drop the broken event"
+            )
 
 
 _WORK = re.compile(r"^(gloo|nccl):")
@@ -248,6 +292,13 @@ def _read_sqlite(path: str) -> Trace:
             Activity(strings.get(name, str(name)), start * 1e-9, end * 1e-9)
             for start, end, name in db.execute("SELECT start, end, shortName FROM CUPTI_ACTIVITY_KIND_KERNEL")
         ]
+        copies = [
+            Activity(table, start * 1e-9, end * 1e-9)
+            for table in ("CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET")
+            if table in tables
+            for start, end in db.execute(f"SELECT start, end FROM {table}")
+        ]
+        _check_times(path, ((a.name, a.start, a.end) for a in kernels + copies))
         ranges = []
         if "NVTX_EVENTS" in tables:
             columns = {row[1] for row in db.execute("PRAGMA table_info(NVTX_EVENTS)")}
@@ -257,7 +308,7 @@ def _read_sqlite(path: str) -> Trace:
                     ranges.append(
                         Activity(text if text is not None else strings.get(tid, ""), start * 1e-9, end * 1e-9)
                     )
-        return Trace(path, kernels, ranges, device=True)
+        return Trace(path, kernels, ranges, device=True, copies=copies)
     except sqlite3.Error as exc:
         raise TraceError(f"{path}: a malformed SQLite export ({exc})") from None
 
@@ -265,11 +316,11 @@ def _read_sqlite(path: str) -> Trace:
 # ---- the report -------------------------------------------------------------------------------------------------
 
 
-def _row(label: str, f: Figures) -> str:
+def _row(label: str, f: Figures, copies: bool = False) -> str:
     return (
         f"{label}: comm {f.comm_s * 1e3:.3f} ms, compute {f.compute_s * 1e3:.3f} ms, concurrent "
         f"{f.concurrent_s * 1e3:.3f} ms, exposed comm {f.exposed_s * 1e3:.3f} ms, concurrent fraction "
-        f"{100 * f.concurrent_fraction:.2f}%"
+        f"{100 * f.concurrent_fraction:.2f}%" + (f", copies {f.copy_s * 1e3:.3f} ms" if copies else "")
     )
 
 
@@ -277,7 +328,7 @@ def report(trace: Trace, steps: list[StepFigures]) -> list[str]:
     kind = "device kernels" if trace.device else "host operators (a CPU trace: see perf-harness.md)"
     lines = [f"{trace.path}: {len(trace.activities)} {kind}, {len(steps)} step(s)"]
     for step in steps:
-        lines.append("  " + _row(step.name, step.total))
+        lines.append("  " + _row(step.name, step.total, copies=bool(trace.copies)))
         lines += ["    " + _row(f"in {name}", f) for name, f in step.by_range.items() if f.comm_s > 0]
     return lines
 

@@ -145,6 +145,16 @@ def test_unwritable_output_is_refused_up_front():
     assert run.stderr.startswith("error: --json='/proc/no/such/dir/ab.json': cannot create its folder")
 
 
+def test_a_profile_folder_whose_overlap_trace_name_is_taken_by_a_folder_is_refused_up_front(tmp_path):
+    """Probe case: with DIR/overlap.json a non-empty folder the pre-run check looked at baseline.json only, and the run
+    exited 0 naming a trace torch had written to overlap.json.tmp."""
+    (tmp_path / "prof" / "overlap.json").mkdir(parents=True)
+    (tmp_path / "prof" / "overlap.json" / "x").write_text("")
+    run = harness(*TINY, "-d", "--ab", "--profile", str(tmp_path / "prof"))
+    assert run.returncode == 2
+    assert run.stderr == f"error: --profile='{tmp_path}/prof/overlap.json': is a folder; give a file name\n"
+
+
 def test_both_spellings_of_the_overlap_flag_follow_one_rule():
     # fp32 is fine for this project's schedule, whether overlap is asked for on the model or through the flag.
     for spelling in (["model.overlap_moe_expert_parallel_comm=true"], ["--moe_a2a_overlap", "true"]):

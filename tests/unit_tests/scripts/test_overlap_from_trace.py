@@ -184,3 +184,97 @@ def test_a_missing_file_and_a_foreign_sqlite_file_are_named(tmp_path):
     sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.commit()
     run = _run(str(other))
     assert run.returncode == 2 and "without CUPTI_ACTIVITY_KIND_KERNEL" in run.stderr
+
+
+def test_a_range_row_counts_the_compute_inside_the_range_only(tmp_path):
+    """Probe case: a 0.4 ms range reported the step's whole compute (0.470 ms); inside it there is 0.150 ms."""
+    events = [
+        _range("ProfilerStep#1", 0, 1000),
+        _kernel("gemm", 0, 470, 7),  # compute before and inside the range
+        _kernel("ncclDevKernel_AllToAll", 320, 400, 9),
+        _range("ep_overlap/F.combine/L0/mb0", 320, 400, "gpu_user_annotation"),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (step,) = analyze(read_trace(str(path)))
+    row = step.by_range["ep_overlap/F.combine/L*/mb*"]
+    assert (row.comm_s, row.compute_s, row.concurrent_s) == pytest.approx((400 * US, 150 * US, 150 * US))
+    assert step.total.compute_s == pytest.approx(470 * US)
+
+
+def _copies_chrome() -> dict:
+    events = json.loads(json.dumps(CHROME))["traceEvents"]
+    events += [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 60, "dur": 20, "pid": 0, "tid": 11},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 75, "dur": 10, "pid": 0, "tid": 11},
+    ]
+    return {"traceEvents": events}
+
+
+def test_copies_are_a_figure_of_their_own_in_both_formats(tmp_path):
+    """Probe case: a Chrome trace counted gpu_memcpy as compute and the SQLite reader ignored copies. Copies at
+    [60, 85) in step 1: 25 us of copies, and the compute and concurrent figures stay the constructed ones."""
+    chrome = tmp_path / "t.json"
+    chrome.write_text(json.dumps(_copies_chrome()))
+    sqlite_path = tmp_path / "t.sqlite"
+    _nsys_export(sqlite_path)
+    db = sqlite3.connect(sqlite_path)
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INTEGER, end INTEGER)")
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_MEMSET (start INTEGER, end INTEGER)")
+    db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (60000, 80000)")
+    db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET VALUES (75000, 85000)")
+    db.commit()
+    db.close()
+    for path in (chrome, sqlite_path):
+        steps = analyze(read_trace(str(path)))
+        steps[0].name, steps[1].name = "ProfilerStep#1", "ProfilerStep#2"
+        _check_known_answer(steps)
+        assert steps[0].total.copy_s == pytest.approx(25 * US) and steps[1].total.copy_s == 0.0
+    run = _run(str(chrome))
+    assert run.returncode == 0 and "copies 0.025 ms" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "ts, dur", [(float("nan"), 5), (0, -3), (float("inf"), 1)], ids=["nan-ts", "negative-dur", "inf-ts"]
+)
+def test_an_event_with_a_broken_time_is_refused_not_dropped(tmp_path, ts, dur):
+    events = [_kernel("ncclDevKernel_AllToAll", 0, 10, 9), _kernel("gemm", ts, dur, 7)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))  # json writes NaN and Infinity, as Python reads them
+    run = _run(str(path))
+    assert run.returncode == 2 and run.stdout == "", run.stdout
+    (line,) = run.stderr.splitlines()
+    assert "the event 'gemm' has start" in line and "fix: " in line
+
+
+def test_a_truncated_gz_trace_gets_one_line_and_status_2(tmp_path):
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(CHROME).encode())[:-30])
+    run = _run(str(path))
+    assert run.returncode == 2 and run.stdout == ""
+    (line,) = run.stderr.splitlines()
+    assert "not a Chrome trace (gzip:" in line
+
+
+def test_the_work_is_linear_in_events_not_steps_times_events(monkeypatch):
+    """Probe case: 500k events and 500 steps took 115 s (each step clipped every event). Counted, not timed: the
+    intervals the step windows visit stay within a few times the events, however many steps there are."""
+    import utils.trace_overlap as trace_overlap
+
+    visited = []
+    original = trace_overlap.clip
+    monkeypatch.setattr(
+        trace_overlap, "clip", lambda intervals, window: visited.append(len(intervals)) or original(intervals, window)
+    )
+    steps, per_step = 200, 20
+    activities, ranges = [], []
+    for k in range(steps):
+        base = 100.0 * k
+        ranges.append(trace_overlap.Activity(f"ProfilerStep#{k}", base, base + 100))
+        ranges.append(trace_overlap.Activity("ep_overlap/F.dispatch/L0/mb0", base + 10, base + 20))
+        for i in range(per_step):
+            name = "nccl_all_to_all" if i % 2 else "gemm"
+            activities.append(trace_overlap.Activity(name, base + 4.0 * i, base + 4.0 * i + 3))
+    result = analyze(trace_overlap.Trace("synthetic", activities, ranges))
+    assert len(result) == steps
+    assert sum(visited) <= 4 * len(activities) + 4 * len(ranges), sum(visited)

@@ -127,7 +127,7 @@ def test_the_minimal_summary_is_accepted(tmp_path):
         ({"status": "stopped by SIGINT", "completed_steps": {}}, "the partial result of a run that stopped by SIGINT"),
         (_baseline(STEP), "no steady baseline step (warmup_steps=1, 1 step record(s))"),
         (_baseline(STEP, {"comm": []}), "arms.baseline.records.0[1] has no compute"),
-        (_baseline(STEP, {"comm": [{}], "compute": []}), "a step record is malformed"),
+        (_baseline(STEP, {"comm": [{}], "compute": []}), "arms.baseline.records.0[1].comm[0] lacks one of start_s"),
         (_with(("config", "train", "num_microbatches"), 0), "malformed: config.train.num_microbatches=0 (give"),
         (_with(("config", "train", "num_microbatches"), -3), "malformed: config.train.num_microbatches=-3"),
         (_with(("config", "train", "num_microbatches"), "4"), "malformed: config.train.num_microbatches='4'"),
@@ -163,3 +163,59 @@ def test_a_measured_run_without_communication_is_refused_not_priced(tmp_path):
     path.write_text(json.dumps(_baseline(silent, silent)))
     (line,) = refused(plan("--from_json", str(path)))
     assert line.startswith("error: no layer moves tokens between ranks")
+
+
+def _step(comm: dict | None = None, compute: dict | None = None) -> dict:
+    return {"comm": [{**STEP["comm"][0], **(comm or {})}], "compute": [{**STEP["compute"][0], **(compute or {})}]}
+
+
+@pytest.mark.parametrize(
+    "step, message",
+    [
+        (_step(comm={"end_s": -0.5}), "comm[0] has end_s=-0.5 (give finite numbers, 0 or more)"),
+        (_step(compute={"start_s": 0.3}), "compute[0] ends (0.2 s) before it starts (0.3 s)"),
+        (_step(comm={"bytes_sent": float("nan")}), "comm[0] has bytes_sent=nan"),
+        (_step(compute={"end_s": float("inf")}), "compute[0] has end_s=inf"),
+        # Probe case: num_layers=1 with records of layer 1 priced half the model.
+        (_step(comm={"layer": 1}), "comm[0] is of layer 1, outside config.model.num_layers=1"),
+        # Probe case: a zero-duration all-to-all gave "h 0.75" beside a speedup of 1.000x.
+        (_step(comm={"end_s": 0.0}), "the baseline's all-to-alls took no time at all, so there is nothing to hide"),
+    ],
+    ids=["negative", "ends-before-start", "nan-bytes", "inf-time", "layer-outside-the-model", "zero-comm"],
+)  # fmt: skip
+def test_every_number_of_a_measured_run_is_checked_before_it_is_priced(tmp_path, step, message):
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(_baseline(step, step)))
+    (line,) = refused(plan("--from_json", str(path)))
+    assert line.startswith(f"error: --from_json={path}: ") and message in line, line
+
+
+@pytest.mark.parametrize("value", [-0.5, 0.0, float("nan")], ids=["negative", "zero", "nan"])
+def test_a_step_time_that_is_not_a_positive_number_is_refused(tmp_path, value):
+    path = tmp_path / "ab.json"
+    summary = _baseline(STEP, STEP)
+    summary["arms"]["baseline"]["step_times_s"] = [0.5, value]
+    path.write_text(json.dumps(summary))
+    (line,) = refused(plan("--from_json", str(path)))
+    assert f"arms.baseline.step_times_s[1]={value!r}" in line
+
+
+def test_more_layers_than_the_planner_prices_in_bounded_time_are_refused_at_once(tmp_path):
+    """Probe case: num_layers=200000 gave no answer within 150 s; now one line, without pricing."""
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(_with(("config", "model", "num_layers"), 200000)))
+    (line,) = refused(plan("--from_json", str(path)))
+    assert "config.model.num_layers=200000: the planner prices up to 256 layers" in line
+
+
+def test_the_library_refuses_what_the_cli_refuses():
+    from megatron.bridge.training.ep_overlap.planner.simulate import MAX_LAYERS, LayerCosts, Link, StepCosts, simulate
+
+    for bad in (0, -1e9, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bandwidth_Bps"):
+            Link(bad)
+    with pytest.raises(ValueError, match="latency_s"):
+        Link(1e9, latency_s=-1.0)
+    costs = StepCosts(layers=(LayerCosts(1.0, 1.0, 1.0, 1.0),) * (MAX_LAYERS + 1), f_tail=0.0, b_head=0.0)
+    with pytest.raises(ValueError, match=f"the planner prices up to {MAX_LAYERS} layers"):
+        simulate(costs, Link(1e9), 4)

@@ -11,6 +11,8 @@ Nothing waits forever, and nothing that makes progress is cut short:
       with :func:`heartbeat` whenever a collective or a compute node finishes (at most twice a second; the
       collective waits of ``process_groups`` and the engine's nodes do). The parent stops the run only when no rank
       has said anything for ``stall_timeout_s``, naming what each rank last finished. There is no wall-clock cap.
+      Start-up is not silence: the stall clock runs once every rank has its process group up (it says so); a rank
+      that never gets there fails itself at the rendezvous's timeout, the collective timeout.
     * A rank that dies is seen within a second, whatever else has happened (another rank's error included), and
       is reported first, with its exit signal; the others are stopped a second later.
     * Ranks ignore SIGINT: the parent decides. Ranks die with the parent (``PR_SET_PDEATHSIG`` on Linux), and
@@ -86,6 +88,7 @@ def report_progress(payload: Any = None) -> None:
 
 
 _HEARTBEAT_S = 0.5
+_STARTED = "its start (process group up)"
 _INTERRUPT_GRACE_S = 0.3
 _last_heartbeat = 0.0
 
@@ -142,6 +145,7 @@ def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, ran
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
+        results.put(("alive", rank, _STARTED))
         value = fn(rank, world, *args)
         results.put(("result", rank, _dumps(value)))
     except BaseException:  # report anything, including KeyboardInterrupt, to the parent
@@ -278,6 +282,7 @@ class _Collector:
         self.outcomes: dict[int, RankOutcome] = {}
         self.progress: dict[int, list] = {rank: [] for rank in range(len(procs))}
         self.last_seen: dict[int, str] = {}
+        self.started: set[int] = set()  # ranks whose process group is up: the stall clock waits for all
         self.died: list[int] = []
         self.last_news, self.stalled, self.give_up_at = time.monotonic(), None, None
 
@@ -294,18 +299,22 @@ class _Collector:
                 kind, rank, payload = self.results.get(timeout=0.2)
             except queue.Empty:
                 self._see_the_dead()
-                if deadline is None and time.monotonic() - self.last_news > self.stall_timeout_s:
-                    self.stalled = time.monotonic() - self.last_news
+                silent = time.monotonic() - self.last_news
+                if deadline is None and len(self.started) == nprocs and silent > self.stall_timeout_s:
+                    self.stalled = silent
                     return
                 continue
             self.last_news = time.monotonic()
             if kind == "alive":
                 self.last_seen[rank] = payload
+                self.started.add(rank)
             elif kind == "progress":
+                self.started.add(rank)
                 self.progress[rank].append(_loads(payload))
                 if self.on_progress is not None:
                     self.on_progress(rank, self.progress[rank][-1])
             elif kind == "result":
+                self.started.add(rank)
                 self.outcomes[rank] = RankOutcome(rank, _loads(payload))
             else:
                 self.outcomes[rank] = RankOutcome(rank, None, payload)

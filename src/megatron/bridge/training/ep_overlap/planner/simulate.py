@@ -25,6 +25,7 @@ Contract:
       the microbatch count and delayed wgrad.
 """
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -98,13 +99,29 @@ class StepCosts:
         )
 
 
+def _finite(value, least: float, strictly: bool = False) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value > least if strictly else value >= least)
+
+
 @dataclass(frozen=True)
 class Link:
-    """One rank's link: bandwidth in bytes/s, latency per all-to-all, and the split-size round trip."""
+    """One rank's link: bandwidth in bytes/s, latency per all-to-all, and the split-size round trip.
+
+    Raises:
+        ValueError: A bandwidth that is not a finite number above 0, or a latency that is negative or not finite.
+    """
 
     bandwidth_Bps: float
     latency_s: float = 0.0
     meta_s: float = 0.0
+
+    def __post_init__(self):
+        if not _finite(self.bandwidth_Bps, 0.0, strictly=True):
+            raise ValueError(f"Link: bandwidth_Bps={self.bandwidth_Bps!r}; give a finite number of bytes/s above 0")
+        for name in ("latency_s", "meta_s"):
+            if not _finite(getattr(self, name), 0.0):
+                raise ValueError(f"Link: {name}={getattr(self, name)!r}; give a finite number of seconds, 0 or more")
 
 
 @dataclass
@@ -296,6 +313,8 @@ class _UnitCharge(NoPipeline):
 # From this many microbatches on, a PP = 1 step only repeats its steady paired step: each more microbatch adds the
 # same time (checked on three counts before it is used; tests compare against simulating every op).
 STEADY_FROM = 16
+# Layers are simulated op by op (about 8 ms per layer and prediction on one core): this bounds a prediction's time.
+MAX_LAYERS = 256
 
 
 def simulate(
@@ -309,6 +328,11 @@ def simulate(
     empty and ``steady_from`` says so. Otherwise every op is simulated."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
+    if len(costs.layers) > MAX_LAYERS:
+        raise ValueError(
+            f"{len(costs.layers)} layers: the planner prices up to {MAX_LAYERS} layers (it simulates every op of "
+            "each; the largest published MoE models have under 100); give the layers of one pipeline stage"
+        )
     if num_microbatches <= STEADY_FROM + 2:
         return _simulate_ops(costs, link, num_microbatches, options)
     a, b, c = (_simulate_ops(costs, link, n, options) for n in range(STEADY_FROM, STEADY_FROM + 3))
