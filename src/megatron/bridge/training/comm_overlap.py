@@ -41,6 +41,7 @@ from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
+    defers_mcore_checks,
     graph_modules,
 )
 from megatron.bridge.utils import versions
@@ -459,7 +460,8 @@ class CommOverlapConfig:
             # Looked up at call time, so code that patches this module's version checks is honoured.
             torch_at_least=lambda minimum: is_torch_min_version(minimum),
             te_at_least=lambda minimum: is_te_min_version(minimum),
-            model_config_built=False,  # Bridge builds the model config after the recipe's setup
+            # a Bridge model provider runs Megatron-Core's own checks after this setup
+            model_config_built=not defers_mcore_checks(model_cfg),
         )
         return cfg, problems
 

@@ -30,6 +30,7 @@ from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
     check_moe_overlap,
+    defers_mcore_checks,
 )
 from megatron.bridge.utils.process_groups import data_parallel_size_of
 
@@ -76,7 +77,8 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
             overlap_moe_expert_parallel_comm=overlap,
             delay_wgrad_compute=delay,
             overlap_grad_reduce=bool(grad_reduce),
-            model_config_built=False,  # Bridge builds the model config after the recipe's setup
+            # a Bridge model provider runs Megatron-Core's own checks after this setup
+            model_config_built=not defers_mcore_checks(model_config),
         )
         if problems:
             raise CommOverlapConfigError(problems)

@@ -198,6 +198,13 @@ def gather_facts(
     return facts
 
 
+def defers_mcore_checks(model_config: Any) -> bool:
+    """Whether Megatron-Core's own checks of ``model_config`` are still to run: a Megatron-Bridge model provider
+    defers its ``TransformerConfig.__post_init__`` to ``finalize()``, which a recipe's ``cfg.validate()`` calls after
+    the recipe's ``comm_overlap.setup``."""
+    return callable(getattr(model_config, "finalize", None))
+
+
 def use_bridge_schedule(model_config: Any) -> Any:
     """Marks ``model_config`` as run by this project's schedule (``EPOverlapEngine``, ``use_ep_overlap_schedule``),
     whose rules apply instead of Megatron-Core's own overlapped schedule's (fp32 is tested bitwise there). The

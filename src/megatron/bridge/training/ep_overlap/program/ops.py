@@ -5,12 +5,17 @@ Contract:
     * An op is ``(kind, name)`` on one unit, at one layer of its chunk or at the chunk's ends (:data:`OPS`, with
       what of its unit it reads and writes); a runner runs it as its method ``<kind>_<name>`` (``Op.method``).
     * A :class:`Window` is ops in host order under a label (what ``--print_schedule`` prints).
+    * The runners' typed protocols are generated from :data:`OPS`: :data:`LayerRunner` (an op at a layer),
+      :data:`ChunkRunner` (at a chunk's ends) and :data:`PlainRunner` (a whole chunk, overlap off), one method each.
+      Every runner (the engine's nodes and plain run, the simulator's and the memory count's charges) is checked
+      against them by a test, so an op added here without a runner fails it.
     * No torch here.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
 
 
 class OpKind(StrEnum):
@@ -69,6 +74,29 @@ OPS: dict[tuple[OpKind, str], tuple[str | None, str | None]] = {
     (OpKind.PLAIN, "forward"): (None, None),
     (OpKind.PLAIN, "backward"): (None, None),
 }
+# The ops at a chunk's ends (run by the unit's runner, not one of its layers'), and a whole chunk's (overlap off).
+CHUNK_END_OPS = frozenset(
+    (kind, name)
+    for kind, name in OPS
+    if name in ("embedding", "recv_activation", "head", "send_activation", "head_bwd", "recv_grad", "embedding_bwd",
+                "send_grad")
+)  # fmt: skip
+PLAIN_OPS = frozenset((kind, name) for kind, name in OPS if kind == OpKind.PLAIN)
+LAYER_OPS = frozenset(OPS) - CHUNK_END_OPS - PLAIN_OPS
+
+
+def runner_protocol(name: str, ops) -> type:
+    """A runtime-checkable protocol with one method ``<kind>_<name>`` per op of ``ops``."""
+
+    def method(self, *args: Any) -> Any: ...
+
+    namespace = {f"{kind}_{op}": method for kind, op in sorted(ops)}
+    return runtime_checkable(type(name, (Protocol,), namespace))
+
+
+LayerRunner = runner_protocol("LayerRunner", LAYER_OPS)
+ChunkRunner = runner_protocol("ChunkRunner", CHUNK_END_OPS)
+PlainRunner = runner_protocol("PlainRunner", PLAIN_OPS)
 
 
 @dataclass(frozen=True)
