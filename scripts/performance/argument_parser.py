@@ -67,7 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
             "stop every rank within seconds; finished steps are kept in --json."
         ),
     )
-    overlap = parser.add_argument_group("overlap")
+    _overlap_flags(parser.add_argument_group("overlap"))
+    model = parser.add_argument_group("model")
+    _model_flags(model)
+    _recompute_flags(model)
+    model.add_argument(
+        "--mtp_num_layers",
+        type=int,
+        default=None,
+        help="multi-token prediction layers of the Megatron-Core model (--model_impl mcore); at most 1 with overlap",
+    )
+    for name in PIPELINE_FLAGS:
+        model.add_argument(f"--{name}", type=int, default=None)
+    train = parser.add_argument_group("training")
+    train.add_argument("-ms", "--max_steps", type=int, default=None)
+    train.add_argument("--micro_batch_size", type=int, default=None)
+    train.add_argument("--num_microbatches", type=int, default=None)
+    train.add_argument("--seed", type=int, default=None)
+
+    run = parser.add_argument_group("run")
+    _run_flags(run)
+    _output_flags(run)
+    return parser
+
+
+def _overlap_flags(overlap) -> None:
     overlap.add_argument(
         "--moe_a2a_overlap",
         type=bool_arg,
@@ -113,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     overlap.add_argument("--cuda_graph_impl", choices=["none", "local", "transformer_engine"], default=None)
 
-    model = parser.add_argument_group("model")
+
+def _model_flags(model) -> None:
     for name in MODEL_INT_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
     model.add_argument("--precision", choices=["fp32", "bf16"], default=None)
@@ -124,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
         "M Mamba, G GDN, + MLA, D DSA; '/' then one MTP depth, e.g. '*E*E/*E'); it sets num_layers. Needs CUDA and "
         "Transformer Engine",
     )
+
+
+def _recompute_flags(model) -> None:
     model.add_argument(
         "--recompute_modules",
         nargs="+",
@@ -155,22 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="full recompute: layers per segment ('uniform'), or recomputed ('block'); given alone it means full "
         "recompute of the first N layers ('block'), as Megatron-Bridge's own harness reads -rl",
     )
-    model.add_argument(
-        "--mtp_num_layers",
-        type=int,
-        default=None,
-        help="multi-token prediction layers of the Megatron-Core model (--model_impl mcore); at most 1 with overlap",
-    )
-    for name in PIPELINE_FLAGS:
-        model.add_argument(f"--{name}", type=int, default=None)
 
-    train = parser.add_argument_group("training")
-    train.add_argument("-ms", "--max_steps", type=int, default=None)
-    train.add_argument("--micro_batch_size", type=int, default=None)
-    train.add_argument("--num_microbatches", type=int, default=None)
-    train.add_argument("--seed", type=int, default=None)
 
-    run = parser.add_argument_group("run")
+def _run_flags(run) -> None:
     run.add_argument("-d", "--dryrun", action="store_true", help="print the resolved config and exit")
     run.add_argument(
         "--ab", action="store_true", help="run baseline (overlap off) and overlap arms, same seed and data"
@@ -201,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="reference",
         help="reference: this project's plain-PyTorch MoE GPT; mcore: a Megatron-Core GPTModel (needs CUDA)",
     )
+
+
+def _output_flags(run) -> None:
     run.add_argument(
         "--link_gbps", type=float, default=None, help="emulate a G Gbit/s link between local ranks (root)"
     )
@@ -217,7 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
         "trace to DIR/<arm>.json (excluded from every statistic; read it with overlap_from_trace.py)",
     )
     run.add_argument("overrides", nargs="*", help="Hydra-style section.field=value overrides")
-    return parser
 
 
 def parse_cli_args(argv: list[str] | None = None) -> argparse.Namespace:

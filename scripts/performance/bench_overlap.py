@@ -24,7 +24,9 @@ from argument_parser import parse_cli_args  # noqa: E402
 from utils.quiet import quiet_third_party_imports  # noqa: E402
 
 with quiet_third_party_imports():
-    from utils.ab_run import Progress, build_recipe, plan_arms, run_local, specs_for, summarize
+    from utils.ab_summary import summarize
+    from utils.harness_config import arms_of, build_recipe
+    from utils.launch import Progress, run_local, specs_for
 from utils.stats import format_ci, median_ci, step_series  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def measure(link_gbps: float, steps: int, microbatches: int, extra: list[str]) -
         + ["--link_gbps", str(link_gbps), *extra]
     )
     recipe = build_recipe(args)
-    specs = specs_for(plan_arms(recipe, args), recipe, "cpu")
+    specs = specs_for(arms_of(recipe, args), recipe, "cpu")
     results = run_local(specs, args, "cpu", Progress(echo=False))
     summary = summarize(results, recipe, args, "cpu", args.nproc_per_node)
     warmup = recipe.train.warmup_steps

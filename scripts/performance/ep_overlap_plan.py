@@ -54,25 +54,12 @@ def _line(label: str, comparison) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from utils.plan_inputs import PlanInputError, flag_problems, model_layout, read_measured
     from utils.quiet import quiet_third_party_imports
 
     with quiet_third_party_imports():
         from megatron.bridge.training.ep_overlap import planner
-        from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-        from megatron.bridge.training.ep_overlap.planner import cost_model
 
-    problems = flag_problems(args, cost_model.SHAPES[args.model].num_experts if args.model else None)
-    if not problems and args.from_json:
-        try:
-            run = read_measured(args.from_json)
-            costs, link = planner.costs_from_records(
-                run.records, run.step_times_s, args.link_gbps or run.link_gbps, run.num_layers
-            )
-        except PlanInputError as exc:
-            problems.append(str(exc))
-        except (KeyError, TypeError, ValueError) as exc:
-            problems.append(f"--from_json={args.from_json}: a step record is malformed ({exc!r}); rerun the harness")
+    problems, run = _measured_inputs(args)
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -82,46 +69,78 @@ def main(argv: list[str] | None = None) -> int:
 
         print(cluster_table())
         return 0
-    if args.from_json:
-        n = run.num_microbatches
-    else:
-        layout = cost_model.Layout(*model_layout(args))
-        recompute = frozenset(args.recompute_modules or ())
-        shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
-        costs, link = cost_model.costs_from_model(shape, layout, profile, recompute)
-        n = layout.num_microbatches
+    costs, link, n, heading = run if args.from_json else _model_inputs(args)
     try:
         first = planner.predict(costs, link, n)
     except ValueError as exc:  # what the costs cannot price (no communication at all), before any figure
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.from_json:
-        print(f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})")
-    else:
-        print(f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}")
-        from utils.plan_table import activation_peaks_gib
-
-        plain, overlap, delayed, edges = activation_peaks_gib(shape, layout, recompute)
-        print(
-            "activations held per rank (all layers, balanced routing; an estimate"
-            + (f", recomputing {' '.join(sorted(recompute))}: at most this" if recompute else "")
-            + f"): plain {plain:.1f} GiB, overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge "
-            f"pairing {edges:.1f}"
-        )
+    print(heading)
     print(f"link: {link.bandwidth_Bps / 1e9:.3f} GB/s effective, {link.latency_s * 1e6:.0f} us per all-to-all")
+    _print_predictions(planner, costs, link, n, first, args.microbatches)
+    return 0
+
+
+def _measured_inputs(args) -> tuple[list[str], tuple | None]:
+    """The flags' problems and, with --from_json, the measured run's (costs, link, microbatches, heading)."""
+    from utils.plan_inputs import PlanInputError, flag_problems, read_measured
+
+    from megatron.bridge.training.ep_overlap import planner
+    from megatron.bridge.training.ep_overlap.planner import cost_model
+
+    problems = flag_problems(args, cost_model.SHAPES[args.model].num_experts if args.model else None)
+    if problems or not args.from_json:
+        return problems, None
+    try:
+        run = read_measured(args.from_json)
+        costs, link = planner.costs_from_records(
+            run.records, run.step_times_s, args.link_gbps or run.link_gbps, run.num_layers
+        )
+    except PlanInputError as exc:
+        return [str(exc)], None
+    except (KeyError, TypeError, ValueError) as exc:
+        return [f"--from_json={args.from_json}: a step record is malformed ({exc!r}); rerun the harness"], None
+    heading = f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})"
+    return [], (costs, link, run.num_microbatches, heading)
+
+
+def _model_inputs(args) -> tuple:
+    """A published shape's (costs, link, microbatches, heading), the heading with its activation memory."""
+    from utils.plan_inputs import model_layout
+    from utils.plan_table import activation_peaks_gib
+
+    from megatron.bridge.training.ep_overlap.planner import cost_model
+
+    layout = cost_model.Layout(*model_layout(args))
+    recompute = frozenset(args.recompute_modules or ())
+    shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
+    costs, link = cost_model.costs_from_model(shape, layout, profile, recompute)
+    plain, overlap, delayed, edges = activation_peaks_gib(shape, layout, recompute)
+    heading = (
+        f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}\n"
+        "activations held per rank (all layers, balanced routing; an estimate"
+        + (f", recomputing {' '.join(sorted(recompute))}: at most this" if recompute else "")
+        + f"): plain {plain:.1f} GiB, overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge "
+        f"pairing {edges:.1f}"
+    )
+    return costs, link, layout.num_microbatches, heading
+
+
+def _print_predictions(planner, costs, link, n: int, first, microbatches) -> None:
+    from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+
     print(_line(f"{n} microbatches", first))
     for window in (1, 2):
         comparison = planner.predict(costs, link, n, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=window))
         print(_line(f"{n} microbatches, delayed wgrad, attention wgrad in window {window}", comparison))
-    counts = args.microbatches or [c for c in DEFAULT_COUNTS if c <= max(n, 1) * 4]
-    best = planner.best_plan(costs, link, counts)[0]
+    counts = microbatches or [c for c in DEFAULT_COUNTS if c <= max(n, 1) * 4]
+    best = planner.best_choice(costs, link, counts)[0]
     print(
         f"best of {counts}: {best.num_microbatches} microbatches"
         + (f", delayed wgrad, attention wgrad in window {best.wgrad_window}" if best.delay_wgrad else "")
         + " "
         f"({best.overlap.step_s / best.num_microbatches:.3f} s per microbatch overlapped, speedup {best.speedup:.3f}x)"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     config = spec.model
     if not parallel_state.model_parallel_is_initialized():
@@ -124,7 +124,7 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
     torch.manual_seed(spec.train.seed)
     model_parallel_cuda_manual_seed(spec.train.seed)
     model = build_mcore_model(config, torch.device("cuda", torch.cuda.current_device()))
-    return plan_for(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
+    return chunk_for(model, delay_wgrad=spec.options.delay_wgrad), mcore_ep_groups(timeout)
 
 
 def step_line(report: dict, max_steps: int) -> str:

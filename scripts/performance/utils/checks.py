@@ -264,6 +264,12 @@ def run_problems(
             "--model_impl=mcore runs Megatron-Core layers, which need CUDA (on CPU they run only under the test "
             "fixture); use --model_impl reference, or a host with a GPU"
         )
+    return problems + _outputs_problems(args)
+
+
+def _outputs_problems(args: Any) -> list[str]:
+    """Every output path the run will write, tried now (``_output_problems``)."""
+    problems = []
     for flag, path in (("--json", args.json_path), ("--timeline", args.timeline)):
         if path is not None:
             problems += _output_problems(flag, Path(path))

@@ -35,70 +35,79 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
             "give microbatch counts of 1 or more",
         ),
     ]
-    if args.from_json or args.table:
-        source = "--from_json" if args.from_json else "--table"
-        for flag in ("gpus", "ep", "global_batch"):
-            rows.append(
-                (
-                    getattr(args, flag) is not None,
-                    f"--{flag}",
-                    getattr(args, flag),
-                    f"applies to --model only ({source} takes the layout from "
-                    + ("the measured run" if args.from_json else "its own rows")
-                    + "): drop it",
-                )
-            )
-        if args.table:
-            rows.append((args.link_gbps is not None, "--link_gbps", args.link_gbps, "applies to --from_json: drop it"))
+    rows += _source_rows(args) if args.from_json or args.table else _model_rows(args, num_experts)
+    return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+
+
+def _source_rows(args) -> list[tuple]:
+    """The rows of a --from_json or --table run: the flags that apply to --model only."""
+    rows = []
+    source = "--from_json" if args.from_json else "--table"
+    for flag in ("gpus", "ep", "global_batch"):
         rows.append(
             (
-                args.recompute_modules is not None,
-                "--recompute_modules",
-                args.recompute_modules,
-                f"applies to --model ({source}: "
-                + ("the measured records include it" if args.from_json else "the table is without recompute")
+                getattr(args, flag) is not None,
+                f"--{flag}",
+                getattr(args, flag),
+                f"applies to --model only ({source} takes the layout from "
+                + ("the measured run" if args.from_json else "its own rows")
                 + "): drop it",
             )
         )
-    else:
-        gpus, ep, batch = model_layout(args)
-        rows += [
-            (
-                args.link_gbps is not None,
-                "--link_gbps",
-                args.link_gbps,
-                "applies to --from_json; with --model the link is --profile's: drop it",
-            ),
-            (gpus <= 0, "--gpus", gpus, "give 1 or more GPUs"),
-            (ep <= 0, "--ep", ep, "give an expert-parallel size of 2 or more"),
-            (
-                ep == 1,
-                "--ep",
-                ep,
-                "expert-parallel size 1 moves no tokens between ranks, so there is nothing to overlap: give 2 or more",
-            ),
-            (
-                gpus > 0 and ep > 0 and gpus % ep != 0,
-                "--ep",
-                ep,
-                f"must divide --gpus={gpus} (EP groups tile the data-parallel ranks): pick one of "
-                f"{[d for d in range(1, gpus + 1) if gpus % d == 0]}",
-            ),
-            (
-                ep > 0 and num_experts is not None and num_experts % ep != 0,
-                "--ep",
-                ep,
-                f"must divide the model's {num_experts} experts (each rank holds the same number): pick one of "
-                f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0 and (gpus <= 0 or gpus % d == 0)]}",
-            ),
-            (
-                gpus > 0 and (batch <= 0 or batch % gpus != 0),
-                "--global_batch",
-                batch,
-                f"give a positive multiple of --gpus={gpus} (every data-parallel rank gets whole sequences)",
-            ),
-        ]
-    return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+    if args.table:
+        rows.append((args.link_gbps is not None, "--link_gbps", args.link_gbps, "applies to --from_json: drop it"))
+    rows.append(
+        (
+            args.recompute_modules is not None,
+            "--recompute_modules",
+            args.recompute_modules,
+            f"applies to --model ({source}: "
+            + ("the measured records include it" if args.from_json else "the table is without recompute")
+            + "): drop it",
+        )
+    )
+    return rows
+
+
+def _model_rows(args, num_experts: int | None) -> list[tuple]:
+    """The rows of a --model prediction: its layout against the model."""
+    gpus, ep, batch = model_layout(args)
+    return [
+        (
+            args.link_gbps is not None,
+            "--link_gbps",
+            args.link_gbps,
+            "applies to --from_json; with --model the link is --profile's: drop it",
+        ),
+        (gpus <= 0, "--gpus", gpus, "give 1 or more GPUs"),
+        (ep <= 0, "--ep", ep, "give an expert-parallel size of 2 or more"),
+        (
+            ep == 1,
+            "--ep",
+            ep,
+            "expert-parallel size 1 moves no tokens between ranks, so there is nothing to overlap: give 2 or more",
+        ),
+        (
+            gpus > 0 and ep > 0 and gpus % ep != 0,
+            "--ep",
+            ep,
+            f"must divide --gpus={gpus} (EP groups tile the data-parallel ranks): pick one of "
+            f"{[d for d in range(1, gpus + 1) if gpus % d == 0]}",
+        ),
+        (
+            ep > 0 and num_experts is not None and num_experts % ep != 0,
+            "--ep",
+            ep,
+            f"must divide the model's {num_experts} experts (each rank holds the same number): pick one of "
+            f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0 and (gpus <= 0 or gpus % d == 0)]}",
+        ),
+        (
+            gpus > 0 and (batch <= 0 or batch % gpus != 0),
+            "--global_batch",
+            batch,
+            f"give a positive multiple of --gpus={gpus} (every data-parallel rank gets whole sequences)",
+        ),
+    ]
 
 
 def _positive_number(value) -> bool:
@@ -134,6 +143,37 @@ def read_measured(path: str) -> MeasuredRun:
             reads; the message names the file and what is missing.
     """
     where = f"--from_json={path}"
+    need = _reader(_load_summary(path, where), where)
+    pipeline = need("config", "model").get("pipeline_model_parallel_size") or 1
+    if pipeline > 1:
+        raise PlanInputError(
+            f"{where}: a pipelined run (pipeline_model_parallel_size={pipeline}); the planner simulates PP = 1: "
+            "use an A/B run without pipeline flags"
+        )
+    if need("config", "model").get("expert_model_parallel_size") == 1:
+        raise PlanInputError(
+            f"{where}: a run with expert_model_parallel_size=1 moves no tokens between ranks, so there is nothing "
+            "to overlap: use an A/B run with EP 2 or more"
+        )
+    warmup, max_steps = need("config", "train", "warmup_steps"), need("config", "train", "max_steps")
+    num_microbatches, num_layers = need("config", "train", "num_microbatches"), need("config", "model", "num_layers")
+    link_gbps = need("config").get("link_gbps")
+    _check_fields(where, warmup, max_steps, num_microbatches, num_layers, link_gbps)
+    records, times = need("arms", "baseline", "records", "0"), need("arms", "baseline", "step_times_s")
+    _check_records(where, records, times, warmup, num_layers)
+    return MeasuredRun(
+        records=records[warmup:],
+        step_times_s=times[warmup:],
+        link_gbps=link_gbps,
+        num_layers=num_layers,
+        num_microbatches=num_microbatches,
+        first_step=warmup + 1,
+        last_step=max_steps,
+    )
+
+
+def _load_summary(path: str, where: str) -> dict:
+    """The file's JSON object, when it is a finished run's output."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -150,6 +190,11 @@ def read_measured(path: str) -> MeasuredRun:
             f"{where}: the partial result of a run that {summary.get('status', 'did not finish')}; "
             "the planner needs a finished run's output: rerun the harness"
         )
+    return summary
+
+
+def _reader(summary: dict, where: str):
+    """``need(*keys)``: the value at that path of ``summary``, or an error naming the first key that is missing."""
 
     def need(*keys: str):
         value = summary
@@ -161,20 +206,10 @@ def read_measured(path: str) -> MeasuredRun:
             value = value[key]
         return value
 
-    pipeline = need("config", "model").get("pipeline_model_parallel_size") or 1
-    if pipeline > 1:
-        raise PlanInputError(
-            f"{where}: a pipelined run (pipeline_model_parallel_size={pipeline}); the planner simulates PP = 1: "
-            "use an A/B run without pipeline flags"
-        )
-    if need("config", "model").get("expert_model_parallel_size") == 1:
-        raise PlanInputError(
-            f"{where}: a run with expert_model_parallel_size=1 moves no tokens between ranks, so there is nothing "
-            "to overlap: use an A/B run with EP 2 or more"
-        )
-    warmup, max_steps = need("config", "train", "warmup_steps"), need("config", "train", "max_steps")
-    num_microbatches, num_layers = need("config", "train", "num_microbatches"), need("config", "model", "num_layers")
-    link_gbps = need("config").get("link_gbps")
+    return need
+
+
+def _check_fields(where: str, warmup, max_steps, num_microbatches, num_layers, link_gbps) -> None:
     fields = {
         "config.train.warmup_steps": (warmup, _whole(warmup, 0), "a whole number of 0 or more"),
         "config.train.max_steps": (max_steps, _whole(max_steps, 1), "a whole number of 1 or more"),
@@ -193,7 +228,9 @@ def read_measured(path: str) -> MeasuredRun:
     bad = [f"{name}={value!r} (give {what})" for name, (value, ok, what) in fields.items() if not ok]
     if bad:
         raise PlanInputError(f"{where}: malformed: {'; '.join(bad)}; rerun the harness, or correct the file")
-    records, times = need("arms", "baseline", "records", "0"), need("arms", "baseline", "step_times_s")
+
+
+def _check_records(where: str, records, times, warmup: int, num_layers: int) -> None:
     if not isinstance(records, list) or not isinstance(times, list) or len(records) <= warmup:
         raise PlanInputError(
             f"{where}: no steady baseline step (warmup_steps={warmup}, {len(records)} step record(s)); "
@@ -206,15 +243,6 @@ def read_measured(path: str) -> MeasuredRun:
     problems = record_problems(records, times, warmup, num_layers)
     if problems:
         raise PlanInputError(f"{where}: {'; '.join(problems[:3])}; rerun the harness, or correct the file")
-    return MeasuredRun(
-        records=records[warmup:],
-        step_times_s=times[warmup:],
-        link_gbps=link_gbps,
-        num_layers=num_layers,
-        num_microbatches=num_microbatches,
-        first_step=warmup + 1,
-        last_step=max_steps,
-    )
 
 
 def record_problems(records: list, times: list, warmup: int, num_layers: int) -> list[str]:

@@ -12,7 +12,7 @@ import ep_overlap_plan
 import pytest
 import torch
 from argument_parser import parse_cli_args
-from utils import ab_run, checks, netns
+from utils import ab_run, checks, harness_config, netns
 from utils.arms import arm_order, build_mcore_model
 from utils.checks import run_problems
 from utils.overrides import (
@@ -36,7 +36,7 @@ TINY = [
 
 def recipe_from(argv):
     args = parse_cli_args(argv)
-    return ab_run.build_recipe(args)
+    return harness_config.build_recipe(args)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_moe_a2a_overlap_false_turns_off_what_the_recipe_enabled(monkeypatch):
         recipe.comm_overlap.delay_wgrad_compute = True
         return recipe
 
-    monkeypatch.setattr(ab_run, "small_moe_recipe", recipe_with_everything_on)
+    monkeypatch.setattr(harness_config, "small_moe_recipe", recipe_with_everything_on)
     recipe = recipe_from(["--moe_a2a_overlap", "false"])
     assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is False
     assert recipe.comm_overlap.delay_wgrad_compute is False
@@ -211,7 +211,7 @@ def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
     from datetime import timedelta
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     from ..training.ep_overlap.fake_deepep import dispatcher_names, install_fake_deepep
     from ..training.ep_overlap.mcore_cpu import init_megatron, install_cpu_stubs
@@ -222,7 +222,7 @@ def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
     init_megatron(world)
     torch.manual_seed(0)
     model = build_mcore_model(config, "cpu")
-    engine = EPOverlapEngine(plan_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
+    engine = EPOverlapEngine(chunk_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
     gen = torch.Generator().manual_seed(rank)
     data = [tuple(torch.randint(0, config.vocab_size, (2, 2, config.seq_length), generator=gen)) for _ in range(3)]
     engine.step(data)

@@ -37,10 +37,11 @@ from megatron.bridge.training.comm_overlap_values import (
     comm_overlap_value_violations,
     explicit_values,
 )
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
-    check_moe_overlap,
     defers_mcore_checks,
     graph_modules,
 )
@@ -452,17 +453,17 @@ class CommOverlapConfig:
                     "use a model config derived from Megatron-Core's TransformerConfig.",
                 )
             )
-        problems += check_moe_overlap(
+        options = EPOverlapOptions(overlap=cfg.overlap_moe_expert_parallel_comm, delay_wgrad=cfg.delay_wgrad_compute)
+        problems += resolve(
             model_cfg,
-            overlap_moe_expert_parallel_comm=cfg.overlap_moe_expert_parallel_comm,
-            delay_wgrad_compute=cfg.delay_wgrad_compute,
+            options,
             overlap_grad_reduce=overlap_grad_reduce,
             # Looked up at call time, so code that patches this module's version checks is honoured.
             torch_at_least=lambda minimum: is_torch_min_version(minimum),
             te_at_least=lambda minimum: is_te_min_version(minimum),
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_cfg),
-        )
+        ).violations
         return cfg, problems
 
     def _keep_explicit(

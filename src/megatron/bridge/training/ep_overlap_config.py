@@ -26,10 +26,11 @@ from megatron.bridge.training.comm_overlap_values import (
     comm_overlap_value_violations,
     explicit_values,
 )
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
-    check_moe_overlap,
     defers_mcore_checks,
 )
 from megatron.bridge.utils.process_groups import data_parallel_size_of
@@ -72,14 +73,13 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
             kept.get("overlap_grad_reduce"),
             distributed and self.data_parallel_size > 1,
         )
-        problems += check_moe_overlap(
+        problems += resolve(
             model_config,
-            overlap_moe_expert_parallel_comm=overlap,
-            delay_wgrad_compute=delay,
+            EPOverlapOptions(overlap=overlap, delay_wgrad=delay),
             overlap_grad_reduce=bool(grad_reduce),
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_config),
-        )
+        ).violations
         if problems:
             raise CommOverlapConfigError(problems)
         requested = {flag: getattr(user, flag) for flag in MOE_FLAGS}

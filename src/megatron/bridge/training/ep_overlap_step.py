@@ -10,7 +10,7 @@ Contract:
       ``overlap_moe_expert_parallel_comm`` on, and runs them through :class:`EPOverlapEngine` (checking the same
       rules as ``CommOverlapConfig.setup``); otherwise it runs the plain path. Either way the gradients are
       accumulated and synchronized, and the loss of every microbatch is returned.
-    * ``model`` is a reference ``MoEGPTModel`` or a :class:`~megatron.bridge.training.ep_overlap.mcore.McoreGPTPlan`.
+    * ``model`` is a reference ``MoEGPTModel`` or a :class:`~megatron.bridge.training.ep_overlap.mcore.McoreGPTChunk`.
       ``state`` is accepted for signature compatibility with Bridge and not read.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megatron.bridge.training.ep_overlap.engine import StepResult
-from megatron.bridge.training.ep_overlap.placement import EPOverlapEngine
+from megatron.bridge.training.ep_overlap.engine.ep_overlap_engine import EPOverlapEngine
 from megatron.bridge.utils.process_groups import EPGroups
 
 

@@ -196,40 +196,15 @@ def run_local_ranks(
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     init_method = f"tcp://{master_addr}:{free_port()}"
+    worker_args = (backend, init_method, collective_timeout_s, threads_per_rank, rank_setup, results, os.getpid())
     procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                fn,
-                rank,
-                nprocs,
-                args,
-                backend,
-                init_method,
-                collective_timeout_s,
-                threads_per_rank,
-                rank_setup,
-                results,
-                os.getpid(),
-            ),
-            daemon=True,
-        )
-        for rank in range(nprocs)
+        ctx.Process(target=_worker, args=(fn, rank, nprocs, args, *worker_args), daemon=True) for rank in range(nprocs)
     ]
     for proc in procs:
         proc.start()
     run = _Collector(procs, results, stall_timeout_s, collective_timeout_s, on_progress, _SignalsAtSafePoints())
     try:
-        try:
-            run.collect()
-        except KeyboardInterrupt:
-            if finish_after_interrupt is None:
-                raise
-            # What the ranks sent just before the interrupt may still be in the queue: read it (briefly) first.
-            run.collect(deadline=time.monotonic() + _INTERRUPT_GRACE_S, until=finish_after_interrupt)
-            if not finish_after_interrupt():
-                raise
-            run.collect(deadline=time.monotonic() + collective_timeout_s)  # every step is done: let them return
+        _collect_all(run, finish_after_interrupt, collective_timeout_s)
     finally:
         # A signal that came after the last read is not lost, unless the ranks are done and it asked them to finish.
         finished = len(run.outcomes) == nprocs and finish_after_interrupt is not None and finish_after_interrupt()
@@ -240,6 +215,21 @@ def run_local_ranks(
         failed = sum(1 for o in ordered if o.error)
         raise RankFailure(ordered, f"{failed} of {nprocs} ranks failed", run.progress, first=run.died)
     return ordered
+
+
+def _collect_all(run: "_Collector", finish_after_interrupt, collective_timeout_s: float) -> None:
+    """Every rank's outcome; an interrupt stops the ranks, unless ``finish_after_interrupt()`` says they only have
+    to return (then they may)."""
+    try:
+        run.collect()
+    except KeyboardInterrupt:
+        if finish_after_interrupt is None:
+            raise
+        # What the ranks sent just before the interrupt may still be in the queue: read it (briefly) first.
+        run.collect(deadline=time.monotonic() + _INTERRUPT_GRACE_S, until=finish_after_interrupt)
+        if not finish_after_interrupt():
+            raise
+        run.collect(deadline=time.monotonic() + collective_timeout_s)  # every step is done: let them return
 
 
 class _SignalsAtSafePoints:

@@ -218,7 +218,7 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
 
     install_cpu_stubs()
     init_megatron(2, pp, 2 if pp > 1 else None)
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTChunk, mcore_ep_groups
 
     from .mcore_models import McoreCase, build_gpt
     from .test_mcore_pipeline import build_plans
@@ -228,7 +228,7 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))
 
     def build():
-        return build_plans(case, pp, 2) if pp > 1 else McoreGPTPlan(build_gpt(case))
+        return build_plans(case, pp, 2) if pp > 1 else McoreGPTChunk(build_gpt(case))
 
     return _engine_orders(groups, microbatch_counts, combinations, build, vocab=64, shape=(2, 8))
 

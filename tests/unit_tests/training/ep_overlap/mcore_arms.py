@@ -5,7 +5,7 @@ each way does to the model's modules (quantization contexts, graph replays, conf
     mcore    Megatron-Core's driver with overlap on, running Megatron-Core's own schedule plan (``GPTModel`` only:
              0.19 has no plan for ``HybridModel``)
     hook     Megatron-Core's driver with overlap on, running this project's plan (``use_ep_overlap_schedule``)
-    engine   this project's engine, overlapped (``EPOverlapEngine(plan_for(model))``)
+    engine   this project's engine, overlapped (``EPOverlapEngine(chunk_for(model))``)
 
 ``run_arm`` builds a fresh model per arm, lets ``prepare(model)`` set config fields and install spies before any
 driver sees the model, and runs ``case.steps`` steps; at PP 2 x VPP 2 (``pipeline=True``) the driver is Megatron-Core's
@@ -63,7 +63,7 @@ def run_arm(arm: str, case: McoreCase, *, prepare=None, pipeline: bool = False, 
     losses per step (None off the last stage; the engine's are normalized by the step's tokens), the gradients of
     the last step, and the chunks."""
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for, use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
     models = _chunks(case, pipeline)
     config = models[0].config  # shared by the chunks
@@ -78,7 +78,7 @@ def run_arm(arm: str, case: McoreCase, *, prepare=None, pipeline: bool = False, 
     if arm == "hook":
         use_ep_overlap_schedule(models, timeout=TIMEOUT)
     if arm == "engine":
-        plans = [plan_for(model, delay_wgrad=case.delay_wgrad) for model in models]
+        plans = [chunk_for(model, delay_wgrad=case.delay_wgrad) for model in models]
         engine = EPOverlapEngine(
             plans if pipeline else plans[0],
             mcore_ep_groups(TIMEOUT),

@@ -255,7 +255,7 @@ def engine_step_events(
     options = dict(options)
     forward_only = options.pop("forward_only")
     chosen = EPOverlapOptions(**options)
-    if chosen.attention_wgrad_window is None:  # placement.py: plain first, unless nothing is delayed
+    if chosen.attention_wgrad_window is None:  # EPOverlapEngine: plain first, unless nothing is delayed
         auto_first = chosen.overlap and chosen.delay_wgrad and not forward_only
         chosen = replace(chosen, overlap=False) if auto_first else replace(chosen, attention_wgrad_window=1)
     shapes, numbers = rank_chunks(layer_freq, pipeline_size, pipeline_rank)

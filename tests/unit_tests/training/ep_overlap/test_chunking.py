@@ -9,7 +9,7 @@ import pytest
 from megatron.bridge.models.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
-from megatron.bridge.training.moe_overlap_rules import check_ep_overlap_options
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.multiprocess import RankFailure, run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
@@ -33,10 +33,10 @@ def _problems(config=None, micro_batch_size=2, pipeline=1, **options) -> list[st
         pipeline_model_parallel_size=pipeline, virtual_pipeline_model_parallel_size=2 if pipeline > 1 else None
     )
     model |= config or {}
-    violations = check_ep_overlap_options(
+    violations = resolve(
         SimpleNamespace(**model), EPOverlapOptions(**({"moe_ep_overlap_chunks": 2} | options)),
         micro_batch_size=micro_batch_size,
-    )  # fmt: skip
+    ).violations  # fmt: skip
     return [str(v) for v in violations if v.name.startswith("chunks")]
 
 

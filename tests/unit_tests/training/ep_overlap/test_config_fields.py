@@ -133,7 +133,7 @@ def _activation_peaks(rank: int, world: int, module: str) -> dict:
     from dataclasses import replace
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     from .mcore_arms import _data
 
@@ -144,7 +144,7 @@ def _activation_peaks(rank: int, world: int, module: str) -> dict:
     for recompute in ((), (module,)):
         case = replace(RECOMPUTED[module], recompute=recompute)
         for overlap in (False, True):
-            engine = EPOverlapEngine(plan_for(build_model(case)), groups, overlap=overlap, attention_wgrad_window=1)
+            engine = EPOverlapEngine(chunk_for(build_model(case)), groups, overlap=overlap, attention_wgrad_window=1)
             peaks[(bool(recompute), overlap)] = engine.step(_data(case, 0)).activation_peak_bytes
     return peaks
 

@@ -66,10 +66,10 @@ def test_steps_without_zeroing_sum_the_steps_own_gradients_with_data_parallel_re
 def _mcore(rank: int, world: int) -> dict:
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, mcore_ep_groups
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTChunk, mcore_ep_groups
 
     model = build_gpt(McoreCase())
-    engine = EPOverlapEngine(McoreGPTPlan(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
+    engine = EPOverlapEngine(McoreGPTChunk(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
     data = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)

@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[4]
 EP_OVERLAP = ROOT / "src/megatron/bridge/training/ep_overlap"
 MODEL = ROOT / "src/megatron/bridge/models/moe_gpt"
 # What needs no torch: the program, the planner, and what they import.
-TORCH_FREE = ("program", "planner", "options.py", "contract.py", "intervals.py", "segments.py")
+TORCH_FREE = (
+    "program", "planner", "options.py", "contract.py", "intervals.py", "segments.py", "settings.py",
+    "storage_count.py",
+)  # fmt: skip
 
 
 def _imports(path: Path) -> list[str]:
@@ -78,6 +81,7 @@ MODEL_MAY_IMPORT = (
     "megatron.bridge.training.ep_overlap.contract",
     "megatron.bridge.training.ep_overlap.loss_scales",
     "megatron.bridge.training.ep_overlap.segments",  # which layers full recompute replays: the model's plain path too
+    "megatron.bridge.training.ep_overlap.settings",  # the resolved options and rules, as every consumer reads them
 )
 
 

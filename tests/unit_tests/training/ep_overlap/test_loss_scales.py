@@ -79,10 +79,10 @@ def _driver_then_ddp(case: McoreCase, rank: int) -> list[dict]:
 
 def _engine(case: McoreCase, rank: int) -> list[dict]:
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     model = build_gpt(case)
-    engine = EPOverlapEngine(plan_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
+    engine = EPOverlapEngine(chunk_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
     steps = []
     for step in range(case.steps):
         model.zero_grad(set_to_none=True)

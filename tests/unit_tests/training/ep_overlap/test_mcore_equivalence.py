@@ -38,7 +38,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
     CheckpointFunction.backward = staticmethod(lambda ctx, *grads: recomputed.append(1) or backward(ctx, *grads))
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     groups = mcore_ep_groups(timedelta(seconds=30))
     out = {}
@@ -47,7 +47,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
     for arm in ("plain", "overlap", "overlap_edges", "plain_units", "overlap_chunks"):
         model = build_model(case)
         overlap = not arm.startswith("plain")
-        plan = plan_for(model, delay_wgrad=case.delay_wgrad and overlap)
+        plan = chunk_for(model, delay_wgrad=case.delay_wgrad and overlap)
         mtp_scales = []  # what the step ran with (finish_step puts back what it found)
         start_step = plan.start_step
         plan.start_step = lambda loss=None, start=start_step, seen=mtp_scales: (

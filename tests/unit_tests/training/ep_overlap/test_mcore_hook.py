@@ -190,34 +190,34 @@ class _NotAMegatronModel(torch.nn.Module):
 def refuse_model(rank: int, world: int, kind: str) -> dict:
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap.mcore import McoreGPTPlan, plan_for, use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import McoreGPTChunk, chunk_for, use_ep_overlap_schedule
 
     from .mcore_models import build_hybrid
 
     if kind == "mrope":
-        model, plan = build_gpt(McoreCase()), plan_for
+        model, plan = build_gpt(McoreCase()), chunk_for
         model.position_embedding_type = "mrope"  # multimodal rotary positions
     elif kind == "mtp-two-layers":
-        model, plan = build_gpt(McoreCase(mtp=True)), plan_for
+        model, plan = build_gpt(McoreCase(mtp=True)), chunk_for
         model.config.mtp_num_layers = 2
     elif kind == "hybrid-mtp-depths-unset":
-        model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), plan_for
+        model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), chunk_for
         model.config.mtp_num_layers = None
     elif kind == "recompute-moe":
-        model, plan = build_gpt(McoreCase()), plan_for
+        model, plan = build_gpt(McoreCase()), chunk_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
     elif kind == "full-recompute-mtp-uniform2":
-        model, plan = build_gpt(McoreCase(mtp=True)), plan_for
+        model, plan = build_gpt(McoreCase(mtp=True)), chunk_for
         model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
         model.config.recompute_num_layers = 2
     elif kind == "ncclep-zero-copy":
         install_fake_deepep()
-        model, plan = build_gpt(McoreCase(dispatcher="flex")), plan_for
+        model, plan = build_gpt(McoreCase(dispatcher="flex")), chunk_for
         model.config.moe_flex_dispatcher_backend, model.config.moe_ncclep_zero_copy = "ncclep", True
     elif kind == "other":
-        model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), plan_for
+        model, plan = _NotAMegatronModel(build_gpt(McoreCase()).config), chunk_for
     else:  # a HybridModel handed to the GPT plan by name
-        model, plan = build_hybrid(HybridCase()), McoreGPTPlan
+        model, plan = build_hybrid(HybridCase()), McoreGPTChunk
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
     if kind in ("hybrid-as-gpt", "recompute-moe", "mtp-two-layers", "full-recompute-mtp-uniform2"):
         # the hook picks the plan by class; its rules refuse 'moe' recompute, two MTP layers and uniform 2 with MTP
@@ -242,7 +242,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
-        ("hybrid-as-gpt", "HybridModel: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
+        ("hybrid-as-gpt", "HybridModel: McoreGPTChunk runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
         # Megatron-Core's MTP layer checkpoints its depth as one segment only with recompute_num_layers=1
         ("full-recompute-mtp-uniform2", "recompute_num_layers=2 with recompute_method='uniform' and an MTP layer"),
     ],

@@ -49,14 +49,14 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
     """This rank's chunks (one per virtual stage; the whole model at PP = 1), as plans with the shared weights."""
     from megatron.core import parallel_state
 
-    from megatron.bridge.training.ep_overlap.mcore import plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for
 
     from .mcore_models import build_hybrid
 
     if isinstance(case, HybridCase):
         stages = range(vpp) if pp > 1 else [None]
         plans = [
-            plan_for(
+            chunk_for(
                 build_hybrid(
                     case,
                     pp=pp,
@@ -76,7 +76,7 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
 def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     from megatron.core import parallel_state
 
-    from megatron.bridge.training.ep_overlap.mcore import plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for
 
     pipeline = dict(
         pipeline_model_parallel_size=pp,
@@ -94,7 +94,7 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
         )
-        plans.append(plan_for(model))
+        plans.append(chunk_for(model))
     set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())
     return plans
 

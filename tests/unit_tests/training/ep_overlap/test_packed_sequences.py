@@ -126,13 +126,13 @@ def train_packed_engine(rank: int, world: int, case: McoreCase) -> dict:
     install_cpu_stubs()
     init_megatron(world)
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     groups = mcore_ep_groups(timedelta(seconds=30))
     out = {}
     for arm in ("plain", "overlap", "plain_unpacked"):
         model = build_model(case)
-        engine = EPOverlapEngine(plan_for(model), groups, overlap=arm == "overlap")
+        engine = EPOverlapEngine(chunk_for(model), groups, overlap=arm == "overlap")
         losses, grads = [], []
         for step in range(2):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -174,10 +174,10 @@ def _refused(rank: int, world: int, kind: str) -> str:
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     rows, packed = (2, packed_params()) if kind == "rows" else (1, PackedSeqParams(qkv_format="sbhd"))
-    engine = EPOverlapEngine(plan_for(build_model(McoreCase(packed=True))), mcore_ep_groups(timedelta(seconds=30)),
+    engine = EPOverlapEngine(chunk_for(build_model(McoreCase(packed=True))), mcore_ep_groups(timedelta(seconds=30)),
                              overlap=True)  # fmt: skip
     tokens = torch.zeros(rows, SEQ, dtype=torch.long)
     try:

@@ -21,7 +21,7 @@ def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
     install_cpu_stubs()
     init_megatron(2, tensor=layout.get("tensor", 1), context=layout.get("context", 1))
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.mcore import mcore_ep_groups, plan_for, use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
     model = build_model(McoreCase(config=(("tensor_model_parallel_size", layout.get("tensor", 1)),)))
     # Set after the build: the local norm refuses sequence parallelism and the local attention context parallelism
@@ -31,7 +31,7 @@ def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
     model.config.overlap_moe_expert_parallel_comm = True
     try:
         if how == "engine":
-            EPOverlapEngine(plan_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
+            EPOverlapEngine(chunk_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
         else:
             use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
     except ValueError as error:

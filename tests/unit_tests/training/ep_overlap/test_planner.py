@@ -10,7 +10,7 @@ from megatron.bridge.training.ep_overlap.planner import (
     LayerCosts,
     Link,
     StepCosts,
-    best_plan,
+    best_choice,
     costs_from_records,
     predict,
     simulate,
@@ -88,7 +88,7 @@ def test_delayed_wgrad_fills_the_dispatch_backward_window():
     costs = StepCosts(layers=(layer, layer), f_tail=0, b_head=0)
     plain, delayed = predict(costs, Link(1e9), 8), predict(costs, Link(1e9), 8, EPOverlapOptions(delay_wgrad=True))
     assert delayed.overlap.step_s < plain.overlap.step_s
-    assert best_plan(costs, Link(1e9), [4, 8])[0].delay_wgrad is True
+    assert best_choice(costs, Link(1e9), [4, 8])[0].delay_wgrad is True
 
 
 def test_attention_wgrad_goes_where_the_window_is_comm_bound():
@@ -99,7 +99,7 @@ def test_attention_wgrad_goes_where_the_window_is_comm_bound():
         predict(costs, Link(1e9), 8, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=w)) for w in (1, 2)
     )
     assert window2.overlap.step_s < window1.overlap.step_s
-    best = best_plan(costs, Link(1e9), [8])[0]
+    best = best_choice(costs, Link(1e9), [8])[0]
     assert (best.delay_wgrad, best.wgrad_window) == (True, 2)
 
 

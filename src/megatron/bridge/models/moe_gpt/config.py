@@ -9,7 +9,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.bridge.models.moe_gpt.recompute import RECOMPUTABLE
 from megatron.bridge.models.moe_gpt.router_losses import LOAD_BALANCING
-from megatron.bridge.training.ep_overlap.segments import full_recompute_problems
 
 
 @dataclass
@@ -45,7 +44,7 @@ class MoEGPTConfig(TransformerConfig):
     # The reference model has no dropout; zero also keeps a Megatron-Core model built from this config deterministic.
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # Which EP-overlap schedule runs this model; the rules differ (see training/moe_overlap_rules.py).
+    # Which EP-overlap schedule runs this model; the rules differ (see training/moe_overlap_rules/).
     ep_overlap_schedule: str = "bridge"
     # For a Megatron-Core HybridModel built from this config (the harness's --model_impl mcore); the reference
     # model refuses it (model_feature_problems).
@@ -286,8 +285,20 @@ def model_feature_problems(config: MoEGPTConfig) -> list[str]:
         for field, wanted, why, fix in _FEATURE_RULES
         if wanted(config)
     ]
-    named += full_recompute_problems(config)
+    named += _recompute_problems(config)
     return named + _unimplemented(config)  # the rules' fields are in READ or ELSEWHERE: no field is named twice
+
+
+def _recompute_problems(config: MoEGPTConfig) -> list[str]:
+    """The full-recompute fields that name no segments (the rules' lines, as field=value: why; fix)."""
+    from megatron.bridge.training.ep_overlap.settings import resolve
+
+    return [
+        f"{key.split('.', 1)[1]}={value!r}: {v.message.rstrip('.')}; fix: {v.fix}"
+        for v in resolve(config).violations
+        if v.name in ("full_recompute_method", "full_recompute_num_layers")
+        for key, value in v.values.items()
+    ]
 
 
 def router_problems(config: MoEGPTConfig) -> list[str]:
@@ -297,3 +308,21 @@ def router_problems(config: MoEGPTConfig) -> list[str]:
         for field, wrong, why, fix in _ROUTER_RULES
         if wrong(config)
     ]
+
+
+def refuse_unbuildable(config: MoEGPTConfig, ep_size: int) -> None:
+    """Raises ValueError naming what the reference model cannot build for ``config`` on ``ep_size`` EP ranks."""
+    if ep_size != config.expert_model_parallel_size:
+        raise ValueError(
+            f"expert_model_parallel_size={config.expert_model_parallel_size} but the EP group has {ep_size} ranks"
+        )
+    if config.add_bias_linear:
+        raise ValueError("the reference MoE GPT has no biases; set add_bias_linear=False")
+    problems = model_feature_problems(config)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if config.num_moe_experts and config.moe_token_dispatcher_type != "alltoall":
+        raise ValueError(
+            f"the reference MoE GPT implements the alltoall token dispatcher only, not "
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}; use the Megatron-Core model for flex"
+        )

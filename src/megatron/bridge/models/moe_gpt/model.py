@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from megatron.bridge.models.moe_gpt import recompute
 from megatron.bridge.models.moe_gpt.attention import Attention, Linear, activation, norm
-from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, model_feature_problems, router_problems
+from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, refuse_unbuildable, router_problems
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
 from megatron.bridge.models.moe_gpt.router_losses import RouterLosses
 from megatron.bridge.models.moe_gpt.token_dispatcher import (
@@ -63,7 +63,7 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
 )
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
-from megatron.bridge.training.ep_overlap.segments import recompute_segments
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
@@ -94,50 +94,55 @@ class TransformerLayer(LayerHooks, torch.nn.Module):
         self.router_losses = None
         self.expert_bias_E = self.tokens_per_expert_E = None
         if self.is_moe:
-            E, ep = config.num_moe_experts, groups.ep_size
-            if E % ep:
-                raise ValueError(f"{name}: num_moe_experts={E} is not divisible by expert_model_parallel_size={ep}")
-            self.num_experts, self.topk = E, config.moe_router_topk
-            self.pre_softmax = config.moe_router_pre_softmax
-            if not 1 <= self.topk <= E:
-                raise ValueError(f"{name}: moe_router_topk={self.topk} must be between 1 and num_moe_experts={E}")
-            self.score_function = config.moe_router_score_function
-            problems = router_problems(config)
-            if problems:
-                raise ValueError(f"{name}: " + "; ".join(problems))
-            # Aux-loss-free load balancing: a per-expert bias added to the scores for choosing experts only, moved
-            # after each training step toward the experts that got fewer tokens (update_router_biases). Kept in
-            # fp32 whatever the model dtype, as Megatron-Core does, so small updates are not rounded away.
-            self.bias_update_rate = config.moe_router_bias_update_rate
-            if config.moe_router_enable_expert_bias:
-                del self.expert_bias_E, self.tokens_per_expert_E  # plain attributes until now; buffers from here
-                self.register_buffer("expert_bias_E", torch.zeros(E, dtype=torch.float32))
-                self.register_buffer("tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
-            Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
-            self.fc2_in = Fe
-            self.router = torch.nn.Linear(D, E, bias=False)
-            self.router_losses = RouterLosses.of(config)
-            expert_linear = functools.partial(
-                make_expert_linear,
-                use_transformer_engine=config.moe_grouped_gemm,
-                delay_wgrad=config.delay_wgrad_compute,
-                dtype=config.activation_dtype(),
-            )
-            self.fc1 = expert_linear(E // ep, D, 2 * Fe if self.gated else Fe, name=f"{name}.experts.fc1")
-            self.fc2 = expert_linear(E // ep, Fe, D, name=f"{name}.experts.fc2")
-            for param in self.fc1.group_weights + self.fc2.group_weights:
-                param.allreduce = False
-            # Shared experts (Megatron-Core's SharedExpertMLP): an MLP every token goes through, on the same norm
-            # output as the router; their output is added to the routed experts' before the residual.
-            Fs = config.moe_shared_expert_intermediate_size
-            if Fs:
-                self.shared_fc1 = Linear(D, 2 * Fs if self.gated else Fs, name=f"{name}.shared_experts.fc1")
-                self.shared_fc2 = Linear(Fs, D, name=f"{name}.shared_experts.fc2")
-            self.has_shared_experts = bool(Fs)
+            self._build_experts(config, groups)
         else:
             Fd = config.ffn_hidden_size
             self.fc1 = Linear(D, 2 * Fd if self.gated else Fd, name=f"{name}.mlp.fc1")
             self.fc2 = Linear(Fd, D, name=f"{name}.mlp.fc2")
+
+    def _build_experts(self, config: MoEGPTConfig, groups: EPGroups) -> None:
+        """An MoE layer's router, routed experts (and their bias, losses) and shared experts."""
+        name, D = self.name, config.hidden_size
+        E, ep = config.num_moe_experts, groups.ep_size
+        if E % ep:
+            raise ValueError(f"{name}: num_moe_experts={E} is not divisible by expert_model_parallel_size={ep}")
+        self.num_experts, self.topk = E, config.moe_router_topk
+        self.pre_softmax = config.moe_router_pre_softmax
+        if not 1 <= self.topk <= E:
+            raise ValueError(f"{name}: moe_router_topk={self.topk} must be between 1 and num_moe_experts={E}")
+        self.score_function = config.moe_router_score_function
+        problems = router_problems(config)
+        if problems:
+            raise ValueError(f"{name}: " + "; ".join(problems))
+        # Aux-loss-free load balancing: a per-expert bias added to the scores for choosing experts only, moved
+        # after each training step toward the experts that got fewer tokens (update_router_biases). Kept in
+        # fp32 whatever the model dtype, as Megatron-Core does, so small updates are not rounded away.
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        if config.moe_router_enable_expert_bias:
+            del self.expert_bias_E, self.tokens_per_expert_E  # plain attributes until now; buffers from here
+            self.register_buffer("expert_bias_E", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+        Fe = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        self.fc2_in = Fe
+        self.router = torch.nn.Linear(D, E, bias=False)
+        self.router_losses = RouterLosses.of(config)
+        expert_linear = functools.partial(
+            make_expert_linear,
+            use_transformer_engine=config.moe_grouped_gemm,
+            delay_wgrad=config.delay_wgrad_compute,
+            dtype=config.activation_dtype(),
+        )
+        self.fc1 = expert_linear(E // ep, D, 2 * Fe if self.gated else Fe, name=f"{name}.experts.fc1")
+        self.fc2 = expert_linear(E // ep, Fe, D, name=f"{name}.experts.fc2")
+        for param in self.fc1.group_weights + self.fc2.group_weights:
+            param.allreduce = False
+        # Shared experts (Megatron-Core's SharedExpertMLP): an MLP every token goes through, on the same norm
+        # output as the router; their output is added to the routed experts' before the residual.
+        Fs = config.moe_shared_expert_intermediate_size
+        if Fs:
+            self.shared_fc1 = Linear(D, 2 * Fs if self.gated else Fs, name=f"{name}.shared_experts.fc1")
+            self.shared_fc2 = Linear(Fs, D, name=f"{name}.shared_experts.fc2")
+        self.has_shared_experts = bool(Fs)
 
     # ---- node functions (the interface the EP-overlap schedule drives; see training/ep_overlap/contract.py) ----
 
@@ -319,21 +324,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
     ):
         super().__init__()
         groups = groups or single_process_groups()
-        if groups.ep_size != config.expert_model_parallel_size:
-            raise ValueError(
-                f"expert_model_parallel_size={config.expert_model_parallel_size} but the EP group has "
-                f"{groups.ep_size} ranks"
-            )
-        if config.add_bias_linear:
-            raise ValueError("the reference MoE GPT has no biases; set add_bias_linear=False")
-        problems = model_feature_problems(config)
-        if problems:
-            raise ValueError("; ".join(problems))
-        if config.num_moe_experts and config.moe_token_dispatcher_type != "alltoall":
-            raise ValueError(
-                f"the reference MoE GPT implements the alltoall token dispatcher only, not "
-                f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}; use the Megatron-Core model for flex"
-            )
+        refuse_unbuildable(config, groups.ep_size)
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_numbers = list(range(config.num_layers)) if layer_numbers is None else list(layer_numbers)
@@ -342,7 +333,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
             self.word_embeddings = torch.nn.Embedding(config.vocab_size, D)
             self.position_embeddings = torch.nn.Embedding(config.seq_length, D)
         self.layers = torch.nn.ModuleList(TransformerLayer(config, i, groups) for i in self.layer_numbers)
-        self.recompute_segments = recompute_segments(config, len(self.layers))
+        self.recompute_segments = resolve(config).segments(len(self.layers))
         if post_process:
             self.final_ln = norm(config, D)
             self.output_layer = torch.nn.Linear(D, config.vocab_size, bias=False)

@@ -4,8 +4,9 @@ Contract:
     * ``recompute_granularity="selective"`` with ``recompute_modules`` (Megatron-Core's field) picks what each
       layer recomputes in backward instead of keeping: ``layernorm`` (the attention and MLP norms), ``core_attn``
       (scaled dot-product attention), ``moe_act`` (the experts' activation), ``mlp`` (a dense layer's MLP), ``moe``
-      (a MoE layer's experts: sort, grouped GEMMs, activation, unsort). Anything else, full recompute and layer
-      recompute (``recompute_method``, ``recompute_num_layers``) are refused by ``config.model_feature_problems``.
+      (a MoE layer's experts: sort, grouped GEMMs, activation, unsort). Any other module is refused by
+      ``config.model_feature_problems``. Full recompute (``recompute_granularity="full"``) is not this module's:
+      the model cuts its layers into segments (``settings.Settings.segments``) and the schedule replays them.
     * A recomputed part keeps only its inputs, saved as its own (so ``engine/saved.py`` counts them); its backward
       runs its forward again, then its backward. Inside the overlapped schedule that happens in the node's backward,
       in the window the program gives that node, beside the other microbatch's all-to-all.

@@ -12,7 +12,7 @@ _NAMES = {
     "layer_step": "program.steps",
     "program": "program.steps",
     "EPOverlapOptions": "options",
-    "EPOverlapEngine": "placement",
+    "EPOverlapEngine": "engine.ep_overlap_engine",
     "StepResult": "engine",
     "StepRecorder": "engine",
     "StepStats": "engine",

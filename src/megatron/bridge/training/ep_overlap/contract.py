@@ -162,7 +162,7 @@ class ChunkHooks:
         whose attention reads the document boundaries. By default refused: the model must run THD itself."""
         raise ValueError(
             f"{type(self).__name__}: packed (THD) microbatches need a model whose attention runs them; fix: pad the "
-            "sequences and pass (tokens, labels), or run a Megatron-Core model (ep_overlap.mcore.plan_for)"
+            "sequences and pass (tokens, labels), or run a Megatron-Core model (ep_overlap.mcore.chunk_for)"
         )
 
 

@@ -1,8 +1,8 @@
 """The EP-overlap schedule's options, in one frozen object (no torch here).
 
 Every consumer takes the same object: the engine, the planner, the program, the harness and the Megatron-Core hook.
-What may not be combined is refused by the rules table (``moe_overlap_rules.check_ep_overlap_options``), one line per
-problem with its fix, the same line wherever it is checked.
+What may not be combined is refused by the rules table: ``settings.resolve`` checks a model config with these options
+(one line per problem with its fix, the same line wherever it is checked).
 """
 
 from dataclasses import dataclass

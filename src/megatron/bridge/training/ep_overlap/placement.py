@@ -1,8 +1,9 @@
-"""The engine users build: :class:`EPOverlapEngine`, which also lets the planner place the delayed attention wgrad.
+"""Where the delayed attention wgrad goes, chosen by the planner from a plain step's records (``EPOverlapEngine``'s
+``attention_wgrad_window=None``).
 
 Contract:
-    * ``EPOverlapEngine`` is the engine (``engine/driver.py``) plus one thing: ``attention_wgrad_window=None``
-      (auto, PP = 1). Its first training step then runs the plain path, which is bitwise the same step (overlap
+    * With ``attention_wgrad_window=None`` (auto, PP = 1) ``EPOverlapEngine``'s first training step runs the plain
+      path, which is bitwise the same step (overlap
       changes no number) and whose records are exactly the planner's per-window costs (the link is fitted to that
       step's all-to-alls). The planner simulates the overlapped step with the attention wgrad in window 1 and in
       window 2, and every later step runs the faster one: the window reaches the engine as a value.
@@ -13,13 +14,12 @@ Contract:
 """
 
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.training.ep_overlap.engine import Engine, StepRecorder, StepResult
-from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, step_by_wgrad_window
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
@@ -65,28 +65,3 @@ def choose_wgrad_window(
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         logger.info("EP overlap: %s", placement.describe())
     return placement
-
-
-class EPOverlapEngine(Engine):
-    """Runs training steps with the EP-overlap schedule (see :class:`Engine`); ``attention_wgrad_window=None``
-    lets the planner place the delayed attention wgrad (see the module docstring)."""
-
-    def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
-        super().__init__(model, groups, options, **fields)
-        self.placement: WgradPlacement | None = None
-        if self.options.attention_wgrad_window is None and not (self.options.overlap and self.options.delay_wgrad):
-            self.options = replace(self.options, attention_wgrad_window=WGRAD_WINDOWS[0])
-
-    def step(self, microbatches, *, forward_only: bool = False) -> StepResult:
-        if forward_only or self.options.attention_wgrad_window is not None:
-            return super().step(microbatches, forward_only=forward_only)
-        start = time.perf_counter()
-        result = self._step(microbatches, replace(self.options, overlap=False), forward_only=False)
-        device = next(self.chunks[0].parameters()).device
-        overlapped = replace(self.options, launch_off_host=self.launches_off_host(device))
-        self.placement = choose_wgrad_window(
-            result.recorder, time.perf_counter() - start, len(microbatches), len(self.chunks[0].layers),
-            self.groups, device, overlapped, self.shapes[0].segments,
-        )  # fmt: skip
-        self.options = replace(self.options, attention_wgrad_window=self.placement.window)
-        return result

@@ -76,7 +76,6 @@ __all__ = [
     "CommOverlapConfigError",
     "Rule",
     "Violation",
-    "check_ep_overlap_options",
     "check_moe_overlap",
     "defers_mcore_checks",
     "gather_facts",
@@ -131,17 +130,3 @@ def check_moe_overlap(
         for rule in rules
         if rule.applies(facts) and not rule.holds(facts)
     ]
-
-
-def check_ep_overlap_options(
-    model_config: Any, options: Any, *, micro_batch_size: int | None = None
-) -> list[Violation]:
-    """Every rule for running this project's schedule with ``options`` (an ``EPOverlapOptions``) on ``model_config``:
-    what the engine, the harness and the Megatron-Core hook check, with the same lines."""
-    return check_moe_overlap(
-        model_config,
-        overlap_moe_expert_parallel_comm=options.overlap,
-        delay_wgrad_compute=options.delay_wgrad,
-        options=options,
-        micro_batch_size=micro_batch_size,
-    )

@@ -10,8 +10,8 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     TE_AT_LEAST,
     TE_GROUPED_GEMM,
     Rule,
-    delay_on,
-    delay_with_te,
+    delay_wgrad_on,
+    delay_wgrad_with_te,
     graph_scope_needs_te_wgrad,
 )
 
@@ -20,7 +20,7 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     Rule(
         "delay_wgrad_needs_overlap",
         (DELAY_WGRAD, OVERLAP),
-        delay_on,
+        delay_wgrad_on,
         lambda f: f[OVERLAP],
         "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute: the EP overlap layer step schedules "
         "the delayed wgrad.",
@@ -29,7 +29,7 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     Rule(
         "delay_wgrad_grad_reduce_te",
         (OVERLAP_GRAD_REDUCE, TE),
-        lambda f: delay_with_te(f) and f[OVERLAP_GRAD_REDUCE],
+        lambda f: delay_wgrad_with_te(f) and f[OVERLAP_GRAD_REDUCE],
         lambda f: f[TE_AT_LEAST]("2.7.0"),
         "TE version >= 2.7.0 is required for overlap_grad_reduce when using delay_wgrad_compute" + NO_TE_NOTE,
         "upgrade transformer-engine to >= 2.7.0, or set overlap_grad_reduce=False.",
@@ -37,7 +37,7 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     Rule(
         "delay_wgrad_grad_fusion_te",
         ("model.gradient_accumulation_fusion", TE),
-        lambda f: delay_with_te(f) and f["model.gradient_accumulation_fusion"],
+        lambda f: delay_wgrad_with_te(f) and f["model.gradient_accumulation_fusion"],
         lambda f: f[TE_AT_LEAST]("2.7.0"),
         "TE version >= 2.7.0 is required for gradient_accumulation_fusion when using delay_wgrad_compute" + NO_TE_NOTE,
         "upgrade transformer-engine to >= 2.7.0, or set gradient_accumulation_fusion=False.",

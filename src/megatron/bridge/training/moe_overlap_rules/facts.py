@@ -248,11 +248,11 @@ def full_recompute(f: Mapping[str, Any]) -> bool:
     return bridge_schedule(f) and f["model.recompute_granularity"] == "full"
 
 
-def delay_on(f: Mapping[str, Any]) -> bool:
+def delay_wgrad_on(f: Mapping[str, Any]) -> bool:
     return f[DELAY_WGRAD]
 
 
-def delay_with_te(f: Mapping[str, Any]) -> bool:
+def delay_wgrad_with_te(f: Mapping[str, Any]) -> bool:
     return f[DELAY_WGRAD] and f[GROUPED_GEMM] == TE_GROUPED_GEMM
 
 

@@ -13,6 +13,13 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     mcore_schedule,
 )
 
+
+def names_segments(f) -> bool:
+    """Full recompute that this project's schedule, the reference model or the engine's plain path cuts into
+    segments (with or without the overlap): its fields must say which."""
+    return f[SCHEDULE] != "mcore" and f["model.recompute_granularity"] == "full"
+
+
 RECOMPUTE_RULES: tuple[Rule, ...] = (
     Rule(
         "no_full_recompute",
@@ -53,18 +60,17 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
     Rule(
         "full_recompute_method",
         ("model.recompute_method",),
-        full_recompute,
+        names_segments,
         lambda f: f["model.recompute_method"] in ("uniform", "block"),
-        "full recompute replays segments of recompute_num_layers layers ('uniform') or the first "
-        "recompute_num_layers layers ('block').",
+        "full recompute replays 'uniform' segments or the first layers ('block').",
         "set recompute_method='uniform' (or 'block').",
     ),
     Rule(
         "full_recompute_num_layers",
         ("model.recompute_num_layers",),
-        full_recompute,
+        names_segments,
         lambda f: type(f["model.recompute_num_layers"]) is int and f["model.recompute_num_layers"] >= 1,
-        "full recompute needs the number of layers per segment ('uniform') or recomputed ('block').",
+        "full recompute needs the layers per segment ('uniform') or the number of layers recomputed ('block').",
         "set a positive integer, e.g. recompute_num_layers=1.",
     ),
     Rule(

@@ -27,7 +27,7 @@ Contract:
     * Options come in one :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, checked by the
       rules table when the engine is built: what it refuses raises the same :class:`CommOverlapConfigError` that
       ``CommOverlapConfig.setup``, the harness and the Megatron-Core hook raise. The attention-wgrad window is a
-      value here; ``EPOverlapEngine`` (``placement.py``) lets the planner choose it.
+      value here; ``EPOverlapEngine`` (``ep_overlap_engine.py``) lets the planner choose it.
     * The loss of a step is the sum of token cross-entropies over every microbatch of every rank, divided by the
       number of tokens that count (``inputs.py``); only the last pipeline stage has losses.
     * With delayed wgrad every deferred weight gradient runs once, within its own microbatch's backward, where the
@@ -57,7 +57,7 @@ from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, check_ep_overlap_options
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.process_groups import EPGroups
 
 
@@ -131,9 +131,7 @@ class Engine:
         options = options or EPOverlapOptions(**fields)
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         config = self.chunks[0].config
-        violations = check_ep_overlap_options(config, options)  # the options first: they need only the config
-        if violations:
-            raise CommOverlapConfigError(violations)
+        self.settings = resolve(config, options).checked()  # the options first: they need only the config
         check_contract(self.chunks)
         problems = [problem for chunk in self.chunks[:1] for problem in chunk.engine_problems()]
         if problems:

@@ -17,10 +17,12 @@ import threading
 import torch
 
 from megatron.bridge.training.ep_overlap.contract import DiscardedStorage, WeightGradStore
+from megatron.bridge.training.ep_overlap.storage_count import Count
 
 
 class SavedActivations:
-    """Counts what is held for backward while active (a context manager around a step's ops).
+    """Counts what is held for backward while active (a context manager around a step's ops), in the planner's
+    :class:`~megatron.bridge.training.ep_overlap.planner.holds.Count` (the one count of bytes held).
 
     Args:
         parameters: The model's parameters, whose storages are never counted.
@@ -29,10 +31,15 @@ class SavedActivations:
     def __init__(self, parameters):
         self._parameters = {self._key(p) for p in parameters}
         self._lock = threading.Lock()
-        self._holders: dict[tuple, int] = {}  # storage -> how many saved/queued tensors hold it
-        self._sizes: dict[tuple, int] = {}
-        self._discarded: set[tuple] = set()  # held storages a model freed for now (their bytes not counted)
-        self.current_bytes = self.peak_bytes = 0
+        self._count = Count()
+
+    @property
+    def current_bytes(self) -> int:
+        return self._count.current
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._count.peak
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
@@ -55,7 +62,7 @@ class SavedActivations:
     def holds(self, t: torch.Tensor) -> bool:
         """Whether a tensor saved for backward (or queued for a wgrad) shares ``t``'s storage."""
         with self._lock:
-            return bool(self._holders.get(self._key(t)))
+            return bool(self._count.holders.get(self._key(t)))
 
     # ---- WeightGradStore observer -------------------------------------------------------------------
 
@@ -72,19 +79,12 @@ class SavedActivations:
     def discard(self, t: torch.Tensor) -> tuple | None:
         key = self._key(t)
         with self._lock:
-            if not self._holders.get(key) or key in self._discarded:
-                return None
-            self._discarded.add(key)
-            self.current_bytes -= self._sizes[key]
-        return key
+            return key if self._count.discard(key) else None
 
     def restore(self, key: tuple | None) -> None:
-        with self._lock:
-            if key is None or key not in self._discarded:
-                return
-            self._discarded.remove(key)
-            self.current_bytes += self._sizes[key]
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        if key is not None:
+            with self._lock:
+                self._count.restore(key)
 
     # ---- saved-tensor hooks -------------------------------------------------------------------------
 
@@ -101,25 +101,12 @@ class SavedActivations:
         if key in self._parameters or not nbytes:
             return None
         with self._lock:
-            if not self._holders.get(key):
-                self._sizes[key] = nbytes
-                self.current_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-            self._holders[key] = self._holders.get(key, 0) + 1
+            self._count.hold(key, nbytes)
         return key
 
     def _drop(self, key: tuple) -> None:
-        with self._lock:
-            if key not in self._holders:  # never taken: a parameter, an empty storage, or before this count began
-                return
-            self._holders[key] -= 1
-            if not self._holders[key]:
-                del self._holders[key]
-                size = self._sizes.pop(key)
-                if key in self._discarded:  # its bytes were already taken off
-                    self._discarded.remove(key)
-                else:
-                    self.current_bytes -= size
+        with self._lock:  # a key never taken (a parameter, an empty storage, before this count began) is no-one's
+            self._count.release(key, missing_ok=True)
 
 
 class _Held:

@@ -1,22 +1,22 @@
 """Megatron-Core models under the EP-overlap schedule.
 
 ``layer.py``: a decoder layer (and the compute layers before it) cut into the schedule's node functions.
-``base.py``, ``gpt.py``, ``hybrid.py``: :class:`McorePlan` and its ``GPTModel`` and ``HybridModel`` plans (a whole
-model or one pipeline chunk, as the engine runs it). ``factory.py``: :func:`plan_for`, the plan for either.
+``base.py``, ``gpt.py``, ``hybrid.py``: :class:`McoreChunk` and its ``GPTModel`` and ``HybridModel`` plans (a whole
+model or one pipeline chunk, as the engine runs it). ``factory.py``: :func:`chunk_for`, the plan for either.
 ``hook.py``: :func:`use_ep_overlap_schedule`, the Megatron-Bridge pre-wrap hook that makes Megatron-Core's own
 combined 1F1B driver run the schedule program's steps.
 """
 
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
-from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
 from megatron.bridge.training.ep_overlap.mcore.hook import (
     DEFAULT_TIMEOUT,
     EPOverlapPlanBuilder,
     EPOverlapSchedulePlan,
     use_ep_overlap_schedule,
 )
-from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridPlan
+from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
 from megatron.bridge.training.ep_overlap.mcore.layer import McoreComputeRun, McoreLayer, McoreRouting
 
 __all__ = [
@@ -24,12 +24,12 @@ __all__ = [
     "EPOverlapPlanBuilder",
     "EPOverlapSchedulePlan",
     "McoreComputeRun",
-    "McoreGPTPlan",
-    "McoreHybridPlan",
+    "McoreGPTChunk",
+    "McoreHybridChunk",
     "McoreLayer",
-    "McorePlan",
+    "McoreChunk",
     "McoreRouting",
     "mcore_ep_groups",
-    "plan_for",
+    "chunk_for",
     "use_ep_overlap_schedule",
 ]

@@ -1,8 +1,9 @@
-"""What every Megatron-Core plan shares: the refusals, the two ends, the loss, the router biases, the EP groups.
+"""What every Megatron-Core plan shares: the two ends, the loss, the router biases, the EP groups (its refusals:
+``refusals.py``).
 
 A plan is a Megatron-Core language model (or one pipeline chunk of it) as
 :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine` runs it (the ``ChunkModel`` contract). The model
-classes differ in their decoder stack and final norm; :class:`McorePlan` holds the rest. Everything the plan does
+classes differ in their decoder stack and final norm; :class:`McoreChunk` holds the rest. Everything the plan does
 not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
 output layer gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`, PP = 1).
 
@@ -10,13 +11,12 @@ Multi-token prediction (one MTP layer, on the last pipeline stage) runs in the h
 runs it: the MTP block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the
 model's embedding, so at PP = 1 those weights are :class:`TiedWeight` s too; with pipeline stages the last stage
 holds a copy, whose gradient is summed with the first stage's over Megatron-Core's embedding group after the step
-(:meth:`McorePlan.sync_pipeline_copies`, what ``finalize_model_grads`` does), as is a tied output weight's. An MoE
+(:meth:`McoreChunk.sync_pipeline_copies`, what ``finalize_model_grads`` does), as is a tied output weight's. An MoE
 layer inside the MTP block runs its all-to-alls inside the head, not overlapped (Megatron-Core's own overlap gives
 the MTP layer its own nodes).
 """
 
 import functools
-import logging
 from collections import deque
 
 import torch
@@ -26,16 +26,16 @@ from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
-from megatron.bridge.training.ep_overlap.mcore.graphs import replays
 from megatron.bridge.training.ep_overlap.mcore.quantization import step_context
-from megatron.bridge.training.ep_overlap.segments import recompute_segments
+from megatron.bridge.training.ep_overlap.mcore.refusals import (
+    check_delayed_wgrad,
+    layout_problems,
+    refuse_unscheduled,
+    step_problems,
+)
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
-from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
-
-logger = logging.getLogger(__name__)
-
-_OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
 
 
 class TiedWeight:
@@ -68,7 +68,7 @@ class TiedWeight:
         return grad + self.held.popleft() if self.held else None
 
 
-class McorePlan(ChunkHooks):
+class McoreChunk(ChunkHooks):
     """A Megatron-Core language model (or a pipeline chunk) for the engine. Subclasses set ``layers`` (the
     schedule's units) and ``layer_numbers`` in :meth:`_build_units`, and give :meth:`embed` and :meth:`_final_norm`.
 
@@ -82,30 +82,7 @@ class McorePlan(ChunkHooks):
         config = model.config
         self.pre_process, self.post_process = model.pre_process, model.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
-        if config.mtp_num_layers and config.mtp_num_layers > 1:
-            raise ValueError(
-                f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
-                f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
-            )
-        if model.position_embedding_type == "mrope":
-            raise ValueError(
-                "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
-                f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
-            )
-        if self.mtp and config.recompute_granularity == "full" and config.recompute_method == "uniform":
-            if config.recompute_num_layers != 1:  # Megatron-Core's MTP layer asserts it in its first forward
-                raise ValueError(
-                    f"recompute_num_layers={config.recompute_num_layers} with recompute_method='uniform' and an MTP "
-                    "layer: Megatron-Core checkpoints the MTP depth as one segment only with recompute_num_layers=1; "
-                    f"fix: set recompute_num_layers=1 (or recompute_method='block'), {_OFF}"
-                )
-        stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
-        if config.recompute_granularity == "selective" and stepped:
-            raise ValueError(
-                f"recompute_modules={config.recompute_modules}: Megatron-Core recomputes {sorted(stepped)} from "
-                "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
-                f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
-            )
+        refuse_unscheduled(model, self.mtp)
         # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
         # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order, where the
         # chunk also embeds. A pipeline's last stage holds its own copy (Megatron-Core sums the copies' gradients
@@ -133,24 +110,9 @@ class McorePlan(ChunkHooks):
         self.layers, self.layer_numbers = self._build_units()
         # Full recompute: segments of units (a GPTModel's layers, a HybridModel's MoE groups); the MTP layer, one
         # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
-        self.recompute_segments = recompute_segments(config, len(self.layers))
+        self.recompute_segments = resolve(config).segments(len(self.layers))
         if delay_wgrad:
-            lost = sorted({name for unit in self.layers for name in unit.undelayable})
-            if lost:
-                raise ValueError(
-                    f"delay_wgrad_compute with {', '.join(lost)} layers built from Transformer Engine linears: their "
-                    "linears would defer weight gradients that nothing runs (they offer no backward_dw); fix: set "
-                    f"delay_wgrad_compute=False, {_OFF}"
-                )
-            undelayed = [unit.name for unit in self.layers if unit.is_moe and not unit.expert_wgrad_delayable]
-            if undelayed:
-                warn_rank0(
-                    logger,
-                    "delay_wgrad_compute: the experts of %s use Megatron-Core local linears, whose backward_dw() "
-                    "does nothing; their weight gradients stay in the experts' backward (nothing is delayed; "
-                    "numerics are unchanged). Build the model with Transformer Engine specs to delay them.",
-                    ", ".join(undelayed),
-                )
+            check_delayed_wgrad(self.layers)
 
     def _build_units(self) -> tuple[list, list[int]]:
         raise NotImplementedError
@@ -261,7 +223,7 @@ class McorePlan(ChunkHooks):
             tied.held.clear()
         if loss is None:
             return
-        problems = self._engine_problems()
+        problems = step_problems(self.model, self.config)
         if problems:
             raise ValueError("the EP-overlap engine cannot run this step: " + "; ".join(problems))
         self.model.set_is_first_microbatch()
@@ -270,53 +232,8 @@ class McorePlan(ChunkHooks):
         self._scales.set(mtp, moe, next(self.model.parameters()).device)
 
     def engine_problems(self) -> list[str]:
-        """What only Megatron-Core's driver and DDP do for this model's layout: the engine's gradient sync and loss
-        count cover data and expert parallelism, not tensor or context parallelism."""
-        problems = []
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if tp > 1:
-            problems.append(
-                f"tensor parallelism ({tp} ranks): the engine would count each token's loss on every tensor-parallel "
-                "rank and leave the sequence-parallel norms' and the routers' gradients unreduced across them; fix: "
-                "run under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
-            )
-        cp = parallel_state.get_context_parallel_world_size()
-        if cp > 1:
-            problems.append(
-                f"context parallelism ({cp} ranks): the engine's microbatches are whole sequences and it does not "
-                "slice them across the context-parallel ranks; fix: set context_parallel_size=1, or run under "
-                "Megatron-Core's driver (use_ep_overlap_schedule)"
-            )
-        return problems
-
-    def _engine_problems(self) -> list[str]:
-        """What Megatron-Core's driver does for a step that the engine, its own driver, does not (see start_step)."""
-        config, problems = self.config, []
-        graphed = [m.layer_number for m in self.model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
-        if graphed:
-            problems.append(
-                f"layers {graphed} replay Transformer Engine CUDA graphs, which the engine does not number by "
-                "microbatch; fix: run them under Megatron-Core's driver (use_ep_overlap_schedule), or set "
-                "cuda_graph_impl='none'"
-            )
-        for name in ("grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func"):
-            scale = getattr(config, name, None)
-            if scale is not None and float(scale(torch.ones(1)) if name == "grad_scale_func" else scale()) != 1.0:
-                problems.append(
-                    f"{name} scales the loss (fp16 loss scaling), and the engine sets its loss scales itself; fix: "
-                    "run under Megatron-Core's driver (use_ep_overlap_schedule), or train in bf16 or fp32"
-                )
-        if config.experimental_attention_variant == "dsa" or config.experimental_attention_variant_loss_scale_func:
-            problems.append(
-                "experimental_attention_variant: Megatron-Core's driver scales the DSA indexer's loss per "
-                "microbatch, the engine does not; fix: run under Megatron-Core's driver (use_ep_overlap_schedule)"
-            )
-        if getattr(config, "enable_autocast", False):
-            problems.append(
-                "enable_autocast: Megatron-Core's driver runs the step under torch.autocast, the engine does not; "
-                "fix: run under Megatron-Core's driver (use_ep_overlap_schedule), or set enable_autocast=False"
-            )
-        return problems
+        """What only Megatron-Core's driver and DDP do for this model's layout (``refusals.layout_problems``)."""
+        return layout_problems()
 
     def finish_step(self) -> None:
         """Puts back the auxiliary-loss scales :meth:`start_step` found, so another driver sees its own."""
@@ -437,26 +354,26 @@ class MicrobatchView:
     the plan's do."""
 
     def __init__(
-        self, plan: McorePlan, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
+        self, chunk: McoreChunk, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
     ):
-        self.plan, self.position_ids, self.attention_mask = plan, position_ids, attention_mask
+        self.chunk, self.position_ids, self.attention_mask = chunk, position_ids, attention_mask
         self.packed_seq_params, self.microbatch = packed_seq_params, microbatch
-        self.rotary_pos_emb = None if plan.pre_process else plan.rotary_for(packed_seq_params)  # first: embed()
-        self.layers = [layer.bound_to(self) for layer in plan.layers]
+        self.rotary_pos_emb = None if chunk.pre_process else chunk.rotary_for(packed_seq_params)  # first: embed()
+        self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
     def __getattr__(self, name: str):
-        return getattr(self.plan, name)
+        return getattr(self.chunk, name)
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_SBH = self.plan.embed(tokens_BS, self.position_ids, self.packed_seq_params)
-        self.rotary_pos_emb = self.plan.rotary_pos_emb
+        x_SBH = self.chunk.embed(tokens_BS, self.position_ids, self.packed_seq_params)
+        self.rotary_pos_emb = self.chunk.rotary_pos_emb
         return x_SBH
 
     def head_loss(self, x_SBH, labels_BS, normalizer: float, tokens_BS=None) -> torch.Tensor:
-        return self.plan.head_loss(x_SBH, labels_BS, normalizer, tokens_BS, self.packed_seq_params)
+        return self.chunk.head_loss(x_SBH, labels_BS, normalizer, tokens_BS, self.packed_seq_params)
 
     def __call__(self, tokens_BS, labels_BS, normalizer: float) -> torch.Tensor:
-        return self.plan(tokens_BS, labels_BS, normalizer, self.packed_seq_params)
+        return self.chunk(tokens_BS, labels_BS, normalizer, self.packed_seq_params)
 
 
 def gloo_group_like(group, timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:

@@ -1,17 +1,17 @@
-"""``plan_for(model)``: the Megatron-Core plan for a model class, or one line saying the class is not scheduled."""
+"""``chunk_for(model)``: the Megatron-Core plan for a model class, or one line saying the class is not scheduled."""
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan
-from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTPlan
-from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridPlan
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
+from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
 
-PLANS = {GPTModel: McoreGPTPlan, HybridModel: McoreHybridPlan}
+PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
 
 
-def plan_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McorePlan:
+def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
     """The plan that runs ``model`` (a ``GPTModel`` or a ``HybridModel``, whole or one pipeline chunk).
 
     Raises:

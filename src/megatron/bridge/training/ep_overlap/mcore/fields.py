@@ -8,7 +8,7 @@ Contract:
       ``GPTModel``) that the hook does not must be in :data:`NOT_READ_BY_THE_PLAN`; one the engine does not, in that
       table or :data:`NOT_READ_BY_THE_ENGINE`. Anything else fails the test.
     * A field the plan would need and cannot act on is refused by name when the plan is built (the rules in
-      ``moe_overlap_rules``, or ``McorePlan``), never listed here.
+      ``moe_overlap_rules``, or ``McoreChunk``), never listed here.
 """
 
 NOT_READ_BY_THE_PLAN: dict[str, str] = {
@@ -28,7 +28,7 @@ NOT_READ_BY_THE_PLAN: dict[str, str] = {
 
 NOT_READ_BY_THE_ENGINE: dict[str, str] = {
     "finalize_model_grads_func": "the engine sums gradients itself (engine/grads.py) and moves router biases "
-    "(McorePlan.update_router_biases) where Megatron-Core's finalize_model_grads would",
+    "(McoreChunk.update_router_biases) where Megatron-Core's finalize_model_grads would",
     "no_sync_func": "Megatron-Core's DDP defers its gradient reduction with it; the engine reduces once per step",
     "timers": "Megatron's timers; the engine records its own (engine/records.py)",
     "overlap_moe_expert_parallel_comm": "the engine takes overlap from its options (EPOverlapOptions.from_config "

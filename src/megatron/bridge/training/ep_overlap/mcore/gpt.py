@@ -1,21 +1,21 @@
 """Megatron-Core's ``GPTModel`` under the EP-overlap schedule: each decoder layer is one unit.
 
 Contract:
-    * :class:`McoreGPTPlan` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
+    * :class:`McoreGPTChunk` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
       pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
       ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
       before it. It needs ``add_bias_linear=False`` and at most one MTP layer
-      (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` refuses the rest when it is built).
+      (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` refuses the rest when it is built).
 """
 
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
 from megatron.bridge.training.ep_overlap.mcore.layer import McoreLayer
 
 
-class McoreGPTPlan(McorePlan):
+class McoreGPTChunk(McoreChunk):
     """A Megatron-Core ``GPTModel`` as the EP-overlap engine runs it (the same interface as ``MoEGPTModel``).
 
     Args:
@@ -26,8 +26,8 @@ class McoreGPTPlan(McorePlan):
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         if not isinstance(model, GPTModel):
             raise ValueError(
-                f"{type(model).__name__}: McoreGPTPlan runs Megatron-Core's GPTModel (whole or a pipeline chunk); "
-                "fix: use megatron.bridge.training.ep_overlap.mcore.plan_for(model), which also takes a HybridModel"
+                f"{type(model).__name__}: McoreGPTChunk runs Megatron-Core's GPTModel (whole or a pipeline chunk); "
+                "fix: use megatron.bridge.training.ep_overlap.mcore.chunk_for(model), which also takes a HybridModel"
             )
         super().__init__(model, delay_wgrad=delay_wgrad)
 

@@ -24,7 +24,7 @@ Contract:
       x VPP 2 through its interleaved schedule).
     * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
       options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
-      adapter's limits (``plan_for``).
+      adapter's limits (``chunk_for``).
     * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
       every rank of an EP group issues them in the same order. A new step (a plan built while none is in
       flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
@@ -40,8 +40,8 @@ from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan, MicrobatchView, gloo_group_like, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.mcore.factory import plan_for
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
+from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
     dropped_packed_sequence,
@@ -51,11 +51,8 @@ from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlap
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
-from megatron.bridge.training.moe_overlap_rules import (
-    CommOverlapConfigError,
-    check_ep_overlap_options,
-    use_bridge_schedule,
-)
+from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import refuse_together
 
@@ -97,16 +94,16 @@ class _MicrobatchModel(MicrobatchView):
     per-token losses (the recipe's loss function reduces them)."""
 
     def __init__(
-        self, plan: McorePlan, microbatch: int, position_ids, attention_mask, loss_mask=None, packed_seq_params=None
+        self, chunk: McoreChunk, microbatch: int, position_ids, attention_mask, loss_mask=None, packed_seq_params=None
     ):
-        super().__init__(plan, position_ids, attention_mask, packed_seq_params, microbatch)
+        super().__init__(chunk, position_ids, attention_mask, packed_seq_params, microbatch)
         self.loss_mask = loss_mask
 
     def head_loss(
         self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None, tokens_BS: torch.Tensor | None
     ) -> torch.Tensor:
         """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
-        return self.plan.per_token_losses(
+        return self.chunk.per_token_losses(
             x_SBH, labels_BS, tokens_BS, self.loss_mask, self.position_ids, self.attention_mask, self.packed_seq_params
         )
 
@@ -171,7 +168,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
 
     def __init__(self, builder: "EPOverlapPlanBuilder", nodes: MicrobatchNodes, event, input_tensor):
         self.builder, self.nodes, self.event = builder, nodes, event
-        self.vp_stage = builder.plan.model.vp_stage
+        self.vp_stage = builder.chunk.model.vp_stage
         self.input_tensor = input_tensor  # what Megatron-Core set as this chunk's input (None on the first chunk)
 
     @staticmethod
@@ -189,84 +186,105 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         Returns:
             The forward's output (per-token losses on the last chunk, else hidden states), or None.
         """
-        f = f_schedule_plan.nodes if f_schedule_plan is not None else None
-        b = b_schedule_plan.nodes if b_schedule_plan is not None else None
-        session = (f_schedule_plan or b_schedule_plan).builder.session
-        output, posted = {}, set()
-
-        # Megatron-Core's P2P hooks run once per forward and per backward, activation first: they also post the
-        # receives of later steps. The first and last chunks send nothing (None), as in Megatron-Core's plan.
-        def post_f(x: torch.Tensor | None) -> None:
-            posted.add(FORWARD)
-            if post_forward is not None:
-                post_forward(x, f_schedule_plan.vp_stage)
-
-        def post_b(grad: torch.Tensor | None) -> None:
-            if f is not None and FORWARD not in posted:
-                post_f(None)
-            posted.add(BACKWARD)
-            if post_backward is not None:
-                post_backward(grad, b_schedule_plan.vp_stage)
-
-        if f is not None:
-            if pre_forward is not None:
-                pre_forward(f_schedule_plan.vp_stage)  # the received activation is complete after this
-            f.io.input = done(f_schedule_plan.input_tensor)
-
-            def send_output(x: torch.Tensor) -> None:
-                output["x"] = x.detach()  # Megatron-Core may free what it gets back; the nodes keep their own
-                post_f(output["x"])
-
-            f.io.send_output = send_output
-        if b is not None:
-            if pre_backward is not None:
-                pre_backward(b_schedule_plan.vp_stage)  # the received gradient is complete after this
-            if b_schedule_plan.builder.plan.post_process:
-                b.output_grad = b_grad
-            else:
-                b.io.grad = done(b_grad)
-
-            def send_grad(grad: torch.Tensor) -> None:
-                b_schedule_plan.input_tensor.grad = grad  # where Megatron-Core reads the input gradient
-                post_b(grad)
-
-            b.io.send_grad = send_grad
+        call = _DriverCall(f_schedule_plan, b_schedule_plan, (pre_forward, pre_backward, post_forward, post_backward))
+        f, b = call.bind_forward(), call.bind_backward(b_grad)
         kind = step_kind(f is not None, b is not None)
-        session.agree(
-            kind, (f_schedule_plan or b_schedule_plan).vp_stage, f.mb if f is not None else None,
-            b.mb if b is not None else None,
-        )  # fmt: skip
+        either = f_schedule_plan or b_schedule_plan
+        session = either.builder.session
+        session.agree(kind, either.vp_stage, f.mb if f is not None else None, b.mb if b is not None else None)
         session.lane.recorder.phase = _PHASES[kind]
-        builder = (f_schedule_plan or b_schedule_plan).builder
         windows = windows_of(
             kind,
             [0] if f is not None else [],
             [1] if b is not None else [],
             f_schedule_plan.builder.shape if f is not None else None,
             b_schedule_plan.builder.shape if b is not None else None,
-            delay_wgrad=builder.options.delay_wgrad,
-            window=builder.options.attention_wgrad_window,
+            delay_wgrad=either.builder.options.delay_wgrad,
+            window=either.builder.options.attention_wgrad_window,
         )
         run_ops([op for window in windows for op in window.ops], {0: f, 1: b})
-        if f is not None and FORWARD not in posted:
-            post_f(None)
-        if b is not None and BACKWARD not in posted:
-            post_b(None)
+        call.post_what_is_left()
         if b is not None:
             session.in_flight.discard((id(b_schedule_plan.builder), b.mb))
         if f is None:
             return None
-        return f.loss if f_schedule_plan.builder.plan.post_process else output["x"]
+        return f.loss if f_schedule_plan.builder.chunk.post_process else call.output
 
 
-def checked_plan(
+class _DriverCall:
+    """One ``run`` call's P2P hooks and chunk I/O: Megatron-Core's hooks run once per forward and per backward,
+    activation first (they also post the receives of later steps); the first and last chunks send nothing (None),
+    as in Megatron-Core's plan."""
+
+    def __init__(self, f_plan, b_plan, hooks: tuple):
+        self.f_plan, self.b_plan = f_plan, b_plan
+        self.pre_forward, self.pre_backward, self.post_forward_hook, self.post_backward_hook = hooks
+        self.posted: set = set()
+        self.output = None
+
+    def post_forward(self, x: torch.Tensor | None) -> None:
+        self.posted.add(FORWARD)
+        if self.post_forward_hook is not None:
+            self.post_forward_hook(x, self.f_plan.vp_stage)
+
+    def post_backward(self, grad: torch.Tensor | None) -> None:
+        if self.f_plan is not None and FORWARD not in self.posted:
+            self.post_forward(None)
+        self.posted.add(BACKWARD)
+        if self.post_backward_hook is not None:
+            self.post_backward_hook(grad, self.b_plan.vp_stage)
+
+    def bind_forward(self) -> MicrobatchNodes | None:
+        """The forward's nodes, reading the received activation and sending their output through the hook."""
+        if self.f_plan is None:
+            return None
+        if self.pre_forward is not None:
+            self.pre_forward(self.f_plan.vp_stage)  # the received activation is complete after this
+        f = self.f_plan.nodes
+        f.io.input = done(self.f_plan.input_tensor)
+
+        def send_output(x: torch.Tensor) -> None:
+            self.output = x.detach()  # Megatron-Core may free what it gets back; the nodes keep their own
+            self.post_forward(self.output)
+
+        f.io.send_output = send_output
+        return f
+
+    def bind_backward(self, b_grad: torch.Tensor | None) -> MicrobatchNodes | None:
+        """The backward's nodes, given the output's gradient, sending the input's where Megatron-Core reads it."""
+        if self.b_plan is None:
+            return None
+        if self.pre_backward is not None:
+            self.pre_backward(self.b_plan.vp_stage)  # the received gradient is complete after this
+        b = self.b_plan.nodes
+        if self.b_plan.builder.chunk.post_process:
+            b.output_grad = b_grad
+        else:
+            b.io.grad = done(b_grad)
+
+        def send_grad(grad: torch.Tensor) -> None:
+            self.b_plan.input_tensor.grad = grad  # where Megatron-Core reads the input gradient
+            self.post_backward(grad)
+
+        b.io.send_grad = send_grad
+        return b
+
+    def post_what_is_left(self) -> None:
+        """The hooks of a chunk that sent nothing (the first's backward, the last's forward) run with None."""
+        if self.f_plan is not None and FORWARD not in self.posted:
+            self.post_forward(None)
+        if self.b_plan is not None and BACKWARD not in self.posted:
+            self.post_backward(None)
+
+
+def checked_chunk(
     model: torch.nn.Module, attention_wgrad_window: int, high_priority: bool
-) -> tuple[EPOverlapOptions, McorePlan]:
+) -> tuple[EPOverlapOptions, McoreChunk]:
     """The options and the plan the hook runs ``model`` with, after every check (no collective).
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the plan does not schedule the model (``plan_for``) or the window is not 1 or 2.
+        ValueError: When the plan does not schedule the model (``chunk_for``) or the window is not 1 or 2.
     """
     config = model.config
     options = EPOverlapOptions(
@@ -275,22 +293,20 @@ def checked_plan(
         high_priority_comm=high_priority,
     )
     use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
-    violations = check_ep_overlap_options(config, options)
-    if violations:
-        raise CommOverlapConfigError(violations)
+    resolve(config, options).checked()
     if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
         raise ValueError(
             f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "
             f"overlapped, so the hook cannot let the planner choose; give one of {WGRAD_WINDOWS}"
         )
-    plan = plan_for(model, delay_wgrad=options.delay_wgrad)
+    chunk = chunk_for(model, delay_wgrad=options.delay_wgrad)
     if not config.overlap_moe_expert_parallel_comm:
         warn_rank0(
             logger,
             "use_ep_overlap_schedule: overlap_moe_expert_parallel_comm is off, so Megatron-Core never asks for a "
             "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
         )
-    return options, plan
+    return options, chunk
 
 
 class EPOverlapPlanBuilder:
@@ -305,9 +321,9 @@ class EPOverlapPlanBuilder:
     def __init__(
         self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1, checked=None
     ):
-        self.options, self.plan = checked or checked_plan(model, attention_wgrad_window, session.high_priority)
+        self.options, self.chunk = checked or checked_chunk(model, attention_wgrad_window, session.high_priority)
         self.session = session
-        self.shape = ChunkShape.of(self.plan)
+        self.shape = ChunkShape.of(self.chunk)
         self._step, self._next_microbatch = 0, 0
 
     @property
@@ -334,12 +350,12 @@ class EPOverlapPlanBuilder:
         if dropped_packed_sequence(packed_seq_params):
             missing.append(DROPPED)
         elif packed_seq_params is not None:
-            missing += packed_problems(self.plan, packed_seq_params, input_ids)
-        if self.plan.pre_process and input_ids is None:
+            missing += packed_problems(self.chunk, packed_seq_params, input_ids)
+        if self.chunk.pre_process and input_ids is None:
             missing.append("input_ids are required on the first chunk")
-        if self.plan.post_process and labels is None:
+        if self.chunk.post_process and labels is None:
             missing.append("labels are required on the last chunk (its output is per-token losses)")
-        if self.plan.mtp and input_ids is None:
+        if self.chunk.mtp and input_ids is None:
             missing.append("input_ids are required on the chunk with the multi-token prediction layer")
         if missing or given:
             problems = missing + [
@@ -348,18 +364,18 @@ class EPOverlapPlanBuilder:
             ]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
         session = self.session
-        device = next(self.plan.parameters()).device
+        device = next(self.chunk.parameters()).device
         lane = session.lane_for(device)
         if self._step != session.step:  # this chunk's first microbatch of the step
             self._step, self._next_microbatch = session.step, 0
-            self.plan.start_step()
+            self.chunk.start_step()
         index = self._next_microbatch
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
-        view = _MicrobatchModel(self.plan, index, position_ids, attention_mask, loss_mask, packed_seq_params)
+        view = _MicrobatchModel(self.chunk, index, position_ids, attention_mask, loss_mask, packed_seq_params)
         nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
-        input_tensor = None if self.plan.pre_process else self.plan.model.decoder.input_tensor
+        input_tensor = None if self.chunk.pre_process else self.chunk.model.decoder.input_tensor
         return EPOverlapSchedulePlan(self, nodes, event, input_tensor)
 
 
@@ -394,7 +410,7 @@ def use_ep_overlap_schedule(
     high_priority = bool(getattr(config, "high_priority_a2a_comm_stream", False))
     checked, refusal = [], None
     try:
-        checked = [checked_plan(model, attention_wgrad_window, high_priority) for model in models]
+        checked = [checked_chunk(model, attention_wgrad_window, high_priority) for model in models]
     except ValueError as error:  # a CommOverlapConfigError is one
         refusal = error
     # A pipeline stage may refuse what another accepts (a chunk's MTP layer): all refuse together, or one would

@@ -7,14 +7,14 @@ Contract:
       runs them; the MoE layer is cut into nodes like a ``GPTModel`` layer
       (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer`). Layers after the last MoE layer are
       one dense unit (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreComputeRun`).
-    * :class:`McoreHybridPlan` runs a ``HybridModel`` or one pipeline chunk of it (``|`` in the pattern, virtual
+    * :class:`McoreHybridChunk` runs a ``HybridModel`` or one pipeline chunk of it (``|`` in the pattern, virtual
       stages as Megatron-Core selects them): embedding, the units, the stack's final norm, output layer, loss.
       Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
       own forward in the stack's order.
     * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
     * Full recompute (``recompute_method``, ``recompute_num_layers``) counts units: a segment of N is N MoE groups;
       the MTP depth is checkpointed by Megatron-Core's MTP block, inside the head.
-    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McorePlan` and below): more than
+    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` and below): more than
       one MTP depth.
 """
 
@@ -22,7 +22,7 @@ import torch
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron.bridge.training.ep_overlap.mcore.base import McorePlan
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
 from megatron.bridge.training.ep_overlap.mcore.layer import McoreComputeRun, McoreLayer
 
 
@@ -30,7 +30,7 @@ def _is_moe(layer: torch.nn.Module) -> bool:
     return isinstance(getattr(layer, "mlp", None), MoELayer)
 
 
-class McoreHybridPlan(McorePlan):
+class McoreHybridChunk(McoreChunk):
     """A Megatron-Core ``HybridModel`` as the EP-overlap engine runs it (see the module docstring).
 
     Args:
@@ -40,7 +40,7 @@ class McoreHybridPlan(McorePlan):
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         if not isinstance(model, HybridModel):
-            raise ValueError(f"{type(model).__name__}: McoreHybridPlan runs Megatron-Core's HybridModel")
+            raise ValueError(f"{type(model).__name__}: McoreHybridChunk runs Megatron-Core's HybridModel")
         if model.mtp_num_depths > 0 and model.config.mtp_num_layers != model.mtp_num_depths:
             raise ValueError(
                 f"hybrid_layer_pattern={model.hybrid_layer_pattern!r} has {model.mtp_num_depths} multi-token "

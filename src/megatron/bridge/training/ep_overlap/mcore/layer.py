@@ -157,31 +157,32 @@ class _Unit(LayerHooks):
     """What every unit shares: a name, the plan it reads masks from (or one microbatch's view), the stack call."""
 
     name: str
-    plan: object
+    chunk: object
     replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
 
     def bound_to(self, context):
         """The same unit, reading its attention mask, rotary embedding and packed-sequence parameters from
         ``context`` (one microbatch's), and the microbatch's index where the context has one."""
         bound = copy.copy(self)
-        bound.plan = context
+        bound.chunk = context
         return bound
 
     @property
     def microbatch(self) -> int | None:
         """This microbatch's index in the step, under Megatron-Core's driver (the graph a replay reads)."""
-        return getattr(self.plan, "microbatch", None)
+        return getattr(self.chunk, "microbatch", None)
 
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
         """``layers`` whole, each inside its low-precision context and replaying its graph, as the stacks run them."""
-        plan = self.plan
+        chunk = self.chunk
         for layer in layers:
             set_microbatch(layer, self.microbatch)
             with layer_context(layer.config, layer):
                 if replays_split(layer):
-                    x_SBH = run_whole(layer, x_SBH, plan)
+                    x_SBH = run_whole(layer, x_SBH, chunk)
                     continue
-                x_SBH = run_stack_layer(layer, x_SBH, plan.attention_mask, plan.rotary_pos_emb, plan.packed_seq_params)
+                mask, rotary, packed = chunk.attention_mask, chunk.rotary_pos_emb, chunk.packed_seq_params
+                x_SBH = run_stack_layer(layer, x_SBH, mask, rotary, packed)
         return x_SBH
 
     def delayable_linears(self) -> list:
@@ -192,8 +193,8 @@ class McoreLayer(_Unit):
     """Node functions for one Megatron-Core ``TransformerLayer`` and the compute layers ``before`` it (see the module
     docstring)."""
 
-    def __init__(self, layer: torch.nn.Module, index: int, plan, before: list[torch.nn.Module] = ()):
-        self.layer, self.plan, self.before = layer, plan, list(before)
+    def __init__(self, layer: torch.nn.Module, index: int, chunk, before: list[torch.nn.Module] = ()):
+        self.layer, self.chunk, self.before = layer, chunk, list(before)
         self.name = f"layer{index}"
         self.is_moe = isinstance(layer.mlp, MoELayer)
         config = layer.config
@@ -243,15 +244,15 @@ class McoreLayer(_Unit):
             self._combined[0].restore()
         set_microbatch(layer, self.microbatch)
         if replays(layer):
-            h, tokens, permuted_probs, shared = replay_pre_dispatch(layer, x_SBH, self.plan)
+            h, tokens, permuted_probs, shared = replay_pre_dispatch(layer, x_SBH, self.chunk)
             if not self.is_moe:
                 return PreDispatch(h, (h,), None, None)
             return PreDispatch(h, (tokens, permuted_probs), shared, McoreRouting.of(layer.mlp.token_dispatcher))
         h, _ = layer._forward_attention(
             hidden_states=x_SBH,
-            attention_mask=self.plan.attention_mask,
-            rotary_pos_emb=self.plan.rotary_pos_emb,
-            packed_seq_params=self.plan.packed_seq_params,
+            attention_mask=self.chunk.attention_mask,
+            rotary_pos_emb=self.chunk.rotary_pos_emb,
+            packed_seq_params=self.chunk.packed_seq_params,
         )
         if not self.is_moe:  # the MLP part runs whole in experts, as the layer's forward runs it
             return PreDispatch(h, (h,), None, None)
@@ -294,7 +295,7 @@ class McoreLayer(_Unit):
     @_in_layer_context
     def experts(self, received: tuple[torch.Tensor, ...], routing: McoreRouting | None) -> torch.Tensor:
         if routing is None:  # a dense layer: norm, MLP (chunked or recomputed as configured) and residual
-            return self.layer._forward_mlp(received[0], packed_seq_params=self.plan.packed_seq_params)
+            return self.layer._forward_mlp(received[0], packed_seq_params=self.chunk.packed_seq_params)
         tokens, probs = received
         with routing.active() as dispatcher:
             if self.owns_comm:  # the backend's permute reads the received probabilities from its manager
@@ -354,8 +355,8 @@ class McoreComputeRun(_Unit):
     expert_wgrad_delayable = False
     owns_comm = False
 
-    def __init__(self, layers: list[torch.nn.Module], index: int, plan):
-        self.layers, self.plan = list(layers), plan
+    def __init__(self, layers: list[torch.nn.Module], index: int, chunk):
+        self.layers, self.chunk = list(layers), chunk
         self.name = f"layer{index}"
         self.undelayable = _undelayable(self.layers)
 

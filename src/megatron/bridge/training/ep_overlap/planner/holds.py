@@ -2,8 +2,8 @@
 ``memory.py``'s walk of a schedule program holds and releases, node by node.
 
 Contract:
-    * :class:`Count` counts each storage once however many hold it, from its first holder until its last lets go, and
-      keeps the peak.
+    * The bytes are counted in :class:`~megatron.bridge.training.ep_overlap.storage_count.Count`, as the engine
+      counts a real step.
     * :class:`UnitHolds` holds what one unit's nodes save (the names and bytes its shape gives: ``saved``,
       ``freed_outputs``, ``rebuilt``, ``wgrad_held``), lets it go in their backward, and keeps what a delayed weight
       gradient holds until its ``wgrad`` op; with full recompute, a segment's kept input until its replay.
@@ -11,6 +11,8 @@ Contract:
 """
 
 from typing import TYPE_CHECKING
+
+from megatron.bridge.training.ep_overlap.storage_count import Count
 
 if TYPE_CHECKING:
     from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
@@ -23,28 +25,6 @@ EXPERTS_BWD_DELAYED = (
     ("release", "expert_silu"), ("release", "expert_fc1_out"), ("queue", "expert_x"), ("grad", "dy_fc1"),
     ("release", "expert_x"), ("release", "sort_index"), ("release", "received"),
 )  # fmt: skip
-
-
-class Count:
-    """Storages and their holders, as engine/saved.py counts them."""
-
-    def __init__(self):
-        self.holders: dict[tuple, int] = {}
-        self.sizes: dict[tuple, int] = {}
-        self.current = self.peak = 0
-
-    def hold(self, key: tuple, nbytes: int) -> None:
-        if not self.holders.get(key):
-            self.sizes[key] = nbytes
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        self.holders[key] = self.holders.get(key, 0) + 1
-
-    def release(self, key: tuple) -> None:
-        self.holders[key] -= 1
-        if not self.holders[key]:
-            del self.holders[key]
-            self.current -= self.sizes.pop(key)
 
 
 class UnitHolds:

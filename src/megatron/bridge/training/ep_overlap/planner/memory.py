@@ -23,11 +23,13 @@ Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x
 
 from dataclasses import dataclass
 
-from megatron.bridge.training.ep_overlap.planner.holds import Count, UnitHolds
+from megatron.bridge.training.ep_overlap.planner.holds import UnitHolds
 from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, NoPipeline, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.segments import recompute_segments, segment_of
+from megatron.bridge.training.ep_overlap.segments import segment_of
+from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.ep_overlap.storage_count import Count
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
 FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32
@@ -133,7 +135,7 @@ class ActivationShape:
             if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff
             else None,
             z_loss=config.moe_z_loss_coeff is not None,
-            segments=recompute_segments(config, config.num_layers),
+            segments=resolve(config).segments(config.num_layers),
         )
 
     def received_rows(self, T: int) -> int:

@@ -21,7 +21,7 @@ Contract:
       (``measured.costs_from_records``) or from a model shape and a hardware profile (``cost_model.py``). Work
       outside the schedule (gradient sync, optimizer) is ``other_s`` and is the same in both arms.
     * Outputs: step time, compute, comm and exposed comm per phase for the plain path and the overlapped one, the
-      speedup and the hidden fraction h = (T_plain - T_overlap) / min(T_compute, T_comm); :func:`best_plan` searches
+      speedup and the hidden fraction h = (T_plain - T_overlap) / min(T_compute, T_comm); :func:`best_choice` searches
       the microbatch count and delayed wgrad.
 """
 
@@ -301,7 +301,7 @@ class _UnitCharge(NoPipeline):
     def _whole(self, role: str) -> None:
         """A whole chunk by autograd: the unit's ops alone, each all-to-all waited for at once, nothing delayed (a
         plain step never delays wgrad, so this runner is already one that charges none)."""
-        run_ops(unit_ops(role, self.unit, self.shape, delay=False), {self.unit: self})
+        run_ops(unit_ops(role, self.unit, self.shape, delay_wgrad=False), {self.unit: self})
 
     def plain_forward(self) -> None:
         self._whole(FORWARD)
@@ -454,7 +454,7 @@ def step_by_wgrad_window(costs: StepCosts, link: Link, num_microbatches: int, op
     }  # fmt: skip
 
 
-def best_plan(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:
+def best_choice(costs: StepCosts, link: Link, microbatch_counts: list[int]) -> list[Comparison]:
     """Every (microbatch count, delayed wgrad, attention-wgrad window) option, best throughput gain first.
 
     The options differ in how many microbatches a step holds, so they are ranked by time per microbatch of the

@@ -136,9 +136,9 @@ def _backward_end(u: int, shape) -> Op:
     return Op(COMPUTE, "embedding_bwd", u) if shape.first else Op(LAUNCH, "send_grad", u)
 
 
-def _experts_bwd(u: int, k: int, moe: bool, delay: bool) -> list[Op]:
+def _experts_bwd(u: int, k: int, moe: bool, delay_wgrad: bool) -> list[Op]:
     ops = _experts_dgrad(u, k) + [Op(LAUNCH, "dispatch_bwd", u, k)]
-    return ops + ([Op(WGRAD, "experts", u, k)] if delay and moe else [])
+    return ops + ([Op(WGRAD, "experts", u, k)] if delay_wgrad and moe else [])
 
 
 def _combine_bwd(u: int, k: int) -> list[Op]:
@@ -153,8 +153,8 @@ def _pre_dispatch_bwd(u: int, k: int) -> list[Op]:
     return [Op(WAIT, "dispatch_bwd", u, k), Op(COMPUTE, "pre_dispatch_bwd", u, k)]
 
 
-def _attention_wgrad(b: Sequence[int], k: int | None, delay: bool) -> list[Op]:
-    return [Op(WGRAD, "attention", u, k) for u in b] if delay and k is not None else []
+def _attention_wgrad(b: Sequence[int], k: int | None, delay_wgrad: bool) -> list[Op]:
+    return [Op(WGRAD, "attention", u, k) for u in b] if delay_wgrad and k is not None else []
 
 
 def _replay_to_dispatch(u: int, j: int) -> list[Op]:

@@ -57,7 +57,7 @@ def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
     B's replay adds two all-to-alls and F has two compute nodes, so the backward's own two are hidden only behind
     the delayed weight gradients (the attention wgrad goes in window 4 whatever ``attention_wgrad_window`` says).
     """
-    j, k, moe_f, delay = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
+    j, k, moe_f, delay_wgrad = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
     f = [out.unit for out in outs]
     w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
     w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
@@ -67,9 +67,9 @@ def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
     w3 = [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
     w3 += [Op(LAUNCH, "combine", u, j) for u in f]
     w3 += [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
-    w4 = _attention_wgrad(b, pair.pending, delay) + [op for u in b for op in _experts_dgrad(u, k)]
+    w4 = _attention_wgrad(b, pair.pending, delay_wgrad) + [op for u in b for op in _experts_dgrad(u, k)]
     w4 += [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
-    w4 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w4 += [Op(WGRAD, "experts", u, k) for u in b] if delay_wgrad and pair.backward_moe else []
     w5 = [op for u in b for op in _pre_dispatch_bwd(u, k)]
     for out in outs:
         out.pending = j
@@ -93,17 +93,17 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
     B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
     pre_dispatch more than replaying just in time.
     """
-    j, k, moe_f, delay, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
+    j, k, moe_f, delay_wgrad, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
     f = [out.unit for out in outs]
     w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
     w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
     w2 = [op for u in b for op in _replay_output(u, k) + _combine_bwd(u, k)]
     w2 += [Op(WAIT, "split", u, j) for u in f] if moe_f else []
-    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay)
+    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + _attention_wgrad(b, pair.pending, delay_wgrad)
     if below is not None:
         w2 += [op for u in b for op in _replay_start(u, below)]
     w3 = [op for u in b for op in _experts_dgrad(u, k)] + [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
-    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and pair.backward_moe else []
+    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay_wgrad and pair.backward_moe else []
     w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
     w3 += [Op(LAUNCH, "combine", u, j) for u in f]
     w4 = [op for u in b for op in _replay_to_combine(u, below)] if below is not None else []
@@ -130,7 +130,7 @@ def replays_ahead(shape) -> bool:
     return bool(shape.segments) and all(stop - first == 1 for first, stop in shape.segments)
 
 
-def backwards_ahead(b: Sequence[int], shape, delay: bool) -> list[Window]:
+def backwards_ahead(b: Sequence[int], shape, delay_wgrad: bool) -> list[Window]:
     """One or two backwards with no forward beside them (warmup's end, cooldown), one-layer segments replayed a
     layer ahead: each B's replay of the layer below runs while its own layer's backward finishes, so each
     all-to-all has compute of that B (or of the other) to hide behind. Every parameter gets the first B's
@@ -141,14 +141,14 @@ def backwards_ahead(b: Sequence[int], shape, delay: bool) -> list[Window]:
     for k in reversed(range(top + 1)):
         below = k - 1 if k - 1 in ahead else None
         ops = [op for u in b for op in (_replay_output(u, k) if k in ahead else []) + _combine_bwd(u, k)]
-        ops += _attention_wgrad(b, pending, delay)
+        ops += _attention_wgrad(b, pending, delay_wgrad)
         if below is not None:
             ops += [op for u in b for op in _replay_start(u, below)]
-        ops += [op for u in b for op in _experts_bwd(u, k, shape.moe[k], delay)]
+        ops += [op for u in b for op in _experts_bwd(u, k, shape.moe[k], delay_wgrad)]
         if below is not None:
             ops += [op for u in b for op in _replay_to_combine(u, below)]
         ops += [op for u in b for op in _pre_dispatch_bwd(u, k)]
         windows.append(Window(f"B L{k} replayed" + (" x2" if len(b) == 2 else ""), tuple(ops)))
         pending = k
-    ends = _attention_wgrad(b, pending, delay) + [_backward_end(u, shape) for u in b]
+    ends = _attention_wgrad(b, pending, delay_wgrad) + [_backward_end(u, shape) for u in b]
     return windows + [Window("ends", tuple(ends))]

@@ -180,22 +180,22 @@ def _layer_forward(out: _Output, j: int, moe: bool) -> list[Op]:
     return ops
 
 
-def _layer_backward(u: int, k: int, shape: ChunkShape, delay: bool) -> list[Op]:
+def _layer_backward(u: int, k: int, shape: ChunkShape, delay_wgrad: bool) -> list[Op]:
     ops = (
         replay_before_backward(u, k, shape)
         + _combine_bwd(u, k)
-        + _experts_bwd(u, k, shape.moe[k], delay)
+        + _experts_bwd(u, k, shape.moe[k], delay_wgrad)
         + _pre_dispatch_bwd(u, k)
     )
-    return ops + _attention_wgrad([u], k, delay)
+    return ops + _attention_wgrad([u], k, delay_wgrad)
 
 
-def unit_ops(role: str, u: int, shape: ChunkShape, delay: bool) -> list[Op]:
+def unit_ops(role: str, u: int, shape: ChunkShape, delay_wgrad: bool) -> list[Op]:
     """One unit's forward (``F``) or backward (``B``) through its chunk, nothing beside it."""
     if role == FORWARD:
         out = _Output(u, shape)
         return [op for j, moe in enumerate(shape.moe) for op in _layer_forward(out, j, moe)] + out.end()
-    layers = [op for k in reversed(range(len(shape.moe))) for op in _layer_backward(u, k, shape, delay)]
+    layers = [op for k in reversed(range(len(shape.moe))) for op in _layer_backward(u, k, shape, delay_wgrad)]
     return [_backward_begin(u, shape), *layers, _backward_end(u, shape)]
 
 
@@ -208,15 +208,15 @@ class StepWork:
     b: tuple[int, ...]
     fs: ChunkShape | None
     bs: ChunkShape | None
-    delay: bool
+    delay_wgrad: bool
     window: int
 
 
 def _alone(w: StepWork) -> list[Window]:
     role, (u,), shape = (FORWARD, w.f, w.fs) if w.f else (BACKWARD, w.b, w.bs)
     if role == BACKWARD and replays_ahead(shape):
-        return backwards_ahead(w.b, shape, w.delay)
-    return [Window("alone", tuple(unit_ops(role, u, shape, w.delay)))]
+        return backwards_ahead(w.b, shape, w.delay_wgrad)
+    return [Window("alone", tuple(unit_ops(role, u, shape, w.delay_wgrad)))]
 
 
 @dataclass(frozen=True)
@@ -253,9 +253,9 @@ def layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
 
 def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     j, k, moe_f, moe_b = pair.forward, pair.backward, pair.forward_moe, pair.backward_moe
-    delay, window = pair.delay_wgrad, pair.window
+    delay_wgrad, window = pair.delay_wgrad, pair.window
     f = [out.unit for out in outs]
-    wgrad = _attention_wgrad(b, pair.pending, delay)
+    wgrad = _attention_wgrad(b, pair.pending, delay_wgrad)
     early = window == 1 and not moe_f  # no split sizes to hide: the wgrad goes beside B.combine backward
     w1 = [op for u in b for op in _combine_bwd(u, k)] + (wgrad if early else [])
     w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
@@ -265,7 +265,7 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + (wgrad if window == 2 else [])
     w2 += [op for u in b for op in _experts_dgrad(u, k)]
     w3 = [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
-    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay and moe_b else []
+    w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay_wgrad and moe_b else []
     w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
     w4 = [Op(LAUNCH, "combine", u, j) for u in f] + [op for u in b for op in _pre_dispatch_bwd(u, k)]
     for out in outs:
@@ -276,7 +276,7 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
 
 def _paired(w: StepWork) -> list[Window]:
     """Forward of ``f`` with backward of ``b``, layer by layer; the longer chunk's extra layers run unpaired."""
-    f, b, fs, bs, delay, window = w.f, w.b, w.fs, w.bs, w.delay, w.window
+    f, b, fs, bs, delay_wgrad, window = w.f, w.b, w.fs, w.bs, w.delay_wgrad, w.window
     outs = [_Output(u, fs) for u in f]
     nf, nb = len(fs.moe), len(bs.moe)
     paired = min(nf, nb)
@@ -288,7 +288,7 @@ def _paired(w: StepWork) -> list[Window]:
         k = nb - 1 - j
         pair = LayerPair(
             forward=j, backward=k, forward_moe=fs.moe[j], backward_moe=bs.moe[k], pending=pending,
-            delay_wgrad=delay, window=window, replay=None if k in ahead else bs.replayed(k), replayed=k in ahead,
+            delay_wgrad=delay_wgrad, window=window, replay=None if k in ahead else bs.replayed(k), replayed=k in ahead,
             replay_next=k - 1 if k - 1 in ahead else None,
         )  # fmt: skip
         windows += layer_step(outs, b, pair)
@@ -296,14 +296,15 @@ def _paired(w: StepWork) -> list[Window]:
     extra = []
     for j in range(min(nf, nb), nb):  # B's chunk is longer
         k = nb - 1 - j
-        extra += _attention_wgrad(b, pending, delay) + [op for u in b for op in _layer_backward(u, k, bs, delay)]
+        extra += _attention_wgrad(b, pending, delay_wgrad)
+        extra += [op for u in b for op in _layer_backward(u, k, bs, delay_wgrad)]
         pending = None
     for j in range(min(nf, nb), nf):  # F's chunk is longer: each extra layer's output is finished at once
         extra += [op for out in outs for op in _layer_forward(out, j, fs.moe[j]) + out.take()]
     # P2P in Megatron-Core's order: the activation, then the gradient; B's last attention wgrad while F's last
     # combine is in flight (on the last chunk)
     end = [] if fs.last else [op for out in outs for op in out.end()]
-    end += [_backward_end(u, bs) for u in b] + _attention_wgrad(b, pending, delay)
+    end += [_backward_end(u, bs) for u in b] + _attention_wgrad(b, pending, delay_wgrad)
     end += [op for out in outs for op in out.end()] if fs.last else []
     return windows + [Window("unpaired layers", tuple(extra)), Window("ends", tuple(end))]
 
@@ -323,20 +324,20 @@ def _forward_pair(w: StepWork) -> list[Window]:
 
 def _backward_pair(w: StepWork) -> list[Window]:
     """Two backwards interleaved layer by layer; every parameter gets the first one's contribution first."""
-    b, bs, delay = w.b, w.bs, w.delay
+    b, bs, delay_wgrad = w.b, w.bs, w.delay_wgrad
     if replays_ahead(bs):
-        return backwards_ahead(b, bs, delay)
+        return backwards_ahead(b, bs, delay_wgrad)
     x, y = b
     windows = [Window("B begin", (_backward_begin(x, bs), _backward_begin(y, bs)))]
     pending = None
     for k in reversed(range(len(bs.moe))):
         moe = bs.moe[k]
         ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)  # segments of several layers
-        ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay) + _combine_bwd(y, k)
-        ops += _experts_bwd(x, k, moe, delay) + _experts_bwd(y, k, moe, delay)
+        ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay_wgrad) + _combine_bwd(y, k)
+        ops += _experts_bwd(x, k, moe, delay_wgrad) + _experts_bwd(y, k, moe, delay_wgrad)
         windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))
         pending = k
-    ends = _attention_wgrad(b, pending, delay) + [_backward_end(x, bs), _backward_end(y, bs)]
+    ends = _attention_wgrad(b, pending, delay_wgrad) + [_backward_end(x, bs), _backward_end(y, bs)]
     return windows + [Window("ends", tuple(ends))]
 
 
@@ -385,7 +386,7 @@ def program(
     """
     overlap = options.overlap and not (forward_only and pipeline_size > 1)
     chunks = options.moe_ep_overlap_chunks if overlap else 1
-    delay = overlap and options.delay_wgrad
+    delay_wgrad = overlap and options.delay_wgrad
     window = options.attention_wgrad_window or 1
     plan = units(num_microbatches, chunks, forward_only=forward_only)
     of: dict[int, list[tuple[int, Unit]]] = {}
@@ -414,9 +415,9 @@ def program(
             windows = [Window("plain", (Op(PLAIN, kind.value, members[0].unit),))]
         else:
             kind = step_kind(len(f), len(b))
-            windows = windows_of(kind, f, b, fs, bs, delay_wgrad=delay, window=window)
+            windows = windows_of(kind, f, b, fs, bs, delay_wgrad=delay_wgrad, window=window)
         phase = s.phase if overlap else Phase.PLAIN
-        yield Step(kind, phase, tuple(members), s.recv, s.send, tuple(windows), delay_wgrad=delay)
+        yield Step(kind, phase, tuple(members), s.recv, s.send, tuple(windows), delay_wgrad=delay_wgrad)
 
 
 def format_program(steps: Sequence[Step], rank: int, pipeline_size: int) -> str:

@@ -1,0 +1,123 @@
+"""What the Megatron-Core plan refuses, each with one line naming the fix.
+
+Contract:
+    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built.
+    * :func:`check_delayed_wgrad`: with delayed wgrad, layers whose Transformer Engine linears would defer weight
+      gradients nothing runs (refused), and experts whose local linears delay nothing (one warning).
+    * :func:`layout_problems` (when the engine is built) and :func:`step_problems` (at each engine step's start):
+      what only Megatron-Core's driver and DDP do, which the engine, its own driver, does not.
+"""
+
+import logging
+
+import torch
+from megatron.core import parallel_state
+
+from megatron.bridge.training.ep_overlap.mcore.graphs import replays
+from megatron.bridge.utils.logging import warn_rank0
+
+logger = logging.getLogger(__name__)
+
+_OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
+
+
+def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
+    """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule."""
+    config = model.config
+    if config.mtp_num_layers and config.mtp_num_layers > 1:
+        raise ValueError(
+            f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
+            f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
+        )
+    if model.position_embedding_type == "mrope":
+        raise ValueError(
+            "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
+            f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
+        )
+    if mtp and config.recompute_granularity == "full" and config.recompute_method == "uniform":
+        if config.recompute_num_layers != 1:  # Megatron-Core's MTP layer asserts it in its first forward
+            raise ValueError(
+                f"recompute_num_layers={config.recompute_num_layers} with recompute_method='uniform' and an MTP "
+                "layer: Megatron-Core checkpoints the MTP depth as one segment only with recompute_num_layers=1; "
+                f"fix: set recompute_num_layers=1 (or recompute_method='block'), {_OFF}"
+            )
+    stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
+    if config.recompute_granularity == "selective" and stepped:
+        raise ValueError(
+            f"recompute_modules={config.recompute_modules}: Megatron-Core recomputes {sorted(stepped)} from "
+            "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
+            f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
+        )
+
+
+def check_delayed_wgrad(units: list) -> None:
+    """With delayed wgrad: refuses layers that would lose weight gradients; warns once about experts that delay
+    nothing."""
+    lost = sorted({name for unit in units for name in unit.undelayable})
+    if lost:
+        raise ValueError(
+            f"delay_wgrad_compute with {', '.join(lost)} layers built from Transformer Engine linears: their "
+            "linears would defer weight gradients that nothing runs (they offer no backward_dw); fix: set "
+            f"delay_wgrad_compute=False, {_OFF}"
+        )
+    undelayed = [unit.name for unit in units if unit.is_moe and not unit.expert_wgrad_delayable]
+    if undelayed:
+        warn_rank0(
+            logger,
+            "delay_wgrad_compute: the experts of %s use Megatron-Core local linears, whose backward_dw() "
+            "does nothing; their weight gradients stay in the experts' backward (nothing is delayed; "
+            "numerics are unchanged). Build the model with Transformer Engine specs to delay them.",
+            ", ".join(undelayed),
+        )
+
+
+def layout_problems() -> list[str]:
+    """What only Megatron-Core's driver and DDP do for this layout: the engine's gradient sync and loss count cover
+    data and expert parallelism, not tensor or context parallelism."""
+    problems = []
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        problems.append(
+            f"tensor parallelism ({tp} ranks): the engine would count each token's loss on every tensor-parallel "
+            "rank and leave the sequence-parallel norms' and the routers' gradients unreduced across them; fix: "
+            "run under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
+        )
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        problems.append(
+            f"context parallelism ({cp} ranks): the engine's microbatches are whole sequences and it does not "
+            "slice them across the context-parallel ranks; fix: set context_parallel_size=1, or run under "
+            "Megatron-Core's driver (use_ep_overlap_schedule)"
+        )
+    return problems
+
+
+def step_problems(model: torch.nn.Module, config) -> list[str]:
+    """What Megatron-Core's driver does for a step that the engine, its own driver, does not: replay Transformer
+    Engine CUDA graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast, DSA's indexer loss scale."""
+    problems = []
+    graphed = [m.layer_number for m in model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
+    if graphed:
+        problems.append(
+            f"layers {graphed} replay Transformer Engine CUDA graphs, which the engine does not number by "
+            "microbatch; fix: run them under Megatron-Core's driver (use_ep_overlap_schedule), or set "
+            "cuda_graph_impl='none'"
+        )
+    for name in ("grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func"):
+        scale = getattr(config, name, None)
+        if scale is not None and float(scale(torch.ones(1)) if name == "grad_scale_func" else scale()) != 1.0:
+            problems.append(
+                f"{name} scales the loss (fp16 loss scaling), and the engine sets its loss scales itself; fix: "
+                "run under Megatron-Core's driver (use_ep_overlap_schedule), or train in bf16 or fp32"
+            )
+    if config.experimental_attention_variant == "dsa" or config.experimental_attention_variant_loss_scale_func:
+        problems.append(
+            "experimental_attention_variant: Megatron-Core's driver scales the DSA indexer's loss per "
+            "microbatch, the engine does not; fix: run under Megatron-Core's driver (use_ep_overlap_schedule)"
+        )
+    if getattr(config, "enable_autocast", False):
+        problems.append(
+            "enable_autocast: Megatron-Core's driver runs the step under torch.autocast, the engine does not; "
+            "fix: run under Megatron-Core's driver (use_ep_overlap_schedule), or set enable_autocast=False"
+        )
+    return problems
