@@ -6,6 +6,8 @@
     python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --gpus 16 --ep 16 --global_batch 1024
     # the cluster-scale table of docs/performance/ep-overlap-planner.md
     python scripts/performance/ep_overlap_plan.py --table
+    # pipelines: the plain 1F1B one and, with --vpp, the interleaved one
+    python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --gpus 32 --ep 8 --pp 4 --vpp 2
 
 It prices the engine's own schedule program (``megatron.bridge.training.ep_overlap.planner``); nothing runs on a
 GPU, and it needs no torch.
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--global_batch", type=int, default=None, help="with --model: sequences (default 1024)")
     parser.add_argument("--link_gbps", type=float, default=None, help="with --from_json: predict for this link")
     parser.add_argument("--microbatches", type=int, nargs="+", default=None, help="microbatch counts to search")
+    parser.add_argument("--pp", type=int, default=None, help="with --model: pipeline stages (prices 1F1B)")
+    parser.add_argument("--vpp", type=int, default=None, help="with --pp: virtual stages (prices it too)")
     parser.add_argument(
         "--recompute_modules",
         nargs="+",
@@ -69,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(cluster_table())
         return 0
-    costs, link, n, heading = run if args.from_json else _model_inputs(args)
+    if args.pp is not None and args.pp > 1:
+        return _print_pipelines(args, run)
+    costs, link, n, heading = run[:4] if args.from_json else _model_inputs(args)
     try:
         first = planner.predict(costs, link, n)
     except ValueError as exc:  # what the costs cannot price (no communication at all), before any figure
@@ -101,7 +107,7 @@ def _measured_inputs(args) -> tuple[list[str], tuple | None]:
     except (KeyError, TypeError, ValueError) as exc:
         return [f"--from_json={args.from_json}: a step record is malformed ({exc!r}); rerun the harness"], None
     heading = f"costs from {args.from_json} (rank 0's baseline records, steps {run.first_step}..{run.last_step})"
-    return [], (costs, link, run.num_microbatches, heading)
+    return [], (costs, link, run.num_microbatches, heading, run.activation_bytes)
 
 
 def _model_inputs(args) -> tuple:
@@ -124,6 +130,33 @@ def _model_inputs(args) -> tuple:
         f"pairing {edges:.1f}"
     )
     return costs, link, layout.num_microbatches, heading
+
+
+def _print_pipelines(args, measured) -> int:
+    """A pipeline's prices: a --model's on its stages (with memory), or a measured PP = 1 run's costs on P stages
+    of the same ranks each (the layers split over them, the same microbatches)."""
+    from utils.plan_inputs import model_layout
+    from utils.plan_pipeline import measured_pipeline_lines, pipeline_lines
+
+    from megatron.bridge.training.ep_overlap.planner import cost_model
+
+    try:
+        if measured is not None:
+            costs, link, n, heading, activation_bytes = measured
+            lines = measured_pipeline_lines(costs, link, n, args.pp, args.vpp, activation_bytes)
+        else:
+            layout = cost_model.Layout(*model_layout(args))
+            shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
+            heading = (
+                f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}"
+            )
+            lines = pipeline_lines(shape, layout, profile, args.pp, args.vpp)
+    except ValueError as exc:  # layers that do not split over the stages
+        print(f"error: --pp={args.pp} --vpp={args.vpp}: {exc}", file=sys.stderr)
+        return 2
+    print(heading)
+    print("\n".join(lines))
+    return 0
 
 
 def _print_predictions(planner, costs, link, n: int, first, microbatches) -> None:

@@ -1,7 +1,7 @@
 """Stock Megatron-Bridge's own training loop on 2 gloo ranks, overlap off and with this project's hook (test-only).
 
     python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook] [--packed]
-                                [--full_recompute recipe|hook]
+                                [--full_recompute recipe|hook] [--pp P] [--tp T]
 
 Run by ``test_stock_bridge_loop.py`` with the scratch interpreter ``stock_bridge.py`` builds. ``TREE`` is the folder
 that holds the ``megatron/bridge`` package this run imports: a site-packages with stock 0.6.2 and our plugin wheel, or
@@ -34,12 +34,15 @@ SEQ, MICRO_BATCH, MICROBATCHES, VOCAB = 8, 2, 3, 64
 
 def local_spec(config, vp_stage=None):
     """Megatron-Core's local (non-Transformer-Engine) decoder block spec; its core attention the tests' THD stand-in
-    (causal within each packed document; the local attention unchanged for padded microbatches)."""
+    (causal within each packed document; the local attention unchanged for padded microbatches); with sequence
+    parallelism, norms that take it (the local one refuses it; Transformer Engine's takes it)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from tests.unit_tests.training.ep_overlap.sp_norm import with_sequence_parallel_norms
     from tests.unit_tests.training.ep_overlap.thd_attention import with_packed_attention
 
-    return with_packed_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage))
+    spec = with_packed_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage))
+    return with_sequence_parallel_norms(spec) if config.sequence_parallel else spec
 
 
 def local_mtp_provider():
@@ -70,10 +73,12 @@ def local_mtp_provider():
     return LocalMTPOlMoEProvider
 
 
-def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: str = ""):
+def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: str = "", pp: int = 1, tp: int = 1):
     """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines. ``full_recompute``:
     "recipe" sets full recompute (uniform, 1) on the recipe's model config in both arms; "hook" there for the plain
-    arm only, and through the hook's ``full_recompute`` keyword for the hook arm."""
+    arm only, and through the hook's ``full_recompute`` keyword for the hook arm. ``pp``: pipeline stages, without
+    virtual ones (the plain 1F1B pipeline; without delayed wgrad, which it cannot have from a recipe). ``tp``: tensor
+    parallelism, with sequence parallelism (Megatron-Core's MoE layer refuses it without)."""
     import torch
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
 
@@ -106,6 +111,11 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: st
         bf16=True,  # Megatron-Core's config takes overlap_moe_expert_parallel_comm with bf16 or fp16 only
         params_dtype=torch.bfloat16,
         mtp_num_layers=1 if mtp else None,
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        pipeline_dtype=torch.bfloat16 if pp > 1 else None,
+        batch_p2p_comm=False,  # gloo pairs P2P in posting order; batched sends need NCCL's group semantics
     )
     # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights with
     # bf16 grads, in both arms alike.
@@ -124,6 +134,8 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: st
         )
         cfg.model.register_pre_wrap_hook(partial(use_ep_overlap_schedule, attention_wgrad_window=1))
         # ---- end of the recipe lines ----
+        if pp > 1:
+            cfg.comm_overlap.delay_wgrad_compute = False
         if full_recompute == "hook":
             cfg.model._pre_wrap_hooks[-1] = partial(
                 use_ep_overlap_schedule, attention_wgrad_window=1, full_recompute=("uniform", 1)
@@ -166,7 +178,16 @@ def batches(rank: int, step: int, mask_every: int, packed: bool = False):
 
 
 def train_arm(
-    rank: int, world: int, arm: str, mtp: bool, steps: int, mask_every: int, packed: bool, full_recompute: str
+    rank: int,
+    world: int,
+    arm: str,
+    mtp: bool,
+    steps: int,
+    mask_every: int,
+    packed: bool,
+    full_recompute: str,
+    pp: int = 1,
+    tp: int = 1,
 ) -> dict:
     import torch
     from megatron.bridge.training.config import runtime_config_update
@@ -180,7 +201,7 @@ def train_arm(
 
     from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
 
-    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute)
+    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute, pp, tp)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg
@@ -214,7 +235,10 @@ def train_arm(
             record["grads"].append({n: p.main_grad.float().flatten().tolist() for n, p in named})
             record["params"].append({n: p.detach().float().flatten().tolist() for n, p in named})
 
-    data = iter([mb for step in range(steps) for mb in batches(rank, step, mask_every, packed)])
+    from megatron.core import parallel_state
+
+    data_rank = parallel_state.get_data_parallel_rank()  # the stages of a pipeline read the same microbatches
+    data = iter([mb for step in range(steps) for mb in batches(data_rank, step, mask_every, packed)])
     # Bridge's loop itself: train_step per iteration (zero_grad_buffer, the driver, optimizer.step), logging, exit.
     train(forward_step, model, optimizer, scheduler, data, None, state, create_checkpoint_manager(cfg.checkpoint),
           pg_collection, callback_manager=normalize_callbacks([Keep()]))  # fmt: skip
@@ -224,6 +248,7 @@ def train_arm(
     record["plan"] = type(builder).__name__
     recorder = getattr(builder, "recorder", None)
     record["dispatches"] = 0 if recorder is None else sum(r.op == "dispatch" for r in recorder.comm)
+    record["paired"] = recorder is not None and any(r.phase == "paired" for r in recorder.comm)
     destroy_global_state()  # Bridge's teardown between runs in one process
     return record
 
@@ -247,7 +272,16 @@ def initialize_on_cpu(cfg):
 
 
 def rank_main(
-    rank: int, world: int, arms: list[str], mtp: bool, steps: int, mask_every: int, packed: bool, full_recompute: str
+    rank: int,
+    world: int,
+    arms: list[str],
+    mtp: bool,
+    steps: int,
+    mask_every: int,
+    packed: bool,
+    full_recompute: str,
+    pp: int,
+    tp: int,
 ) -> dict:
     import torch
 
@@ -257,7 +291,7 @@ def rank_main(
     # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda", and its local attention the default
     # causal mask: the host, as install_cpu_stubs does for torch.zeros.
     torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
-    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute) for arm in arms}
+    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute, pp, tp) for arm in arms}
 
 
 def main() -> None:
@@ -270,11 +304,14 @@ def main() -> None:
     parser.add_argument("--arms", default="plain,hook")
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--full_recompute", choices=["", "recipe", "hook"], default="")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (no virtual ones); 2 x PP x TP ranks")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism")
     args = parser.parse_args()
     from megatron.bridge.utils.multiprocess import run_local_ranks
 
-    arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed, args.full_recompute)
-    outcomes = run_local_ranks(rank_main, 2, arguments, collective_timeout_s=120)
+    arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed, args.full_recompute,
+                 args.pp, args.tp)  # fmt: skip
+    outcomes = run_local_ranks(rank_main, 2 * args.pp * args.tp, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 
 

@@ -1,7 +1,8 @@
 """Stock Megatron-Bridge 0.6.2's own training loop runs this project's plan, bitwise, in both install modes.
 
 Each test runs ``stock_bridge_loop.py`` in the scratch interpreter of ``stock_bridge.py`` (upstream's wheel from the
-package registry; skipped with the reason when the registry cannot be reached): two gloo ranks, EP 2, Bridge's
+package registry; skipped with the reason when the registry cannot be reached): two gloo ranks, EP 2 (four with
+PP 2: the plain 1F1B pipeline), Bridge's
 ``train_step``, ``gpt_step.forward_step`` and ``get_batch``, Megatron-Core's driver, DDP and optimizer. The arms are
 overlap off and the README's recipe (``EPOverlapCommOverlapConfig`` plus the pre-wrap hook); both see the same data,
 in which every third token is masked out of the loss.
@@ -120,6 +121,44 @@ def test_full_recompute_set_in_the_recipe_is_refused_with_our_line_not_megatron_
 
 def test_full_recompute_given_to_the_hook_trains_bitwise_equal_in_bridges_loop(python, plugin, tmp_path):
     ranks = _arms(python, plugin, tmp_path / "out.json", "--steps", "2", "--full_recompute", "hook")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        for what in ("losses", "grads", "params"):
+            assert rank["hook"][what] == rank["plain"][what], what
+
+
+def test_with_the_patch_the_plain_1f1b_pipeline_pairs_bitwise_equal_in_bridges_loop(python, patched, tmp_path):
+    """PP 2 without virtual stages (4 ranks): the recipe's setup keeps the overlap flag off the provider (Megatron-
+    Core's config refuses it there), the hook sets it on the built config, and the patched train() takes this
+    project's get_forward_backward_func, which pairs the steps."""
+    ranks = _arms(python, patched, tmp_path / "out.json", "--steps", "2", "--pp", "2")
+    assert len(ranks) == 4
+    for index, rank in enumerate(ranks):
+        plain, hook = rank["plain"], rank["hook"]
+        assert hook["overlap_flag"] and hook["dispatches"] == 3 * 1 * 2  # one MoE layer a stage
+        # 3 microbatches fill the first stage's warm-up (2 (P - r - 1) + 1 forwards); the last stage pairs.
+        assert hook["paired"] is (index >= 2)
+        assert bool(hook["losses"][-1]) is (index >= 2)  # the last stage's ranks report the losses
+        for what in ("losses", "grads", "params"):
+            assert hook[what] == plain[what], what
+
+
+def test_as_a_plugin_the_plain_1f1b_pipeline_stops_before_step_1_naming_the_patch(python, plugin, tmp_path):
+    run = stock_bridge.run(python, plugin, LOOP, str(tmp_path / "out.json"), "--steps", "1", "--arms", "hook",
+                           "--pp", "2")  # fmt: skip
+    assert run.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert run.stderr.count("4 of 4 ranks failed") == 1
+    assert "Megatron-Bridge's train() (unpatched) takes Megatron-Core's get_forward_backward_func" in run.stderr
+    assert "fix: apply this project's patch (tools/upstream.py patch)" in run.stderr
+    assert "optimizer.step" not in run.stderr
+
+
+@pytest.mark.parametrize("mode", ["plugin", "patched"])
+def test_tensor_and_sequence_parallelism_train_bitwise_equal_in_bridges_loop(python, mode, request, tmp_path):
+    """TP 2 with sequence parallelism x EP 2 (4 ranks), as upstream's TP 2 overlap recipes set it: Bridge's own
+    provider, setup and loop; the tests' norm that takes sequence parallelism in both arms."""
+    ranks = _arms(python, request.getfixturevalue(mode), tmp_path / "out.json", "--steps", "2", "--tp", "2")
+    assert len(ranks) == 4
     for rank in ranks:
         _assert_the_hook_ran_our_plan(rank, 2)
         for what in ("losses", "grads", "params"):

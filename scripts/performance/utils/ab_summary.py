@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import costs_from_records, exposed_by_phase, predict
-from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, predicted_peak
+from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, pipeline_peaks
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, format_program, program
 from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.pipeline_layout import chunk_layers_of
@@ -49,10 +49,16 @@ def pairing_bound(model, num_microbatches: int, options: EPOverlapOptions) -> fl
     return min(shares)
 
 
+def layout_name(P: int, V: int) -> str:
+    """``PP 2 x VPP 2``, or ``PP 2 (1F1B)`` without virtual stages; empty at PP = 1."""
+    return "" if P == 1 else f"PP {P} x VPP {V}" if V > 1 else f"PP {P} (1F1B)"
+
+
 def print_schedules(model, num_microbatches: int, options: EPOverlapOptions) -> None:
     P, V = _pipeline(model)
     print(
-        f"schedule (overlap on): PP {P} x VPP {V}, {num_microbatches} microbatches; units F/B u<unit>=m<microbatch>"
+        f"schedule (overlap on): {layout_name(P, V) or 'PP 1'}, {num_microbatches} microbatches; units F/B "
+        "u<unit>=m<microbatch>"
         "[.half] c<chunk>, <received >sent transfer@r<pipeline rank>; then each window's ops in host order"
     )
     for rank, steps in enumerate(_programs(model, num_microbatches, replace(options, overlap=True))):
@@ -64,7 +70,7 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     P, V = _pipeline(m)
     tokens_per_step = world // P * t.num_microbatches * t.micro_batch_size * m.seq_length
     link = f"{args.link_gbps:g} Gbit/s emulated link" if args.link_gbps else "loopback"
-    layout = f"PP {P} x VPP {V}, " if P > 1 else ""
+    layout = f"{layout_name(P, V)}, " if P > 1 else ""
     summary = {
         "title": (
             f"EP overlap {'A/B' if args.ab else 'run'}: {world} ranks, {layout}EP {m.expert_model_parallel_size}, "
@@ -89,10 +95,12 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
         held = {arm: summary["arms"][arm]["activation_peak_bytes"] for arm in ("baseline", "overlap")}
         summary["activation_peak_bytes"] = {**held, "ratio": held["overlap"] / held["baseline"]}
         # The planner's accounting is the reference model's (with recompute, an upper bound: planner/memory.py).
-        if P == 1 and args.model_impl == "reference":
+        if args.model_impl == "reference":  # the most any rank holds, as measured
             shape = ActivationShape.of_reference_model(m, t.micro_batch_size)
             summary["activation_peak_bytes"]["planned_balanced_routing"] = {
-                arm: predicted_peak(shape, EPOverlapOptions(**results[arm][0]["options"]), t.num_microbatches)
+                arm: max(
+                    pipeline_peaks(shape, EPOverlapOptions(**results[arm][0]["options"]), t.num_microbatches, P, V)
+                )
                 for arm in ("baseline", "overlap")
             }
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))

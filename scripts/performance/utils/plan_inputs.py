@@ -36,7 +36,26 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
         ),
     ]
     rows += _source_rows(args) if args.from_json or args.table else _model_rows(args, num_experts)
+    rows += _pipeline_rows(args)
     return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+
+
+def _pipeline_rows(args) -> list[tuple]:
+    """--pp and --vpp: a --model prediction's pipeline, whose stages share the GPUs."""
+    pp, vpp = getattr(args, "pp", None), getattr(args, "vpp", None)
+    gpus, ep, _ = model_layout(args)
+    return [
+        (pp is not None and args.table, "--pp", pp, "applies to --model and --from_json: drop it"),
+        (pp is not None and pp < 1, "--pp", pp, "give 1 or more pipeline stages"),
+        (vpp is not None and (pp is None or pp < 2), "--vpp", vpp, "applies with --pp 2 or more: add --pp"),
+        (vpp is not None and vpp < 2, "--vpp", vpp, "give 2 or more virtual stages (1F1B is priced without it)"),
+        (
+            args.model and pp is not None and pp > 1 and gpus > 0 and ep > 0 and gpus % (pp * ep) != 0,
+            "--pp",
+            pp,
+            f"with --ep={ep} must divide --gpus={gpus} into stages of whole EP groups",
+        ),
+    ]
 
 
 def _source_rows(args) -> list[tuple]:
@@ -129,6 +148,7 @@ class MeasuredRun:
     num_microbatches: int
     first_step: int
     last_step: int
+    activation_bytes: float = 0.0  # one microbatch's activation between pipeline stages
 
 
 class PlanInputError(ValueError):
@@ -169,7 +189,17 @@ def read_measured(path: str) -> MeasuredRun:
         num_microbatches=num_microbatches,
         first_step=warmup + 1,
         last_step=max_steps,
+        activation_bytes=_activation_bytes(need("config", "model"), need("config", "train")),
     )
+
+
+def _activation_bytes(model: dict, train: dict) -> float:
+    """Bytes of one microbatch's hidden states (what a pipeline stage sends the next); 0 where the file lacks a
+    field."""
+    sizes = [model.get("hidden_size"), model.get("seq_length"), train.get("micro_batch_size")]
+    if not all(_whole(size, 1) for size in sizes):
+        return 0.0
+    return sizes[0] * sizes[1] * sizes[2] * (2 if model.get("bf16") else 4)
 
 
 def _load_summary(path: str, where: str) -> dict:

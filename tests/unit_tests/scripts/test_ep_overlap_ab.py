@@ -469,10 +469,21 @@ def test_print_schedule_shows_every_pipeline_rank(capsys):
     assert "model.pipeline_model_parallel_size = 2" in out
 
 
+def test_the_plain_1f1b_pipeline_pairs_in_the_harness(capsys):
+    argv = TINY + ["--num_layers", "4", "--pipeline_model_parallel_size", "2", "--num_microbatches", "4"]
+    assert ep_overlap_ab.main(argv + ["--ab", "--nproc_per_node", "4", "--print_schedule", "-d"]) == 0
+    out = capsys.readouterr().out
+    assert "schedule (overlap on): PP 2 (1F1B), 4 microbatches" in out
+    rank0 = out[out.index("pipeline rank 0:") : out.index("pipeline rank 1:")]
+    # 2 (P - r - 1) + 1 = 3 warm-up forwards on the first stage, then a paired step, then the cool-down
+    assert [line.split()[1] for line in rank0.splitlines()[1:] if line[:5].strip().isdigit()] == [
+        "warmup", "warmup", "warmup", "paired", "cooldown", "cooldown", "cooldown"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--pipeline_model_parallel_size", "2", "--num_layers", "4"], "[pipeline_needs_vpp]"),
         (PIPELINE[:4] + ["--num_layers", "3"], "--num_layers=3: num_layers=3 cannot be split"),
         (PIPELINE[:4] + ["--num_layers", "2"], "holds 1 layers, not divisible by virtual_pipeline_model_parallel"),
         (PIPELINE + ["--nproc_per_node", "2"], "2 ranks cannot hold expert_model_parallel_size=2 x "),

@@ -219,3 +219,46 @@ def test_the_library_refuses_what_the_cli_refuses():
     costs = StepCosts(layers=(LayerCosts(1.0, 1.0, 1.0, 1.0),) * (MAX_LAYERS + 1), f_tail=0.0, b_head=0.0)
     with pytest.raises(ValueError, match=f"the planner prices up to {MAX_LAYERS} layers"):
         simulate(costs, Link(1e9), 4)
+
+
+def test_pipelines_are_priced_with_their_stages_memory():
+    run = plan("--model", "qwen3-30b-a3b", "--gpus", "32", "--ep", "8", "--pp", "4", "--vpp", "2")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "pipeline: 4 stages of 8 GPUs, 128 microbatches per step" in out
+    assert "PP 4 (1F1B): plain" in out and "PP 4 x VPP 2: plain" in out
+    assert "microbatches in flight per stage: plain [4, 3, 2, 1], overlapped [8, 6, 4, 2]" in out
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--model", "qwen3-30b-a3b", "--vpp", "2"], "error: --vpp=2: applies with --pp 2 or more: add --pp"),
+        (["--model", "qwen3-30b-a3b", "--gpus", "16", "--ep", "16", "--pp", "2"], "error: --pp=2: with --ep=16 must"),
+        (["--model", "qwen3-30b-a3b", "--gpus", "32", "--ep", "8", "--pp", "2", "--vpp", "1"], "error: --vpp=1: give"),
+        (["--table", "--pp", "2"], "error: --pp=2: applies to --model and --from_json"),
+        (["--model", "deepseek-v3", "--gpus", "512", "--ep", "64", "--pp", "8"], "error: --pp=8 --vpp=None: "),
+    ],
+)
+def test_pipeline_flags_are_refused_one_line_each(argv, line):
+    assert any(got.startswith(line) for got in refused(plan(*argv))), line
+
+
+def test_a_measured_pp1_step_is_priced_on_pipeline_stages(tmp_path):
+    layer = {"op": "dispatch", **SENT, "start_s": 0.0, "end_s": 0.1}
+    step = {
+        "comm": [{**layer, "layer": 0}, {**layer, "layer": 1}],
+        "compute": [{"node": "attn_fwd", "layer": j, "start_s": 0.0, "end_s": 0.2} for j in (0, 1)],
+    }
+    summary = _with(("config", "model", "num_layers"), 2)
+    summary["config"]["model"] |= {"hidden_size": 8, "seq_length": 4}
+    summary["config"]["train"] |= {"micro_batch_size": 2, "num_microbatches": 4}
+    summary["arms"]["baseline"]["records"]["0"] = [step, step]
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps(summary))
+    run = plan("--from_json", str(path), "--pp", "2")
+    assert run.returncode == 0, run.stderr
+    assert "pipeline: 2 stages, 4 microbatches per step, the measured costs split over them" in run.stdout
+    assert "PP 2 (1F1B): plain" in run.stdout and "overlapped [4, 2]" in run.stdout
+    (line,) = refused(plan("--from_json", str(path), "--pp", "2", "--vpp", "2"))  # 1 layer a chunk is not 2
+    assert line.startswith("error: --pp=2 --vpp=2: ")

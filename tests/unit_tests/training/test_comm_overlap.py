@@ -349,3 +349,76 @@ def test_the_plugin_entry_point_is_this_config_when_standalone(fake_versions):
     good = moe_model()
     EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(good)
     assert good.overlap_moe_expert_parallel_comm is True
+
+
+class DeferringProvider(ProviderStandIn):
+    """A Megatron-Bridge model provider's order: the recipe's setup writes the config, then ``finalize()`` runs
+    Megatron-Core's own checks (``TransformerConfig.__post_init__``) on what setup wrote."""
+
+    def finalize(self):
+        names = [f.name for f in dataclasses.fields(TransformerConfig) if f.init and hasattr(self, f.name)]
+        TransformerConfig(**{name: getattr(self, name) for name in names})
+
+
+@pytest.mark.parametrize("config_class", [CommOverlapConfig, "EPOverlapCommOverlapConfig"])
+def test_the_plain_1f1b_pipeline_gets_the_overlap_flag_once_the_config_is_built(fake_versions, config_class):
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+    from megatron.bridge.training.ep_overlap.settings import DEFERRED, apply_deferred
+    from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
+
+    config_class = EPOverlapCommOverlapConfig if config_class == "EPOverlapCommOverlapConfig" else config_class
+    requested = dict(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, batch_p2p_comm=False)
+    provider = DeferringProvider(pipeline_model_parallel_size=2, _pre_wrap_hooks=[use_ep_overlap_schedule])
+    config_class(**requested).setup(provider)
+    assert provider.overlap_moe_expert_parallel_comm is False and getattr(provider, DEFERRED)
+    provider.finalize()  # Megatron-Core's checks pass: the flag is not on the config they see
+    provider.overlap_moe_expert_parallel_comm = True
+    with pytest.raises(AssertionError, match="virtual_pipeline_model_parallel_size"):
+        provider.finalize()  # what they would say of it
+    provider.overlap_moe_expert_parallel_comm = False
+    assert apply_deferred(provider) == {"overlap_moe_expert_parallel_comm": True}
+    assert provider.overlap_moe_expert_parallel_comm is True and getattr(provider, DEFERRED) is None
+
+    # Megatron-Core's own schedule does not pair this pipeline: the rule refuses, naming both fixes.
+    unhooked = DeferringProvider(pipeline_model_parallel_size=2)
+    with pytest.raises(CommOverlapConfigError, match=r"\[pipeline_needs_vpp\].*use_ep_overlap_schedule"):
+        config_class(**requested).setup(unhooked)
+    # Delayed wgrad needs its flag at build, which Megatron-Core refuses here: refused with the fix.
+    delayed = DeferringProvider(pipeline_model_parallel_size=2, _pre_wrap_hooks=[use_ep_overlap_schedule])
+    with pytest.raises(CommOverlapConfigError, match=r"\[delay_wgrad_plain_pipeline_in_the_recipe\]"):
+        config_class(**requested, delay_wgrad_compute=True).setup(delayed)
+    # A built config (no finalize to come) keeps the flag as written.
+    built = moe_model(pipeline_model_parallel_size=2)
+    built.ep_overlap_schedule = "bridge"
+    config_class(**requested).setup(built)
+    assert built.overlap_moe_expert_parallel_comm is True and getattr(built, DEFERRED, None) is None
+
+
+def test_bridges_loop_must_take_our_function_for_the_plain_1f1b_pipeline(monkeypatch):
+    import sys
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func
+    from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
+
+    config = SimpleNamespace(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+        overlap_moe_expert_parallel_comm=True,
+    )
+    loop = SimpleNamespace(get_forward_backward_func=schedules.get_forward_backward_func)  # unpatched train.py
+    monkeypatch.setitem(sys.modules, "megatron.bridge.training.train", loop)
+    problem = unpaired_loop_problem(config)
+    assert "train() (unpatched)" in problem and "fix: apply this project's patch (tools/upstream.py patch)" in problem
+    loop.get_forward_backward_func = get_forward_backward_func  # patched
+    assert unpaired_loop_problem(config) is None
+    loop.get_forward_backward_func = schedules.get_forward_backward_func
+    for layout in ({"virtual_pipeline_model_parallel_size": 2}, {"pipeline_model_parallel_size": 1}):
+        assert unpaired_loop_problem(SimpleNamespace(**{**vars(config), **layout})) is None
+    monkeypatch.delitem(sys.modules, "megatron.bridge.training.train")  # another loop: it takes ours itself
+    assert unpaired_loop_problem(config) is None
+    # Megatron-Core's function everywhere but the plain 1F1B pipeline.
+    assert get_forward_backward_func(pp_size=1) is schedules.get_forward_backward_func(pp_size=1)
+    assert get_forward_backward_func(pp_size=2, vp_size=2) is schedules.forward_backward_pipelining_with_interleaving
+    assert get_forward_backward_func(pp_size=2).__name__ == "forward_backward_pipelining_with_ep_overlap"

@@ -48,9 +48,10 @@ CASES = {
     ),
     "precision": (({"bf16": False}, {}), ({"bf16": False, "fp16": True}, {})),
     "torch_version": (({}, {"torch": "2.5.1"}), ({}, {"torch": "2.6.0"})),
+    # Megatron-Core's schedule pairs across virtual stages only; this project's also pairs the plain 1F1B pipeline.
     "pipeline_needs_vpp": (
         ({"pipeline_model_parallel_size": 2}, {}),
-        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, {}),
+        ({**BRIDGE, "pipeline_model_parallel_size": 2}, {}),
     ),
     "no_full_recompute": (({"recompute_granularity": "full"}, {}), ({"recompute_granularity": "selective"}, {})),
     "no_recompute_method": (({"recompute_method": "uniform"}, {}), ({"recompute_method": None}, {})),
@@ -64,6 +65,11 @@ CASES = {
     "full_recompute_num_layers": (
         ({**BRIDGE, **FULL, "recompute_num_layers": 0}, {}),
         ({**BRIDGE, **FULL, "recompute_method": "block", "recompute_num_layers": 2}, {}),
+    ),
+    # The hook sets the overlap flag on the built config there; Megatron-Core's linears read the delay at build.
+    "delay_wgrad_plain_pipeline_in_the_recipe": (
+        ({**BRIDGE, "pipeline_model_parallel_size": 2}, {"delay": True, "built": False}),
+        ({**BRIDGE, "pipeline_model_parallel_size": 2}, {"delay": True, "built": True}),
     ),
     "full_recompute_dropout": (({**BRIDGE, **FULL, "hidden_dropout": 0.1}, {}), ({**BRIDGE, **FULL}, {})),
     "full_recompute_mtp": (
@@ -326,6 +332,7 @@ def test_graph_modules_count_without_cuda_graph_impl(fake_versions):
 # fix asks.
 CALLABLES = {"apply_flex_dispatcher_backend", "use_bridge_schedule", "use_ep_overlap_schedule"}
 CALLABLES |= {"register_pre_wrap_hook", "full_recompute"}  # use_ep_overlap_schedule's keyword
+CALLABLES |= {"get_forward_backward_func"}  # the schedule a training loop takes from ep_overlap.mcore
 
 
 def _existing_names() -> set[str]:

@@ -38,7 +38,7 @@ from megatron.bridge.training.comm_overlap_values import (
     explicit_values,
 )
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
@@ -349,6 +349,7 @@ class CommOverlapConfig:
             raise CommOverlapConfigError(problems)
         for resolved, target in plan:
             self._apply_cfgs(resolved, target)
+        defer_overlap_flag(model_config)
         if getattr(model_config, "tp_comm_overlap", False):
             model_config.tp_comm_overlap_cfg = self._tp_overlap_dict(plan[0][0].tp_comm_overlap_cfg)
             model_config.tp_comm_bootstrap_backend = plan[0][0].tp_comm_bootstrap_backend

@@ -27,7 +27,7 @@ from megatron.bridge.training.comm_overlap_values import (
     explicit_values,
 )
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
@@ -94,6 +94,7 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
                 setattr(user, flag, value)
         model_config.overlap_moe_expert_parallel_comm = overlap
         model_config.delay_wgrad_compute = delay
+        defer_overlap_flag(model_config)
 
 
 def _first(*values: Any) -> Any:

@@ -233,14 +233,16 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     return _engine_orders(groups, microbatch_counts, combinations, build, vocab=64, shape=(2, 8))
 
 
-def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict:
-    """Megatron-Core's own driver running the plan through the pre-wrap hook (PP 1, or its interleaved schedule)."""
+def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int, vpp: int | None = 2) -> dict:
+    """Megatron-Core's own driver running the plan through the pre-wrap hook: PP 1, its interleaved schedule, or
+    (``vpp`` None) the plain 1F1B pipeline through this project's ``get_forward_backward_func``."""
     from .mcore_cpu import init_megatron, install_cpu_stubs
 
     install_cpu_stubs()
-    init_megatron(2, pp, 2 if pp > 1 else None)
+    init_megatron(2, pp, vpp if pp > 1 else None)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func as ours
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     from .mcore_models import McoreCase, build_gpt
@@ -249,9 +251,12 @@ def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict
 
     install()
     case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))
+    chunks = vpp if pp > 1 and vpp else 1
+    # Without virtual stages the call sets overlap_p2p_comm itself (Megatron-Core's 1F1B refuses it in the config).
+    p2p_modes = (False, True) if chunks > 1 else (False,)
     out = {}
-    for delay, window, overlap_p2p in itertools.product((False, True), (1, 2), (False, True) if pp > 1 else (False,)):
-        models = [plan.model for plan in build_plans(case, pp, 2)] if pp > 1 else [build_gpt(case)]
+    for delay, window, overlap_p2p in itertools.product((False, True), (1, 2), p2p_modes):
+        models = [plan.model for plan in build_plans(case, pp, vpp)] if pp > 1 else [build_gpt(case)]
         config = models[0].config
         config.overlap_moe_expert_parallel_comm, config.delay_wgrad_compute = True, delay
         config.batch_p2p_comm, config.overlap_p2p_comm = False, overlap_p2p
@@ -259,9 +264,9 @@ def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int) -> dict
         gen = torch.Generator().manual_seed(7)
         data = [tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(microbatches)]
         take_events()
-        get_forward_backward_func()(
+        (ours if pp > 1 and chunks == 1 else get_forward_backward_func)()(
             forward_step_func=bridge_style_forward_step,
-            data_iterator=[iter(data), iter(list(data))] if pp > 1 else iter(data),
+            data_iterator=[iter(list(data)) for _ in models] if chunks > 1 else iter(data),
             model=models,
             num_microbatches=microbatches,
             seq_length=SEQ,

@@ -231,9 +231,13 @@ def driver_call_events(
     return log.events
 
 
-def rank_chunks(layer_freq: list[int], pipeline_size: int, pipeline_rank: int) -> tuple[list, list[list[int]]]:
-    """The shapes and global layer numbers of a pipeline rank's chunks (virtual stages of 2 with pipeline stages)."""
-    layers = chunk_layers(len(layer_freq), pipeline_size, 2 if pipeline_size > 1 else 1)
+def rank_chunks(
+    layer_freq: list[int], pipeline_size: int, pipeline_rank: int, virtual: int | None = None
+) -> tuple[list, list[list[int]]]:
+    """The shapes and global layer numbers of a pipeline rank's chunks (``virtual`` stages; default 2 with pipeline
+    stages)."""
+    virtual = virtual or (2 if pipeline_size > 1 else 1)
+    layers = chunk_layers(len(layer_freq), pipeline_size, virtual)
     mine = list(range(pipeline_rank, len(layers), pipeline_size))
     last = len(layers) - 1
     shapes = [ChunkShape(c == 0, c == last, tuple(bool(layer_freq[n]) for n in layers[c])) for c in mine]

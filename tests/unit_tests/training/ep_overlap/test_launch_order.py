@@ -92,11 +92,11 @@ def _calls(events: list[str]) -> list[tuple[str, list[str]]]:
     return calls
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2-vpp2"])
-def test_each_call_of_megatron_cores_driver_runs_the_programs_step(pp):
-    recorded = {}
-    for outcome in run_local_ranks(mcore_hook_orders, 2 * pp, (pp, 3 if pp == 1 else 4)):
-        shapes, numbers = rank_chunks(FREQ[pp], pp, outcome.rank // 2)
+@pytest.mark.parametrize("pp, vpp", [(1, None), (2, 2), (2, None)], ids=["pp1", "pp2-vpp2", "pp2-1f1b"])
+def test_each_call_of_megatron_cores_driver_runs_the_programs_step(pp, vpp):
+    recorded, layout = {}, f"pp{pp}" if vpp or pp == 1 else f"pp{pp}-1f1b"
+    for outcome in run_local_ranks(mcore_hook_orders, 2 * pp, (pp, 3 if pp == 1 else 4, vpp)):
+        shapes, numbers = rank_chunks(FREQ[pp], pp, outcome.rank // 2, vpp or 1)
         for combo, events in sorted(outcome.result.items()):
             options = dict(kv.split("=") for kv in combo.split(","))
             for head, got in _calls(events):
@@ -106,18 +106,18 @@ def test_each_call_of_megatron_cores_driver_runs_the_programs_step(pp):
                     sides.get("F"), sides.get("B"), shapes, numbers, delay_wgrad=options["delay_wgrad"] == "True",
                     window=int(options["attention_wgrad_window"]),
                 )  # fmt: skip
-                assert got == want, _first_difference(f"pp{pp} rank {outcome.rank} {combo} {head}", got, want)
+                assert got == want, _first_difference(f"{layout} rank {outcome.rank} {combo} {head}", got, want)
             calls = [line for line in events if line.startswith(("run ", "hook "))]
-            recorded[f"pp{pp} rank{outcome.rank} {combo}"] = calls
-    _check_calls(pp, recorded)
+            recorded[f"{layout} rank{outcome.rank} {combo}"] = calls
+    _check_calls(layout, recorded)
 
 
-def _check_calls(pp: int, recorded: dict[str, list[str]]) -> None:
-    """The driver's order of calls and hooks, against golden/mcore_driver_calls.txt (this pipeline size's part)."""
+def _check_calls(layout: str, recorded: dict[str, list[str]]) -> None:
+    """The driver's order of calls and hooks, against golden/mcore_driver_calls.txt (this layout's part)."""
     sections = _read_calls()
-    mine = {name: calls for name, calls in sections.items() if name.startswith(f"pp{pp} ")}
+    mine = {name: calls for name, calls in sections.items() if name.startswith(f"{layout} ")}
     if os.environ.get("EP_OVERLAP_WRITE_GOLDEN") == "1":
-        others = {name: calls for name, calls in sections.items() if not name.startswith(f"pp{pp} ")}
+        others = {name: calls for name, calls in sections.items() if not name.startswith(f"{layout} ")}
         merged = others | recorded
         CALLS.write_text("".join(f"## {name}\n" + "".join(f"{c}\n" for c in merged[name]) for name in sorted(merged)))
         return

@@ -45,8 +45,9 @@ def set_weights(plans, local_experts: int, ep_rank: int) -> None:
             param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
 
 
-def build_plans(case: McoreCase, pp: int, vpp: int):
-    """This rank's chunks (one per virtual stage; the whole model at PP = 1), as plans with the shared weights."""
+def build_plans(case: McoreCase, pp: int, vpp: int | None):
+    """This rank's chunks (one per virtual stage; one without virtual stages, ``vpp`` None; the whole model at
+    PP = 1), as plans with the shared weights."""
     from megatron.core import parallel_state
 
     from megatron.bridge.training.ep_overlap.mcore import chunk_for
@@ -54,7 +55,7 @@ def build_plans(case: McoreCase, pp: int, vpp: int):
     from .mcore_models import build_hybrid
 
     if isinstance(case, HybridCase):
-        stages = range(vpp) if pp > 1 else [None]
+        stages = range(vpp) if pp > 1 and vpp else [None]
         plans = [
             chunk_for(
                 build_hybrid(
@@ -84,7 +85,7 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
         pipeline_dtype=torch.float32 if pp > 1 else None,
     )
     config = gpt_config(case, **pipeline)
-    stages = range(vpp) if pp > 1 else [None]
+    stages = range(vpp) if pp > 1 and vpp else [None]
     plans = []
     for v in stages:
         model = gpt_model(

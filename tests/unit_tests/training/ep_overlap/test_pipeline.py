@@ -1,8 +1,9 @@
 """Pipeline parallelism: the schedule as data, its deadlock freedom, and bitwise numerics across layouts.
 
 The numerics matrix trains the same model (weights keyed by global layer number) as one PP = 1 run on 2 ranks
-(EP 2) and as PP 2 x VPP 2 x EP 2 runs on 4 ranks, plain, overlapped, and overlapped with delayed wgrad. Every
-loss, every gradient and every parameter after 3 Adam steps must match the PP = 1 run bit for bit.
+(EP 2) and as PP 2 x VPP 2 x EP 2 runs on 4 ranks, plain, overlapped, and overlapped with delayed wgrad; and as the
+plain 1F1B pipeline (PP 2 and PP 4, no virtual stages; 1F1B plain, paired with the overlap). Every loss, every
+gradient and every parameter after 3 Adam steps must match the PP = 1 run bit for bit.
 """
 
 import itertools
@@ -16,6 +17,7 @@ import torch
 from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
 from megatron.bridge.training.ep_overlap import EPOverlapEngine
 from megatron.bridge.training.ep_overlap.program.pipeline import (
+    Phase,
     pipeline_schedule,
     simulate,
     virtual_order,
@@ -131,7 +133,7 @@ class PipeCase(Case):
         return replace(
             base,
             pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp if pp > 1 else None,
+            virtual_pipeline_model_parallel_size=vpp if pp > 1 and vpp > 1 else None,
             num_layers_in_first_pipeline_stage=self.first_stage if pp > 1 else None,
             num_layers_in_last_pipeline_stage=self.last_stage if pp > 1 else None,
             pipeline_dtype=base.activation_dtype() if pp > 1 else None,
@@ -175,14 +177,16 @@ def train_layout(rank: int, world: int, case: PipeCase, pp: int, vpp: int, arms:
 def train_recording(engine, optimizer, named: list, data_per_step: list) -> dict:
     """Steps of training; per step the losses (None off the last stage) and every gradient by ``named``'s names,
     then the final parameters."""
-    losses, grads = [], []
+    losses, grads, phases = [], [], set()
     for data in data_per_step:
         result = engine.step(data)
         losses.append(torch.stack(result.losses) if result.losses else None)
         grads.append({name: p.grad.clone() for name, p in named})
+        phases |= {str(record.phase) for record in result.recorder.comm}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named}}
+    params = {n: p.detach().clone() for n, p in named}
+    return {"losses": losses, "grads": grads, "params": params, "phases": phases}
 
 
 PIPELINE_ARMS = ("plain", "overlap", "delayed")
@@ -224,23 +228,47 @@ PIPE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PIPE_CASES))
-def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
-    case = PIPE_CASES[name]
+def assert_layout_matches_pp1(case: PipeCase, pp: int, vpp: int) -> set[str]:
+    """Every arm of a PP x VPP x EP 2 run against the PP = 1 plain run of the same model, bit for bit. Returns the
+    phases the overlapped arm's all-to-alls ran in, over every rank."""
     reference = {
         o.result["data_rank"]: o.result["plain"] for o in run_local_ranks(train_layout, 2, (case, 1, 1, ("plain",)))
     }
-    outcomes = run_local_ranks(train_layout, 4, (case, 2, 2, PIPELINE_ARMS))
-    seen, biased = set(), set()
+    outcomes = run_local_ranks(train_layout, 2 * pp, (case, pp, vpp, PIPELINE_ARMS))
+    seen, biased, phases = set(), set(), set()
     for outcome in outcomes:
         ref = reference[outcome.result["data_rank"]]
         for arm in PIPELINE_ARMS:
             assert_matches_reference(ref, outcome.result[arm], case.steps, f"rank {outcome.rank} {arm}")
             seen.update(outcome.result[arm]["params"])
             biased.update(outcome.result[arm]["biases"])
+        assert Phase.PAIRED not in outcome.result["plain"]["phases"]
+        phases |= outcome.result["overlap"]["phases"]
     assert seen == set(reference[0]["params"])  # the pipeline holds the whole model
     assert biased == set(reference[0]["biases"])  # and compared every router's bias
     assert all(bias.abs().sum() > 0 for bias in reference[0]["biases"].values())  # which moved
+    return phases
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_CASES))
+def test_pipelined_runs_are_bitwise_equal_to_pp1_plain(name):
+    assert Phase.PAIRED in assert_layout_matches_pp1(PIPE_CASES[name], 2, 2)
+
+
+# The plain 1F1B pipeline (no virtual stages): 1F1B with the overlap off, paired steps with it on.
+PLAIN_1F1B_CASES = {
+    "pp2-ep2-N3": (PipeCase(microbatches=3), 2),
+    "pp2-ep2-N1": (PipeCase(microbatches=1), 2),
+    "pp2-uneven-expert-bias-N4": (PipeCase(layer_freq=(0, 1, 1), first_stage=1, microbatches=4, extra=EXPERT_BIAS), 2),
+    "pp4-ep2-N9": (PipeCase(microbatches=9), 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN_1F1B_CASES))
+def test_plain_1f1b_pipeline_runs_are_bitwise_equal_to_pp1_plain(name):
+    case, pp = PLAIN_1F1B_CASES[name]
+    phases = assert_layout_matches_pp1(case, pp, 1)
+    assert (Phase.PAIRED in phases) is (case.microbatches > 1)  # one microbatch has nothing to pair with
 
 
 # ---- failures and evaluation ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
 from megatron.bridge.models.moe_gpt.model import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.contract import DiscardedStorage
 from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.utils.multiprocess import run_local_ranks
@@ -251,3 +251,37 @@ def test_the_all_to_alls_outputs_are_freed_once_used_unless_backward_reads_them(
     layers_x_microbatches = 2 * 3
     assert run_local_ranks(_frees, 2, (False,))[0].result == {(64, 32): 4 * layers_x_microbatches}
     assert run_local_ranks(_frees, 2, (True,))[0].result == {(64, 32): 3 * layers_x_microbatches}
+
+
+def _pipeline_measured_and_planned(rank: int, world: int, config, microbatches: int, virtual: int) -> dict:
+    from megatron.bridge.models.moe_gpt import build_pipeline_chunks
+    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, pipeline_peaks
+
+    groups = init_ep_groups(2, timedelta(seconds=30), pipeline_size=2)
+    shape = ActivationShape.of_reference_model(config, micro_batch_size=2)
+    gen = torch.Generator().manual_seed(rank % 2)
+    shape_BS = (2, config.seq_length)
+    data = [
+        (torch.randint(0, 64, shape_BS, generator=gen), torch.randint(0, 64, shape_BS, generator=gen))
+        for _ in range(microbatches)
+    ]
+    out = {}
+    for name, options in (("plain", None), ("overlap", {}), ("delayed", {"delay_wgrad": True})):
+        chunks = build_pipeline_chunks(config, groups, 7, groups.pp_rank)
+        engine = EPOverlapEngine(chunks, groups, overlap=options is not None, **(options or {}))
+        measured = engine.step(data).activation_peak_bytes
+        chosen = EPOverlapOptions(overlap=options is not None, **(options or {}))
+        planned = pipeline_peaks(shape, chosen, microbatches, 2, virtual)[groups.pp_rank]
+        out[name] = (measured, planned)
+    return out
+
+
+@pytest.mark.parametrize("virtual", [1, 2], ids=["pp2-1f1b", "pp2-vpp2"])
+def test_the_planner_counts_each_pipeline_ranks_activations_exactly(virtual):
+    config = _config(
+        num_layers=4, moe_layer_freq=[1, 0, 1, 1], pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None, pipeline_dtype=torch.float32,
+    )  # fmt: skip
+    for outcome in run_local_ranks(_pipeline_measured_and_planned, 4, (config, 5, virtual)):
+        for name, (measured, planned) in outcome.result.items():
+            assert measured == planned, (outcome.rank, name, measured, planned)

@@ -9,17 +9,32 @@ Contract:
       plans, the reference model, the planner, the harness and ``CommOverlapConfig.setup`` all read them here.
     * An invalid setting is a violation (one line each, with its fix), never an empty result:
       :meth:`Settings.segments` refuses to cut a chunk by a full-recompute setting the rules refuse.
+    * Where a value is written: :func:`defer_overlap_flag` keeps the overlap flag off a Megatron-Bridge model
+      provider whose Megatron-Core checks would refuse it (the plain 1F1B pipeline: PP > 1 without virtual stages,
+      under this project's schedule), noting it on the config; the hook sets it on the built config
+      (:func:`apply_deferred`).
     * No torch here.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.moe_overlap_rules import CommOverlapConfigError, Violation, check_moe_overlap
+from megatron.bridge.training.moe_overlap_rules import (
+    CommOverlapConfigError,
+    Violation,
+    check_moe_overlap,
+    defers_mcore_checks,
+    schedule_of,
+)
+
+logger = logging.getLogger(__name__)
 
 # The rules that say whether full recompute names its segments (method and layer count).
 _RECOMPUTE_RULES = ("full_recompute_method", "full_recompute_num_layers")
+# A model config's note of the fields the hook sets once the config is built (Megatron-Core's checks refuse them).
+DEFERRED = "ep_overlap_deferred"
 
 
 @dataclass(frozen=True)
@@ -100,3 +115,38 @@ def resolve(
     if getattr(model_config, "recompute_granularity", None) == "full":
         full = (getattr(model_config, "recompute_method", None), getattr(model_config, "recompute_num_layers", None))
     return Settings(options, tuple(violations), full)
+
+
+def defer_overlap_flag(model_config: Any) -> bool:
+    """After ``CommOverlapConfig.setup`` wrote the resolved flags: where Megatron-Core's checks of ``model_config``
+    are still to run (a Megatron-Bridge model provider), this project's schedule runs the layers and the pipeline
+    has no virtual stages, Megatron-Core's ``TransformerConfig`` would refuse ``overlap_moe_expert_parallel_comm``.
+    Then the flag stays off the config until the hook sets it on the built one (:func:`apply_deferred`); the note
+    is the config's ``ep_overlap_deferred``. Returns whether it was deferred."""
+    plain_pipeline = (getattr(model_config, "pipeline_model_parallel_size", 1) or 1) > 1 and (
+        getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None
+    )
+    if not (
+        getattr(model_config, "overlap_moe_expert_parallel_comm", False)
+        and plain_pipeline
+        and defers_mcore_checks(model_config)
+        and schedule_of(model_config) == "bridge"
+    ):
+        return False
+    setattr(model_config, DEFERRED, {"overlap_moe_expert_parallel_comm": True})
+    model_config.overlap_moe_expert_parallel_comm = False
+    logger.info(
+        "EP overlap in the plain 1F1B pipeline: overlap_moe_expert_parallel_comm is set by use_ep_overlap_schedule "
+        "once the model config is built (Megatron-Core's TransformerConfig refuses it without virtual stages)."
+    )
+    return True
+
+
+def apply_deferred(model_config: Any) -> dict[str, Any]:
+    """Sets on the built ``model_config`` what :func:`defer_overlap_flag` kept off it; returns those fields."""
+    deferred = getattr(model_config, DEFERRED, None) or {}
+    for name, value in deferred.items():
+        setattr(model_config, name, value)
+    if deferred:
+        setattr(model_config, DEFERRED, None)
+    return dict(deferred)

@@ -248,6 +248,12 @@ def full_recompute(f: Mapping[str, Any]) -> bool:
     return bridge_schedule(f) and f["model.recompute_granularity"] == "full"
 
 
+def plain_pipeline(f: Mapping[str, Any]) -> bool:
+    """Pipeline stages without virtual ones: the plain 1F1B pipeline."""
+    pipeline, virtual = f["model.pipeline_model_parallel_size"] or 1, f["model.virtual_pipeline_model_parallel_size"]
+    return pipeline > 1 and virtual is None
+
+
 def delay_wgrad_on(f: Mapping[str, Any]) -> bool:
     return f[DELAY_WGRAD]
 

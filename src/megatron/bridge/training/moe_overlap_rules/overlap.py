@@ -55,12 +55,14 @@ OVERLAP_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "pipeline_needs_vpp",
-        ("model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size"),
-        lambda f: f[OVERLAP] and (f["model.pipeline_model_parallel_size"] or 1) > 1,
+        ("model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore" and (f["model.pipeline_model_parallel_size"] or 1) > 1,
         lambda f: f["model.virtual_pipeline_model_parallel_size"] is not None,
-        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1: EP overlap "
-        "pairs microbatches across virtual stages.",
-        "set virtual_pipeline_model_parallel_size (e.g. 2), or pipeline_model_parallel_size=1.",
+        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1: Megatron-"
+        "Core's own overlapped schedule pairs microbatches across virtual stages only.",
+        "set virtual_pipeline_model_parallel_size (e.g. 2); or let this project schedule the layers, which pairs the "
+        "plain 1F1B pipeline too: register use_ep_overlap_schedule (cfg.model.register_pre_wrap_hook) and take "
+        "get_forward_backward_func from 'megatron.bridge.training.ep_overlap.mcore' (the patched train() does).",
     ),
     Rule(
         "no_shared_expert_overlap",

@@ -15,13 +15,14 @@ Contract:
       unit) with the engine's executor, as the engine does. It returns what the chunk's model ``forward``
       returns: per-token losses on the last chunk, which Megatron-Core reduces with the recipe's loss function,
       else the hidden states. ``b_grad`` is the gradient of that output.
-    * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls them where its own plan does:
-      ``pre_forward`` and ``pre_backward`` (wait for the received activation / gradient) before the chunk starts,
-      ``post_forward`` (send the activation) and then ``post_backward`` (send the input gradient) after the
-      layers, before the deferred attention wgrad and the head. A chunk's input is the tensor Megatron-Core set
-      with ``set_input_tensor``; its gradient lands in that tensor's ``.grad``, where Megatron-Core reads it.
-    * Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests: PP = 1, and PP 2
-      x VPP 2 through its interleaved schedule).
+    * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls ``pre_forward`` and ``pre_backward``
+      (wait for the received activation / gradient) where the first op that reads it runs, so the other half's ops
+      go on while it is in flight, and ``post_forward`` (send the activation) and then ``post_backward`` (send the
+      input gradient) after the layers, before the deferred attention wgrad and the head. A chunk's input is the
+      tensor Megatron-Core set with ``set_input_tensor``; its gradient lands in that tensor's ``.grad``, where
+      Megatron-Core reads it.
+    * Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests: PP = 1, PP 2 x VPP 2
+      through its interleaved schedule, and the plain 1F1B pipeline through ``get_forward_backward_func``).
     * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
       options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
       adapter's limits (``chunk_for``).
@@ -37,11 +38,12 @@ import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
 from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
-from megatron.bridge.training.ep_overlap.engine.lanes import done, make_lane
+from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
+from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
     dropped_packed_sequence,
@@ -51,7 +53,7 @@ from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlap
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
-from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.ep_overlap.settings import apply_deferred, resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import refuse_together
@@ -235,13 +237,18 @@ class _DriverCall:
             self.post_backward_hook(grad, self.b_plan.vp_stage)
 
     def bind_forward(self) -> MicrobatchNodes | None:
-        """The forward's nodes, reading the received activation and sending their output through the hook."""
+        """The forward's nodes, reading the received activation and sending their output through the hook. The
+        wait for a received activation is the first forward op's, so a backward's ops run while it is in flight."""
         if self.f_plan is None:
             return None
-        if self.pre_forward is not None:
-            self.pre_forward(self.f_plan.vp_stage)  # the received activation is complete after this
         f = self.f_plan.nodes
-        f.io.input = done(self.f_plan.input_tensor)
+        if self.pre_forward is None:
+            f.io.input = done(self.f_plan.input_tensor)
+        elif self.f_plan.builder.chunk.pre_process:
+            self.pre_forward(self.f_plan.vp_stage)  # receives nothing; frees what the last step sent
+            f.io.input = done(self.f_plan.input_tensor)
+        else:  # the received activation is complete once the hook returns
+            f.io.input = Pending(self.f_plan.input_tensor, lambda: self.pre_forward(self.f_plan.vp_stage))
 
         def send_output(x: torch.Tensor) -> None:
             self.output = x.detach()  # Megatron-Core may free what it gets back; the nodes keep their own
@@ -251,16 +258,19 @@ class _DriverCall:
         return f
 
     def bind_backward(self, b_grad: torch.Tensor | None) -> MicrobatchNodes | None:
-        """The backward's nodes, given the output's gradient, sending the input's where Megatron-Core reads it."""
+        """The backward's nodes, given the output's gradient, sending the input's where Megatron-Core reads it. The
+        wait for a received gradient is the first backward op's, so a forward's ops run while it is in flight."""
         if self.b_plan is None:
             return None
-        if self.pre_backward is not None:
-            self.pre_backward(self.b_plan.vp_stage)  # the received gradient is complete after this
         b = self.b_plan.nodes
-        if self.b_plan.builder.chunk.post_process:
+        if self.b_plan.builder.chunk.post_process:  # the loss's gradient: nothing received
+            if self.pre_backward is not None:
+                self.pre_backward(self.b_plan.vp_stage)
             b.output_grad = b_grad
-        else:
+        elif self.pre_backward is None:
             b.io.grad = done(b_grad)
+        else:  # the received gradient is complete once the hook returns
+            b.io.grad = Pending(b_grad, lambda: self.pre_backward(self.b_plan.vp_stage))
 
         def send_grad(grad: torch.Tensor) -> None:
             self.b_plan.input_tensor.grad = grad  # where Megatron-Core reads the input gradient
@@ -392,7 +402,10 @@ def use_ep_overlap_schedule(
     keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
     ``build_schedule_plan``. ``full_recompute=(method, layers)`` sets ``recompute_granularity="full"``,
     ``recompute_method`` and ``recompute_num_layers`` on the built config first: Megatron-Core's config refuses them
-    with the overlap flag when Bridge builds it from the recipe.
+    with the overlap flag when Bridge builds it from the recipe. So it does the overlap flag in the plain 1F1B
+    pipeline (PP > 1 without virtual stages), which the recipe's ``CommOverlapConfig.setup`` kept off the config;
+    there Megatron-Bridge's ``train()`` must take :func:`get_forward_backward_func` of this package (the patch
+    makes it), else the hook refuses, naming the fix.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
@@ -407,10 +420,14 @@ def use_ep_overlap_schedule(
     if full_recompute is not None:
         config.recompute_granularity = "full"
         config.recompute_method, config.recompute_num_layers = full_recompute
+    apply_deferred(config)  # the plain 1F1B pipeline's overlap flag, kept off the recipe's config until now
     high_priority = bool(getattr(config, "high_priority_a2a_comm_stream", False))
     checked, refusal = [], None
     try:
         checked = [checked_chunk(model, attention_wgrad_window, high_priority) for model in models]
+        loop = unpaired_loop_problem(config)
+        if loop:
+            raise ValueError(loop)
     except ValueError as error:  # a CommOverlapConfigError is one
         refusal = error
     # A pipeline stage may refuse what another accepts (a chunk's MTP layer): all refuse together, or one would

@@ -1,7 +1,8 @@
 """The planner: prices the engine's schedule program before a run (pure Python; no torch).
 
-``simulate`` charges every op of the program a cost and runs one rank's compute and link; ``measured`` reads costs
-from a recorded plain step; ``cost_model`` derives them from a model shape and a hardware profile.
+``simulate`` charges every op of the program a cost and runs one rank's compute and link; ``pipeline`` runs every
+stage of a pipelined step at once; ``measured`` reads costs from a recorded plain step; ``cost_model`` derives them
+from a model shape and a hardware profile; ``memory`` counts the activations held.
 """
 
 from megatron.bridge.training.ep_overlap.planner.measured import (
@@ -10,6 +11,7 @@ from megatron.bridge.training.ep_overlap.planner.measured import (
     exposed_by_phase,
     exposed_by_phase_and_kind,
 )
+from megatron.bridge.training.ep_overlap.planner.pipeline import PipelinePrediction, in_flight, simulate_pipeline
 from megatron.bridge.training.ep_overlap.planner.simulate import (
     Comparison,
     LayerCosts,
@@ -26,6 +28,7 @@ __all__ = [
     "Comparison",
     "LayerCosts",
     "Link",
+    "PipelinePrediction",
     "Prediction",
     "StepCosts",
     "best_choice",
@@ -33,7 +36,9 @@ __all__ = [
     "costs_from_records",
     "exposed_by_phase",
     "exposed_by_phase_and_kind",
+    "in_flight",
     "predict",
     "simulate",
+    "simulate_pipeline",
     "step_by_wgrad_window",
 ]

@@ -21,15 +21,16 @@ Contract:
 Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x top-k slots, R received rows.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron.bridge.training.ep_overlap.planner.holds import UnitHolds
-from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, NoPipeline, run_ops
+from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
 from megatron.bridge.training.ep_overlap.segments import segment_of
 from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.training.ep_overlap.storage_count import Count
+from megatron.bridge.utils.pipeline_layout import chunk_layers
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
 FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32
@@ -348,8 +349,17 @@ class _LayerHolds(NoComm):
         self.holds.run_wgrad(self.index, "attention")
 
 
-class _ChunkHolds(NoPipeline):
-    """The interpreter's runner for one unit on its chunk: the ends' ops, and the layers' runners."""
+class _ChunkHolds:
+    """The interpreter's runner for one unit on its chunk: the ends' ops, and the layers' runners. A received
+    activation is what the chunk's first layer saves as its input; nothing else of the P2P is held."""
+
+    def wait_recv_activation(self) -> None: ...
+
+    def launch_send_activation(self, x) -> None: ...
+
+    def wait_recv_grad(self) -> None: ...
+
+    def launch_send_grad(self, g) -> None: ...
 
     def __init__(self, holds: UnitHolds, chunk: ChunkShape):
         self.holds, self.chunk = holds, chunk
@@ -399,15 +409,44 @@ class _ChunkHolds(NoPipeline):
 def activation_peak(shape: ActivationShape, steps: list[Step], chunk: ChunkShape) -> int:
     """The most bytes held for backward at any moment of one rank's step (``steps``, a PP = 1 program over
     ``chunk``), each step's backward deferring weight gradients as it says (``Step.delay_wgrad``)."""
+    return rank_peak(shape, steps, [chunk])
+
+
+def rank_peak(shape: ActivationShape, steps: list[Step], chunks: list[ChunkShape]) -> int:
+    """:func:`activation_peak` of a pipeline rank: ``steps`` its program over ``chunks`` (in virtual-stage order),
+    ``shape`` with each chunk's layers in ``chunks[v].moe`` (a unit on each chunk holds its own storages)."""
     count = Count()
-    units: dict[int, _ChunkHolds] = {}
+    units: dict[tuple[int, int], _ChunkHolds] = {}
     for step in steps:
         for m in step.units:
-            if m.unit not in units:
+            key = (m.unit, m.virtual)
+            if key not in units:
+                chunk = chunks[m.virtual]
+                mine = replace(shape, moe=chunk.moe, segments=chunk.segments)
                 sequences = Unit(m.microbatch, m.half).size(shape.sequences)
-                units[m.unit] = _ChunkHolds(UnitHolds(shape, count, m.unit, m.microbatch, sequences), chunk)
-        run_ops(step.ops, {m.unit: units[m.unit].for_step(step) for m in step.units})
+                units[key] = _ChunkHolds(UnitHolds(mine, count, key, m.microbatch, sequences), chunk)
+        run_ops(step.ops, {m.unit: units[(m.unit, m.virtual)].for_step(step) for m in step.units})
     return count.peak
+
+
+def pipeline_peaks(
+    shape: ActivationShape, options, num_microbatches: int, pipeline_size: int, virtual_size: int = 1
+) -> list[int]:
+    """Per pipeline rank, the peak of its step (:func:`rank_peak`); ``shape.moe`` is the whole model's layers, split
+    as Megatron-Core splits them (evenly; full recompute's segments at PP = 1 only)."""
+    if pipeline_size == 1:
+        return [predicted_peak(shape, options, num_microbatches)]
+    layers = chunk_layers(len(shape.moe), pipeline_size, virtual_size)
+    last = len(layers) - 1
+    peaks = []
+    for r in range(pipeline_size):
+        chunks = [
+            ChunkShape(c == 0, c == last, tuple(shape.moe[i] for i in layers[c]))
+            for c in range(r, len(layers), pipeline_size)
+        ]
+        steps = program(options, chunks, num_microbatches, pipeline_size=pipeline_size, rank=r)
+        peaks.append(rank_peak(shape, list(steps), chunks))
+    return peaks
 
 
 def predicted_peak(shape: ActivationShape, options, num_microbatches: int) -> int:

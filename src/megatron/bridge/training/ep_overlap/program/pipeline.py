@@ -12,6 +12,12 @@ Contract:
     * Warm-up: ``2 (P - r - 1) + (V - 1) P`` forwards, plus one when overlap is on, capped at N V. The extra one
       is what makes pairing possible: without it the last stage's first steady step would pair the forward and
       the backward of the same microbatch, and a backward cannot start before its own forward's loss exists.
+      Without virtual stages (V = 1) and overlap off it is plain 1F1B's ``P - r - 1``.
+    * The plain 1F1B pipeline with overlap (V = 1) pairs too: a paired step takes its backward's gradient from the
+      step before and sends its forward's output at its end, so both wavefronts move one stage a step and stage r
+      holds ``2 (P - r)`` microbatches in flight where 1F1B holds ``P - r``. Nothing holds fewer: the last stage
+      cannot pair a microbatch with itself, so a gradient leaves it one step after the activation arrived, and each
+      hop back costs a step as each hop forward did.
     * Steady state: step k pairs the forward of virtual microbatch W + k with the backward of virtual microbatch k.
       Cool-down: the remaining backwards. Without overlap, a steady step runs its forward, then its backward.
     * Deadlock freedom: sends never block (asynchronous, matched by a tag unique within the step), receives are
@@ -105,6 +111,8 @@ def warmup_count(pipeline_size: int, virtual_size: int, num_microbatches: int, r
     position = {f: i for i, f in enumerate(forwards)}
     # Backward k must come after its own forward; paired with forward W + k it needs a strictly earlier one.
     lag = max(position[(m, virtual_size - 1 - v)] - k for k, (m, v) in enumerate(forwards))
+    if virtual_size == 1 and not overlap:  # plain 1F1B
+        return min(pipeline_size - rank - 1, len(forwards))
     count = 2 * (pipeline_size - rank - 1) + max((virtual_size - 1) * pipeline_size, lag) + int(overlap)
     return min(count, len(forwards))
 
