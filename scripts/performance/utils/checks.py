@@ -297,7 +297,7 @@ def _output_problems(flag: str, path: Path) -> list[str]:
     except OSError as exc:
         return [f"{flag}={str(path)!r}: cannot be written ({exc.strerror}); choose another path"]
     if not existed:
-        path.unlink()
+        path.unlink(missing_ok=True)  # under torchrun every rank checks: another may have removed it already
     return []
 
 

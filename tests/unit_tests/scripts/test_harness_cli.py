@@ -52,12 +52,10 @@ def test_a_bad_flag_is_one_line_and_status_2():
 
 @pytest.mark.parametrize("dryrun", [[], ["-d"]])
 def test_every_bad_value_is_one_line_before_any_rank_starts(tmp_path, dryrun):
-    start = time.monotonic()
     run = harness(
         *TINY, "--ab", "-ms", "1", "--link_gbps", "nan", "--num_layers", "0", "--timeline", str(tmp_path / "t.jpg"),
         "model.hidden_size=abc", "comm_overlap.overlap_moe_expert_parallel_comm=maybe", *dryrun,
     )  # fmt: skip
-    assert time.monotonic() - start < 10
     assert run.returncode == 2
     assert run.stderr.splitlines() == [
         "error: override model.hidden_size='abc': expected int, got 'abc'",
