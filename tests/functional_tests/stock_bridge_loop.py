@@ -1,15 +1,17 @@
 """Stock Megatron-Bridge's own training loop on 2 gloo ranks, overlap off and with this project's hook (test-only).
 
     python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook] [--packed]
-                                [--full_recompute recipe|hook] [--pp P] [--tp T]
+                                [--full_recompute recipe|hook] [--pp P] [--tp T] [--model olmoe|gpt_oss]
 
 Run by ``test_stock_bridge_loop.py`` with the scratch interpreter ``stock_bridge.py`` builds. ``TREE`` is the folder
 that holds the ``megatron/bridge`` package this run imports: a site-packages with stock 0.6.2 and our plugin wheel, or
 the ``src/`` of 0.6.2 with our patch applied. What runs is Bridge's and Megatron-Core's code:
 
     * the config: a ``ConfigContainer`` with a shrunk ``OlMoEModelProvider`` (a local layer spec, since Transformer
-      Engine is not installed), validated by Bridge (``cfg.validate()``, which runs our ``EPOverlapCommOverlapConfig``
-      as the recipe's ``comm_overlap``);
+      Engine is not installed), or with ``--model gpt_oss`` the provider Bridge's ``GPTOSSBridge`` makes from a shrunk
+      ``transformers`` ``GptOssConfig`` (its biases, sinks, sliding window, YaRN and clamped quick-GELU; on CPU
+      without grouped GEMMs and the fused permute, which need Transformer Engine), validated by Bridge
+      (``cfg.validate()``, which runs our ``EPOverlapCommOverlapConfig`` as the recipe's ``comm_overlap``);
     * ``initialize_megatron``'s steps (not its last, compiling dataset helpers: see :func:`initialize_on_cpu`), then
       ``setup()``'s model and optimizer steps: ``_build_distributed_model`` (``provide_distributed_model``,
       ``get_model``, Megatron-Core's DDP), ``setup_optimizer`` (Megatron-Core's optimizer) and
@@ -73,7 +75,33 @@ def local_mtp_provider():
     return LocalMTPOlMoEProvider
 
 
-def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: str = "", pp: int = 1, tp: int = 1):
+def gpt_oss_provider():
+    """Bridge 0.6.2's GPT-OSS provider, as its ``GPTOSSBridge`` makes it from the model's Hugging Face config (here a
+    small one: the hub is not reached)."""
+    from types import SimpleNamespace
+
+    from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSBridge
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=16, num_attention_heads=2,
+                          num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=4, vocab_size=VOCAB, max_position_embeddings=SEQ)  # fmt: skip
+    provider = GPTOSSBridge().provider_bridge(SimpleNamespace(config=config))
+    provider.transformer_layer_spec = local_spec
+    provider.moe_grouped_gemm = provider.moe_permute_fusion = False  # Transformer Engine's (GPU) kernels
+    return provider
+
+
+def recipe(
+    arm: str,
+    mtp: bool,
+    steps: int,
+    micro_batch: int,
+    full_recompute: str = "",
+    pp: int = 1,
+    tp: int = 1,
+    model_name: str = "olmoe",
+):
     """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines. ``full_recompute``:
     "recipe" sets full recompute (uniform, 1) on the recipe's model config in both arms; "hook" there for the plain
     arm only, and through the hook's ``full_recompute`` keyword for the hook arm. ``pp``: pipeline stages, without
@@ -84,8 +112,7 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: st
 
     from tests.functional_tests.bridge_config import small_config
 
-    model = (local_mtp_provider() if mtp else OlMoEModelProvider)(
-        transformer_layer_spec=local_spec,
+    shrunk = dict(
         num_layers=2,
         hidden_size=32,
         ffn_hidden_size=48,
@@ -117,6 +144,14 @@ def recipe(arm: str, mtp: bool, steps: int, micro_batch: int, full_recompute: st
         pipeline_dtype=torch.bfloat16 if pp > 1 else None,
         batch_p2p_comm=False,  # gloo pairs P2P in posting order; batched sends need NCCL's group semantics
     )
+    if model_name == "gpt_oss":
+        model = gpt_oss_provider()
+        kept = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion")
+        for name, value in shrunk.items():
+            if name not in kept:  # its own fusions run on CPU as they are
+                setattr(model, name, value)
+    else:
+        model = (local_mtp_provider() if mtp else OlMoEModelProvider)(transformer_layer_spec=local_spec, **shrunk)
     # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights with
     # bf16 grads, in both arms alike.
     cfg = small_config(model, steps=steps, global_batch=micro_batch * MICROBATCHES * 2, micro_batch=micro_batch,
@@ -188,6 +223,7 @@ def train_arm(
     full_recompute: str,
     pp: int = 1,
     tp: int = 1,
+    model_name: str = "olmoe",
 ) -> dict:
     import torch
     from megatron.bridge.training.config import runtime_config_update
@@ -201,7 +237,7 @@ def train_arm(
 
     from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
 
-    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute, pp, tp)
+    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute, pp, tp, model_name)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg
@@ -282,6 +318,7 @@ def rank_main(
     full_recompute: str,
     pp: int,
     tp: int,
+    model_name: str,
 ) -> dict:
     import torch
 
@@ -291,7 +328,10 @@ def rank_main(
     # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda", and its local attention the default
     # causal mask: the host, as install_cpu_stubs does for torch.zeros.
     torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
-    return {arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute, pp, tp) for arm in arms}
+    return {
+        arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute, pp, tp, model_name)
+        for arm in arms
+    }
 
 
 def main() -> None:
@@ -306,11 +346,12 @@ def main() -> None:
     parser.add_argument("--full_recompute", choices=["", "recipe", "hook"], default="")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (no virtual ones); 2 x PP x TP ranks")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism")
+    parser.add_argument("--model", choices=["olmoe", "gpt_oss"], default="olmoe")
     args = parser.parse_args()
     from megatron.bridge.utils.multiprocess import run_local_ranks
 
     arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed, args.full_recompute,
-                 args.pp, args.tp)  # fmt: skip
+                 args.pp, args.tp, args.model)  # fmt: skip
     outcomes = run_local_ranks(rank_main, 2 * args.pp * args.tp, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 

@@ -165,6 +165,20 @@ def test_tensor_and_sequence_parallelism_train_bitwise_equal_in_bridges_loop(pyt
             assert rank["hook"][what] == rank["plain"][what], what
 
 
+@pytest.mark.parametrize("mode", ["plugin", "patched"])
+def test_bridges_gpt_oss_provider_trains_bitwise_equal_in_bridges_loop(python, mode, request, tmp_path):
+    """Bridge 0.6.2's GPT-OSS provider (``GPTOSSBridge`` from a shrunk ``GptOssConfig``): biases, learnable softmax
+    sinks, a sliding window on every other layer, YaRN, the clamped quick-GELU; the README's recipe in both modes."""
+    ranks = _arms(python, request.getfixturevalue(mode), tmp_path / "out.json", "--steps", "2", "--model", "gpt_oss")
+    for rank in ranks:
+        _assert_the_hook_ran_our_plan(rank, 2)
+        grads = rank["hook"]["grads"][-1]
+        for part in ("linear_proj.bias", "experts.local_experts.0.linear_fc1.bias", "softmax_offset"):
+            assert any(part in name for name in grads), part
+        for what in ("losses", "grads", "params"):
+            assert rank["hook"][what] == rank["plain"][what], what
+
+
 def test_the_readme_recipe_is_the_one_these_tests_run():
     """The README's first-screen snippet, line for line, is the recipe ``stock_bridge_loop.py`` runs; its last line,
     ``pretrain(cfg, forward_step)``, is what that script runs step by step up to ``train()`` (``setup()`` needs

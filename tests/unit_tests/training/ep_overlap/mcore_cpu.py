@@ -3,7 +3,8 @@
 Megatron-Core calls a few ``torch.cuda`` stream/event/device functions directly, forks a CUDA RNG state for
 attention dropout (and saves it around a recompute), and passes all-to-all split sizes as tensors (gloo wants
 lists). On CPU these become no-op streams and events, the current device "cpu" (also where the schedules' token
-counter goes), a plain RNG context, and list splits.
+counter goes), a plain RNG context, and list splits. Expert tensor parallelism gathers each rank's received tokens,
+a different count per rank, and gloo's all-gather wants equal sizes: the gather pads them to the longest.
 """
 
 import contextlib
@@ -57,6 +58,8 @@ def install_cpu_stubs() -> None:
     torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the last stage's embedding copy is synced "on CUDA"
     torch.zeros = made_on_host(torch.zeros)  # Megatron-Core's schedules put a token counter on "cuda"
+    torch.ones = made_on_host(torch.ones)  # and the local attention its sliding-window mask
+    torch.tensor = unpinned(torch.tensor)  # RoPE under context parallelism pins its chunk indices
     all_to_all_single = dist.all_to_all_single
 
     def lists(splits):
@@ -66,6 +69,31 @@ def install_cpu_stubs() -> None:
         return all_to_all_single(output, input, lists(output_split_sizes), lists(input_split_sizes), **kwargs)
 
     dist.all_to_all_single = all_to_all_with_list_splits
+    dist.all_gather = uneven_all_gather(dist.all_gather)
+
+
+UNEVEN_GATHERS = [0]  # how many gathers took the padded path in this process (tests check it ran)
+
+
+def uneven_all_gather(all_gather):
+    """gloo's ``all_gather`` that also takes outputs of different lengths along the first dimension (Megatron-Core's
+    ``_gather_along_first_dim`` with ``output_split_sizes``): each part is padded to the longest and cut back."""
+
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list}) == 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        assert not async_op, "the uneven gather runs synchronously"
+        UNEVEN_GATHERS[0] += 1
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(parts, padded, group=group)
+        for out, part in zip(tensor_list, parts):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    return gather
 
 
 def made_on_host(make):
@@ -75,6 +103,15 @@ def made_on_host(make):
         return make(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
     return on_host
+
+
+def unpinned(make):
+    """``make`` with ``pin_memory`` dropped (pinning needs a CUDA driver)."""
+
+    def host(*args, pin_memory=False, **kwargs):
+        return make(*args, **kwargs)
+
+    return host
 
 
 def plain_cuda_rng() -> None:
@@ -88,7 +125,12 @@ def plain_cuda_rng() -> None:
 
 
 def init_megatron(
-    expert_model_parallel_size: int, pipeline: int = 1, virtual: int | None = None, tensor: int = 1, context: int = 1
+    expert_model_parallel_size: int,
+    pipeline: int = 1,
+    virtual: int | None = None,
+    tensor: int = 1,
+    context: int = 1,
+    expert_tensor: int = 1,
 ) -> None:
     from megatron.core import parallel_state
 
@@ -96,7 +138,7 @@ def init_megatron(
         tensor_model_parallel_size=tensor,
         context_parallel_size=context,
         expert_model_parallel_size=expert_model_parallel_size,
-        expert_tensor_parallel_size=1,
+        expert_tensor_parallel_size=expert_tensor,
         pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=virtual,
     )

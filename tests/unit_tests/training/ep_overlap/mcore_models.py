@@ -26,6 +26,7 @@ class McoreCase:
     steps: int = 2
     device: str = "cpu"
     rope: bool = False
+    yarn: bool = False  # YaRN rotary positions, scaled as Bridge's GPT-OSS provider scales them
     expert_bias: bool = False  # sigmoid scores with aux-loss-free load balancing
     mtp: bool = False  # one multi-token prediction layer
     tied: bool = False  # share_embeddings_and_output_weights
@@ -96,48 +97,75 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
     add to it (pipeline sizes)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    return (MLATransformerConfig if case.mla else TransformerConfig)(
-        **(MLA_FIELDS if case.mla else {}),
-        num_layers=len(case.layer_freq),
-        hidden_size=32,
-        num_attention_heads=2,
-        ffn_hidden_size=48,
-        num_moe_experts=2 * case.world,
-        moe_ffn_hidden_size=16,
-        moe_router_topk=case.topk,
-        moe_router_pre_softmax=case.topk == 1,
-        moe_router_load_balancing_type=case.load_balancing,
-        moe_aux_loss_coeff=case.aux_loss_coeff,
-        moe_z_loss_coeff=case.z_loss_coeff,
-        calculate_per_token_loss=case.per_token_loss,
-        moe_layer_freq=list(case.layer_freq),
-        expert_model_parallel_size=case.world,
-        moe_token_dispatcher_type=case.dispatcher,
-        moe_flex_dispatcher_backend=case.flex_backend,
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        bf16=case.bf16,
-        params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
-        delay_wgrad_compute=False,
-        overlap_moe_expert_parallel_comm=overlap_flag,  # Megatron-Core accepts it with bf16 only
-        moe_router_score_function="sigmoid" if case.expert_bias else "softmax",
-        moe_router_enable_expert_bias=case.expert_bias,
-        moe_router_bias_update_rate=0.05,
-        mtp_num_layers=1 if case.mtp else None,
-        moe_shared_expert_intermediate_size=case.shared_ffn or None,
-        **(
-            _full_recompute_fields(case)
-            if case.full_recompute
-            else {
-                "recompute_granularity": "selective" if case.recompute else None,
-                "recompute_modules": list(case.recompute) or None,
-            }
-        ),
-        **dict(case.config),
-        **fields,
-    )
+    fields = (
+        dict(
+            **(MLA_FIELDS if case.mla else {}),
+            num_layers=len(case.layer_freq),
+            hidden_size=32,
+            num_attention_heads=2,
+            ffn_hidden_size=48,
+            num_moe_experts=2 * case.world,
+            moe_ffn_hidden_size=16,
+            moe_router_topk=case.topk,
+            moe_router_pre_softmax=case.topk == 1,
+            moe_router_load_balancing_type=case.load_balancing,
+            moe_aux_loss_coeff=case.aux_loss_coeff,
+            moe_z_loss_coeff=case.z_loss_coeff,
+            calculate_per_token_loss=case.per_token_loss,
+            moe_layer_freq=list(case.layer_freq),
+            expert_model_parallel_size=case.world,
+            moe_token_dispatcher_type=case.dispatcher,
+            moe_flex_dispatcher_backend=case.flex_backend,
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            bf16=case.bf16,
+            params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
+            delay_wgrad_compute=False,
+            overlap_moe_expert_parallel_comm=overlap_flag,  # Megatron-Core accepts it with bf16 only
+            moe_router_score_function="sigmoid" if case.expert_bias else "softmax",
+            moe_router_enable_expert_bias=case.expert_bias,
+            moe_router_bias_update_rate=0.05,
+            mtp_num_layers=1 if case.mtp else None,
+            moe_shared_expert_intermediate_size=case.shared_ffn or None,
+            **(
+                _full_recompute_fields(case)
+                if case.full_recompute
+                else {
+                    "recompute_granularity": "selective" if case.recompute else None,
+                    "recompute_modules": list(case.recompute) or None,
+                }
+            ),
+        )
+        | dict(case.config)
+        | fields
+    )  # the case's own fields (GPT-OSS's biases, ...) override the defaults
+    return with_yarn((MLATransformerConfig if case.mla else TransformerConfig)(**fields), case)
+
+
+# YaRN's scaling as Bridge's GPT-OSS provider sets it, with a short original context for these short sequences.
+YARN_FIELDS = dict(
+    yarn_rotary_scaling_factor=32.0,
+    yarn_original_max_position_embeddings=4,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_correction_range_round_to_int=False,
+    yarn_mscale=None,
+    yarn_mscale_all_dim=None,
+)
+
+
+def with_yarn(config, case: McoreCase):
+    """``config`` with YaRN's fields where the case has YaRN positions (Bridge's providers carry them; Megatron-Core's
+    ``TransformerConfig`` does not declare them, its ``GPTModel`` reads them by name)."""
+    for name, value in YARN_FIELDS.items() if case.yarn else ():
+        setattr(config, name, value)
+    return config
+
+
+def position_embedding_type(case: McoreCase) -> str:
+    return "yarn" if case.yarn else "rope" if case.rope else "learned_absolute"
 
 
 def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
@@ -160,7 +188,7 @@ def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
         mtp_block_spec=mtp,
         vocab_size=64,
         max_sequence_length=8,
-        position_embedding_type="rope" if case.rope else "learned_absolute",
+        position_embedding_type=position_embedding_type(case),
         share_embeddings_and_output_weights=case.tied,
         vp_stage=vp_stage,
         **chunk,
@@ -254,7 +282,7 @@ def build_hybrid(
         mamba = {}
     pattern = case.pattern if pp > 1 else case.pattern.replace("|", "")
     main, *depths = pattern.split("/")
-    config = (MLATransformerConfig if "+" in case.pattern else TransformerConfig)(
+    fields = dict(
         **(MLA_FIELDS if "+" in case.pattern else {}),
         num_layers=sum(c != "|" for c in main), mtp_num_layers=len(depths) or None,
         hidden_size=32, num_attention_heads=2, ffn_hidden_size=48,
@@ -265,8 +293,9 @@ def build_hybrid(
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
-        **_full_recompute_fields(case), **dict(case.config),
-    )  # fmt: skip
+        **_full_recompute_fields(case),
+    ) | dict(case.config)  # fmt: skip
+    config = with_yarn((MLATransformerConfig if "+" in case.pattern else TransformerConfig)(**fields), case)
     torch.manual_seed(1234)
     model = HybridModel(
         config,
@@ -274,7 +303,7 @@ def build_hybrid(
         vocab_size=64,
         max_sequence_length=8,
         hybrid_layer_pattern=pattern,
-        position_embedding_type="rope" if case.rope else "learned_absolute",
+        position_embedding_type=position_embedding_type(case),
         share_embeddings_and_output_weights=case.tied,
         pre_process=pre_process,
         post_process=post_process,

@@ -1,8 +1,9 @@
 """Parallel layouts the engine does not run, and one the hook must refuse as Megatron-Core's forward does.
 
-Four CPU ranks: TP 2 x EP 2, CP 2 x EP 2. The engine sums gradients over data and expert parallelism and counts each
-token's loss once per data-parallel rank; at TP 2 it would halve every TP-sharded gradient and the loss and leave the
-norms' and routers' gradients unreduced, so it refuses the layout by name when it is built, on every rank. Under
+Four CPU ranks: TP 2 x EP 2, expert TP 2 x EP 2, CP 2 x EP 2. The engine sums gradients over data and expert
+parallelism and counts each token's loss once per data-parallel rank; at TP 2 it would halve every TP-sharded
+gradient and the loss and leave the norms' and routers' gradients unreduced, so it refuses the layout (and expert
+TP's and CP's) by name when it is built, on every rank. Under
 Megatron-Core's driver the hook runs TP 2 with sequence parallelism; without it, Megatron-Core's MoE layer refuses
 in its forward, which the plan never calls, so the rules refuse it.
 """
@@ -19,11 +20,16 @@ from .mcore_models import McoreCase, build_model
 
 def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
     install_cpu_stubs()
-    init_megatron(2, tensor=layout.get("tensor", 1), context=layout.get("context", 1))
+    sizes = {name: layout.get(name, 1) for name in ("tensor", "context", "expert_tensor")}
+    init_megatron(2, **sizes)
     from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
-    model = build_model(McoreCase(config=(("tensor_model_parallel_size", layout.get("tensor", 1)),)))
+    sizes = (
+        ("tensor_model_parallel_size", layout.get("tensor", 1)),
+        ("expert_tensor_parallel_size", layout.get("expert_tensor", 1)),
+    )
+    model = build_model(McoreCase(config=sizes))
     # Set after the build: the local norm refuses sequence parallelism and the local attention context parallelism
     # when built (Transformer Engine's take both); here only the checks read them.
     model.config.sequence_parallel = sequence_parallel
@@ -45,10 +51,14 @@ def _engine(rank: int, world: int, layout: dict) -> str:
 
 @pytest.mark.parametrize(
     "layout, named",
-    [({"tensor": 2}, "tensor parallelism (2 ranks)"), ({"context": 2}, "context parallelism (2 ranks)")],
-    ids=["tp2", "cp2"],
+    [
+        ({"tensor": 2}, "tensor parallelism (2 ranks)"),
+        ({"expert_tensor": 2}, "expert tensor parallelism (2 ranks)"),
+        ({"context": 2}, "context parallelism (2 ranks)"),
+    ],
+    ids=["tp2", "etp2", "cp2"],
 )
-def test_the_engine_refuses_tensor_and_context_parallelism_by_name_on_every_rank(layout, named):
+def test_the_engine_refuses_tensor_expert_tensor_and_context_parallelism_by_name_on_every_rank(layout, named):
     for outcome in run_local_ranks(_engine, 4, (layout,)):
         assert outcome.result.startswith("the EP-overlap engine cannot run this model: " + named), outcome.result
         assert "use_ep_overlap_schedule" in outcome.result and "sequence length" not in outcome.result

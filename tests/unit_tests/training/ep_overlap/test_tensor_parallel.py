@@ -2,7 +2,9 @@
 plain path.
 
 Four CPU ranks: TP 2 x EP 2 (the two data-parallel ranks hold the expert-parallel group), upstream's
-``tp2_pp1_te_a2a_ovlp`` shape on a small model; and eight for TP 2 x EP 2 x PP 2 (the plain 1F1B pipeline).
+``tp2_pp1_te_a2a_ovlp`` shape on a small model; the same with expert TP 2 (the experts' weights split over the
+tensor-parallel pair, which gathers the tokens each receives: a different count per rank, so the CPU fixture pads
+gloo's gather); and eight for TP 2 x EP 2 x PP 2 (the plain 1F1B pipeline).
 Megatron-Core's local norm refuses sequence parallelism (Transformer Engine's takes it): here a test-only norm takes it
 (``sp_norm.py``), marking its weights as Transformer Engine's are marked, so the layers are Megatron-Core's own with
 ``sequence_parallel=True`` (the column- and row-parallel linears gather and scatter the sequence, the embedding
@@ -18,7 +20,7 @@ import torch
 
 from megatron.bridge.utils.multiprocess import run_local_ranks
 
-from .mcore_cpu import init_megatron, install_cpu_stubs
+from .mcore_cpu import UNEVEN_GATHERS, init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, gpt_config
 from .sp_norm import with_sequence_parallel_norms
 from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
@@ -27,12 +29,12 @@ from .test_numerics import assert_bitwise
 TP = 2
 
 
-def _sp_gpt(case: McoreCase, pipeline: int):
+def _sp_gpt(case: McoreCase, pipeline: int, expert_tensor: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    fields = dict(tensor_model_parallel_size=TP, sequence_parallel=True)
+    fields = dict(tensor_model_parallel_size=TP, sequence_parallel=True, expert_tensor_parallel_size=expert_tensor)
     if pipeline > 1:
         fields |= dict(pipeline_model_parallel_size=pipeline, pipeline_dtype=torch.float32)
     config = gpt_config(case, **fields)
@@ -44,16 +46,16 @@ def _sp_gpt(case: McoreCase, pipeline: int):
                     post_process=parallel_state.is_pipeline_last_stage())  # fmt: skip
 
 
-def train_tp(rank: int, world: int, case: McoreCase, pipeline: int) -> dict:
+def train_tp(rank: int, world: int, case: McoreCase, pipeline: int, expert_tensor: int) -> dict:
     install_cpu_stubs()
-    init_megatron(case.world, pipeline, None, tensor=TP)
+    init_megatron(case.world, pipeline, None, tensor=TP, expert_tensor=expert_tensor)
     from megatron.core import parallel_state
 
     from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func, use_ep_overlap_schedule
 
     out = {}
     for arm in ("plain", "overlap"):
-        model = _sp_gpt(case, pipeline)
+        model = _sp_gpt(case, pipeline, expert_tensor)
         norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
         assert norms and all(m.weight.sequence_parallel for m in norms)  # every norm is the test's
         config = model.config
@@ -79,22 +81,24 @@ def train_tp(rank: int, world: int, case: McoreCase, pipeline: int) -> dict:
                 phases |= {str(r.phase) for r in model.build_schedule_plan.recorder.comm}
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        out[arm] = {"losses": losses, "grads": grads, "phases": phases}
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases, "uneven_gathers": UNEVEN_GATHERS[0]}
     return out
 
 
 GPT = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2)
-CASES = {
-    "tp2-sp-ep2": (GPT, 1),
-    "tp2-sp-ep2-rope-delayed": (replace(GPT, rope=True, delay_wgrad=True), 1),
-    "tp2-sp-ep2-pp2-1f1b": (GPT, 2),
+CASES = {  # name: (case, pipeline stages, expert tensor parallelism)
+    "tp2-sp-ep2": (GPT, 1, 1),
+    "tp2-sp-ep2-rope-delayed": (replace(GPT, rope=True, delay_wgrad=True), 1, 1),
+    "tp2-sp-ep2-pp2-1f1b": (GPT, 2, 1),
+    "tp2-sp-etp2-ep2": (GPT, 1, 2),
+    "tp2-sp-etp2-ep2-delayed-shared": (replace(GPT, delay_wgrad=True, shared_ffn=16), 1, 2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tensor_and_sequence_parallelism_under_the_hook_are_bitwise_equal(name):
-    case, pipeline = CASES[name]
-    for outcome in run_local_ranks(train_tp, 2 * TP * pipeline, (case, pipeline)):
+    case, pipeline, expert_tensor = CASES[name]
+    for outcome in run_local_ranks(train_tp, 2 * TP * pipeline, (case, pipeline, expert_tensor)):
         plain, overlap = outcome.result["plain"], outcome.result["overlap"]
         for step in range(case.steps):
             where = f"rank {outcome.rank} step {step}"
@@ -104,3 +108,5 @@ def test_tensor_and_sequence_parallelism_under_the_hook_are_bitwise_equal(name):
             for param, grad in plain["grads"][step].items():
                 assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
         assert "paired" in overlap["phases"]
+        if expert_tensor > 1:  # both arms gathered each rank's different token count over the expert-TP group
+            assert 0 < plain["uneven_gathers"] < overlap["uneven_gathers"]

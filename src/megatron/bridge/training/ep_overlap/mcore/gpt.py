@@ -4,7 +4,7 @@ Contract:
     * :class:`McoreGPTChunk` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
       pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
       ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
-      before it. It needs ``add_bias_linear=False`` and at most one MTP layer
+      before it. It takes at most one MTP layer
       (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` refuses the rest when it is built).
 """
 

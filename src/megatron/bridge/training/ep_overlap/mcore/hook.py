@@ -410,7 +410,7 @@ def use_ep_overlap_schedule(
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
         ValueError: When the model is outside what the plan supports (another model class, more than one MTP layer,
-            biases, fused residual norms, selective recompute of ``moe`` or ``layernorm``, NCCL EP's zero-copy
+            fused residual norms, selective recompute of ``moe`` or ``layernorm``, NCCL EP's zero-copy
             buffers, multimodal rotary positions; the list with what is supported, MTP, tied embeddings, full
             recompute, the flex dispatcher and packed sequences among them:
             ``docs/training/megatron-core-integration.md``), or another rank refused it. Every rank raises, before

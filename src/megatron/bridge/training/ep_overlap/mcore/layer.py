@@ -198,8 +198,6 @@ class McoreLayer(_Unit):
         self.name = f"layer{index}"
         self.is_moe = isinstance(layer.mlp, MoELayer)
         config = layer.config
-        if config.add_bias_linear:
-            raise ValueError(f"{self.name}: the EP-overlap plan needs add_bias_linear=False")
         if self.is_moe and config.moe_token_dispatcher_type not in ("alltoall", "flex"):
             raise ValueError(
                 f"{self.name}: moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not supported by the "

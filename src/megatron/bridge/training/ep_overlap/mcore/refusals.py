@@ -48,6 +48,20 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
             "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
             f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
         )
+    local = _local_attention_layers(model) if config.context_parallel_size > 1 else []
+    if local:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size}: layers {local} use Megatron-Core's local "
+            "DotProductAttention, which attends only within this rank's part of the sequence (it takes no context "
+            "parallelism); fix: build the layers with Transformer Engine's attention (a TE layer spec), or set "
+            f"context_parallel_size=1, {_OFF}"
+        )
+
+
+def _local_attention_layers(model: torch.nn.Module) -> list[int]:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return sorted({m.layer_number for m in model.modules() if type(m) is DotProductAttention})
 
 
 def check_delayed_wgrad(units: list) -> None:
@@ -73,7 +87,7 @@ def check_delayed_wgrad(units: list) -> None:
 
 def layout_problems() -> list[str]:
     """What only Megatron-Core's driver and DDP do for this layout: the engine's gradient sync and loss count cover
-    data and expert parallelism, not tensor or context parallelism."""
+    data and expert parallelism, not tensor, expert-tensor or context parallelism."""
     problems = []
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp > 1:
@@ -81,6 +95,13 @@ def layout_problems() -> list[str]:
             f"tensor parallelism ({tp} ranks): the engine would count each token's loss on every tensor-parallel "
             "rank and leave the sequence-parallel norms' and the routers' gradients unreduced across them; fix: "
             "run under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
+        )
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp > 1:
+        problems.append(
+            f"expert tensor parallelism ({etp} ranks): the engine's gradient sync takes every expert weight as whole "
+            "on its rank and sums it over the expert-data-parallel ranks it derives without that split; fix: run "
+            "under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
         )
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:

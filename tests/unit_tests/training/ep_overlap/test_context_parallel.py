@@ -1,0 +1,162 @@
+"""Context parallelism under Megatron-Core's driver: the hook's plan bitwise equal to the plain path.
+
+Four CPU ranks, CP 2 x EP 2: the two context-parallel ranks of a data-parallel rank hold halves of the same
+sequences, cut as Bridge's ``get_batch`` cuts them (Megatron-Core's ``get_batch_on_this_cp_rank``, two chunks each),
+and the expert-parallel group spans the data- and context-parallel ranks. Megatron-Core's local attention refuses
+context parallelism (Transformer Engine's takes it): a test-only core attention takes it (``cp_attention.py``),
+checked here against whole-sequence attention. Each arm trains 2 Adam steps through ``get_forward_backward_func()``;
+every loss and every gradient on every rank must be bitwise equal. A plan whose attention cannot take context
+parallelism is refused when it is built.
+"""
+
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+
+import pytest
+import torch
+
+from megatron.bridge.utils.multiprocess import run_local_ranks
+
+from .cp_attention import ContextParallelAttention, with_context_parallel_attention, zigzag_positions
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .mcore_models import McoreCase, gpt_config
+from .test_mcore_hook import MICRO_BATCH, SEQ, masked_token_loss
+from .test_numerics import assert_bitwise
+
+CP = 2
+
+
+def _cp_gpt(case: McoreCase, local_attention: bool = False):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    config = gpt_config(case, context_parallel_size=1 if local_attention else CP)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if not local_attention:
+        spec = with_context_parallel_attention(spec)
+    torch.manual_seed(1234)
+    model = GPTModel(config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=SEQ,
+                     position_embedding_type="rope" if case.rope else "learned_absolute",
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())  # fmt: skip
+    model.config.context_parallel_size = CP  # the local attention was built without it (it refuses it)
+    return model
+
+
+def cp_forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Bridge's ``forward_step`` in small: the whole sequences, then this rank's part of them."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens, labels = next(data_iterator)
+    batch = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": (labels % 5 != 0).float(),
+        "position_ids": torch.arange(SEQ)[None].expand_as(tokens),
+    }
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    inputs = dict(position_ids=batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    loss_func = partial(masked_token_loss, batch["loss_mask"])
+    if return_schedule_plan:
+        return model.build_schedule_plan(batch["tokens"], **inputs, loss_mask=batch["loss_mask"]), loss_func
+    return model(input_ids=batch["tokens"], **inputs, loss_mask=batch["loss_mask"]), loss_func
+
+
+def train_cp(rank: int, world: int, case: McoreCase) -> dict:
+    install_cpu_stubs()
+    init_megatron(case.world, context=CP)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    assert parallel_state.get_expert_model_parallel_world_size() == case.world
+    out = {}
+    for arm in ("plain", "overlap"):
+        model = _cp_gpt(case)
+        if arm == "overlap":
+            model.config.overlap_moe_expert_parallel_comm = True  # fp32: after the build (Megatron-Core refuses it)
+            model.config.delay_wgrad_compute = case.delay_wgrad
+            use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses, grads, phases = [], [], set()
+        for step in range(case.steps):
+            gen = torch.Generator().manual_seed(100 * step + parallel_state.get_data_parallel_rank())
+            data = [
+                tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(case.microbatches)
+            ]
+            store = get_forward_backward_func()(
+                forward_step_func=cp_forward_step, data_iterator=iter(data), model=[model],
+                num_microbatches=case.microbatches, seq_length=SEQ // CP, micro_batch_size=MICRO_BATCH,
+                forward_only=False,
+            )  # fmt: skip
+            losses.append(torch.stack([logged["lm loss"] for logged in store]))
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            if arm == "overlap":
+                phases |= {str(r.phase) for r in model.build_schedule_plan.recorder.comm}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases}
+    return out
+
+
+GPT = McoreCase(layer_freq=(1, 0, 1), microbatches=4, steps=2)
+CASES = {
+    "cp2-ep2": GPT,
+    "cp2-ep2-rope-delayed-shared": replace(GPT, rope=True, delay_wgrad=True, shared_ffn=16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_context_parallelism_under_the_hook_is_bitwise_equal(name):
+    case = CASES[name]
+    for outcome in run_local_ranks(train_cp, CP * case.world, (case,)):
+        plain, overlap = outcome.result["plain"], outcome.result["overlap"]
+        for step in range(case.steps):
+            where = f"rank {outcome.rank} step {step}"
+            assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} losses")
+            assert plain["grads"][step].keys() == overlap["grads"][step].keys() and plain["grads"][step]
+            for param, grad in plain["grads"][step].items():
+                assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+        assert "paired" in overlap["phases"]
+
+
+def _attention_against_whole_sequence(rank: int, world: int) -> float:
+    group = torch.distributed.group.WORLD
+    gen = torch.Generator().manual_seed(7)
+    query, key, value = (torch.randn(8, 2, 4, 3, generator=gen, requires_grad=True) for _ in range(3))
+    mine = torch.cat([zigzag_positions(4, world, rank)])
+    config = type("Config", (), {"kv_channels": 3})()
+    ours = ContextParallelAttention(config, 1, None, "self", pg_collection=type("P", (), {"cp": group})())
+    local = ours(query[mine].detach().requires_grad_(), key[mine], value[mine], None)
+    scores = torch.einsum("qbhd,kbhd->bhqk", query, key) / 3**0.5
+    scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    whole = torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), value).reshape(8, 2, -1)
+    return float((local - whole[mine]).abs().max())
+
+
+def test_the_test_attention_is_whole_sequence_causal_attention():
+    for outcome in run_local_ranks(_attention_against_whole_sequence, CP):
+        assert outcome.result < 1e-6, outcome.result
+
+
+def _local_attention_under_cp(rank: int, world: int) -> str:
+    install_cpu_stubs()
+    init_megatron(2, context=CP)
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    model = _cp_gpt(GPT, local_attention=True)
+    model.config.overlap_moe_expert_parallel_comm = True
+    try:
+        use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_the_plan_refuses_an_attention_that_cannot_take_context_parallelism():
+    for outcome in run_local_ranks(_local_attention_under_cp, 4):
+        assert "DotProductAttention" in outcome.result and "context_parallel_size" in outcome.result, outcome.result
