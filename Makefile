@@ -1,6 +1,6 @@
 # The two commands of this project: `make run` (the main job) and `make test`.
 # Each one creates .venv (Python 3.12) and installs what it needs on first use.
-.PHONY: run test lint install bench plugin patch
+.PHONY: run test lint install bench plugin patch recipe-check
 
 VENV_PY := .venv/bin/python
 
@@ -26,3 +26,7 @@ plugin: install
 
 patch: install
 	.venv/bin/python tools/upstream.py patch
+
+# Megatron-Bridge 0.6.2's recipes against the overlap on CPU: RECIPES="name ..." or RECIPES=--all (not in CI).
+recipe-check: install
+	$(VENV_PY) tools/recipe_check.py $(RECIPES)

@@ -105,7 +105,7 @@ def recipe(
     """The ``ConfigContainer`` a recipe would build; ``arm`` "hook" adds the README's two lines. ``full_recompute``:
     "recipe" sets full recompute (uniform, 1) on the recipe's model config in both arms; "hook" there for the plain
     arm only, and through the hook's ``full_recompute`` keyword for the hook arm. ``pp``: pipeline stages, without
-    virtual ones (the plain 1F1B pipeline; without delayed wgrad, which it cannot have from a recipe). ``tp``: tensor
+    virtual ones (the plain 1F1B pipeline). ``tp``: tensor
     parallelism, with sequence parallelism (Megatron-Core's MoE layer refuses it without)."""
     import torch
     from megatron.bridge.models.olmoe.olmoe_provider import OlMoEModelProvider
@@ -169,8 +169,6 @@ def recipe(
         )
         cfg.model.register_pre_wrap_hook(partial(use_ep_overlap_schedule, attention_wgrad_window=1))
         # ---- end of the recipe lines ----
-        if pp > 1:
-            cfg.comm_overlap.delay_wgrad_compute = False
         if full_recompute == "hook":
             cfg.model._pre_wrap_hooks[-1] = partial(
                 use_ep_overlap_schedule, attention_wgrad_window=1, full_recompute=("uniform", 1)
@@ -225,6 +223,12 @@ def train_arm(
     tp: int = 1,
     model_name: str = "olmoe",
 ) -> dict:
+    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute, pp, tp, model_name)
+    return bridge_train(cfg, steps, mask_every, packed)
+
+
+def bridge_train(cfg, steps: int, mask_every: int, packed: bool = False) -> dict:
+    """Bridge's setup steps and its ``train()`` for ``cfg`` on this rank (see the module docstring); the record."""
     import torch
     from megatron.bridge.training.config import runtime_config_update
     from megatron.bridge.training.gpt_step import forward_step
@@ -237,19 +241,27 @@ def train_arm(
 
     from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
 
-    cfg = recipe(arm, mtp, steps, 1 if packed else MICRO_BATCH, full_recompute, pp, tp, model_name)
     runtime_config_update(cfg)  # pretrain()'s first step: comm_overlap.setup, then cfg.validate()
     state = GlobalState()
     state.cfg = cfg
     pg_collection = initialize_on_cpu(cfg)
     plain_cuda_rng()  # Megatron-Core forks a CUDA RNG state for attention dropout
     torch.manual_seed(1234)  # the same initial weights in both arms (CPU initialization)
+    built_with = {}
+    provide = cfg.model.provide
+
+    def provide_and_note(*args, **kwargs):  # the flags the layers see as they are built
+        built_with.update(overlap=cfg.model.overlap_moe_expert_parallel_comm, delay=cfg.model.delay_wgrad_compute)
+        return provide(*args, **kwargs)
+
+    cfg.model.provide = provide_and_note
     model = _build_distributed_model(cfg, pg_collection)  # Megatron-Core's DDP, Bridge's pre-wrap hooks
     optimizer, scheduler = setup_optimizer(cfg.optimizer, cfg.scheduler, model)
     _update_model_config_funcs(model, cfg.model, cfg.ddp, optimizer, align_grad_reduce=cfg.dist.align_grad_reduce,
                                pg_collection=pg_collection)  # fmt: skip
     record = {"losses": [], "mtp_losses": [], "grads": [], "params": []}
     record["overlap_flag"] = model[0].config.overlap_moe_expert_parallel_comm
+    record["built_with"] = built_with
 
     # Imported after the config: imported before it (with the Transformer Engine stand-in), checkpointing reaches
     # Megatron-Core's megatron.training package, which then asks for Transformer Engine's package metadata.

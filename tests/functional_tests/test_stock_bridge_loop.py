@@ -128,13 +128,16 @@ def test_full_recompute_given_to_the_hook_trains_bitwise_equal_in_bridges_loop(p
 
 
 def test_with_the_patch_the_plain_1f1b_pipeline_pairs_bitwise_equal_in_bridges_loop(python, patched, tmp_path):
-    """PP 2 without virtual stages (4 ranks): the recipe's setup keeps the overlap flag off the provider (Megatron-
-    Core's config refuses it there), the hook sets it on the built config, and the patched train() takes this
-    project's get_forward_backward_func, which pairs the steps."""
+    """PP 2 without virtual stages (4 ranks), the README's recipe (delayed wgrad on): the recipe's setup keeps the
+    overlap and delayed-wgrad flags off the provider (Megatron-Core's config refuses them there), the patched setup
+    sets them just before the build (the layers are built delaying), and the patched train() takes this project's
+    get_forward_backward_func, which pairs the steps."""
     ranks = _arms(python, patched, tmp_path / "out.json", "--steps", "2", "--pp", "2")
     assert len(ranks) == 4
     for index, rank in enumerate(ranks):
         plain, hook = rank["plain"], rank["hook"]
+        assert hook["built_with"] == {"overlap": True, "delay": True}
+        assert plain["built_with"] == {"overlap": False, "delay": False}
         assert hook["overlap_flag"] and hook["dispatches"] == 3 * 1 * 2  # one MoE layer a stage
         # 3 microbatches fill the first stage's warm-up (2 (P - r - 1) + 1 forwards); the last stage pairs.
         assert hook["paired"] is (index >= 2)

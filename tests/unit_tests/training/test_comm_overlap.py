@@ -383,10 +383,14 @@ def test_the_plain_1f1b_pipeline_gets_the_overlap_flag_once_the_config_is_built(
     unhooked = DeferringProvider(pipeline_model_parallel_size=2)
     with pytest.raises(CommOverlapConfigError, match=r"\[pipeline_needs_vpp\].*use_ep_overlap_schedule"):
         config_class(**requested).setup(unhooked)
-    # Delayed wgrad needs its flag at build, which Megatron-Core refuses here: refused with the fix.
+    # Delayed wgrad needs the overlap flag, so it is deferred with it: both pass Megatron-Core's checks, and both are
+    # set before the build (the patched setup) or on the built config (the hook, which warns that nothing is delayed).
     delayed = DeferringProvider(pipeline_model_parallel_size=2, _pre_wrap_hooks=[use_ep_overlap_schedule])
-    with pytest.raises(CommOverlapConfigError, match=r"\[delay_wgrad_plain_pipeline_in_the_recipe\]"):
-        config_class(**requested, delay_wgrad_compute=True).setup(delayed)
+    config_class(**requested, delay_wgrad_compute=True).setup(delayed)
+    assert not delayed.overlap_moe_expert_parallel_comm and not delayed.delay_wgrad_compute
+    delayed.finalize()
+    both = {"overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
+    assert apply_deferred(delayed) == both and delayed.delay_wgrad_compute is True
     # A built config (no finalize to come) keeps the flag as written.
     built = moe_model(pipeline_model_parallel_size=2)
     built.ep_overlap_schedule = "bridge"

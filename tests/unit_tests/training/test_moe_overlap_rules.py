@@ -66,11 +66,6 @@ CASES = {
         ({**BRIDGE, **FULL, "recompute_num_layers": 0}, {}),
         ({**BRIDGE, **FULL, "recompute_method": "block", "recompute_num_layers": 2}, {}),
     ),
-    # The hook sets the overlap flag on the built config there; Megatron-Core's linears read the delay at build.
-    "delay_wgrad_plain_pipeline_in_the_recipe": (
-        ({**BRIDGE, "pipeline_model_parallel_size": 2}, {"delay": True, "built": False}),
-        ({**BRIDGE, "pipeline_model_parallel_size": 2}, {"delay": True, "built": True}),
-    ),
     "full_recompute_dropout": (({**BRIDGE, **FULL, "hidden_dropout": 0.1}, {}), ({**BRIDGE, **FULL}, {})),
     "full_recompute_mtp": (
         ({**BRIDGE, **FULL, "recompute_num_layers": 2, "mtp_num_layers": 1}, {}),

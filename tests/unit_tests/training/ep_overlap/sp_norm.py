@@ -16,12 +16,12 @@ class SequenceParallelNorm:
 
 
 def with_sequence_parallel_norms(spec):
-    """``spec`` (a local decoder block spec) with each of its norms, the query/key norms too, taking sequence
-    parallelism; identities stay identities."""
+    """``spec`` (a local decoder block spec) with each of its norms, the query/key (and MLA's) norms too, taking
+    sequence parallelism; identities stay identities."""
     local_norm, spec.layer_norm = spec.layer_norm, SequenceParallelNorm
     for layer in spec.layer_specs:
         for holder in (layer.submodules, getattr(layer.submodules.self_attention, "submodules", None)):
-            for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
+            for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm"):
                 if holder is not None and getattr(holder, name, None) is local_norm:
                     setattr(holder, name, SequenceParallelNorm)
     return spec

@@ -90,6 +90,8 @@ CASES = {  # name: (case, pipeline stages, expert tensor parallelism)
     "tp2-sp-ep2": (GPT, 1, 1),
     "tp2-sp-ep2-rope-delayed": (replace(GPT, rope=True, delay_wgrad=True), 1, 1),
     "tp2-sp-ep2-pp2-1f1b": (GPT, 2, 1),
+    # The second stage computes RoPE for the activation it receives (its part of the sequence), as the model does.
+    "tp2-sp-ep2-pp2-1f1b-rope": (replace(GPT, rope=True), 2, 1),
     "tp2-sp-etp2-ep2": (GPT, 1, 2),
     "tp2-sp-etp2-ep2-delayed-shared": (replace(GPT, delay_wgrad=True, shared_ffn=16), 1, 2),
 }

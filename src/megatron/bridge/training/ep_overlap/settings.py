@@ -9,10 +9,12 @@ Contract:
       plans, the reference model, the planner, the harness and ``CommOverlapConfig.setup`` all read them here.
     * An invalid setting is a violation (one line each, with its fix), never an empty result:
       :meth:`Settings.segments` refuses to cut a chunk by a full-recompute setting the rules refuse.
-    * Where a value is written: :func:`defer_overlap_flag` keeps the overlap flag off a Megatron-Bridge model
-      provider whose Megatron-Core checks would refuse it (the plain 1F1B pipeline: PP > 1 without virtual stages,
-      under this project's schedule), noting it on the config; the hook sets it on the built config
-      (:func:`apply_deferred`).
+    * Where a value is written: :func:`defer_overlap_flag` keeps the overlap flag (and delayed wgrad, which needs it)
+      off a Megatron-Bridge model provider whose Megatron-Core checks would refuse it (the plain 1F1B pipeline:
+      PP > 1 without virtual stages, under this project's schedule), noting them on the config.
+      :func:`apply_deferred` sets them: this project's patch to Bridge's ``setup`` does it just before the model is
+      built (so Transformer Engine's linears are built delaying their weight gradients), the hook on the built
+      config otherwise (then nothing is delayed, and it says so once).
     * No torch here.
 """
 
@@ -120,9 +122,9 @@ def resolve(
 def defer_overlap_flag(model_config: Any) -> bool:
     """After ``CommOverlapConfig.setup`` wrote the resolved flags: where Megatron-Core's checks of ``model_config``
     are still to run (a Megatron-Bridge model provider), this project's schedule runs the layers and the pipeline
-    has no virtual stages, Megatron-Core's ``TransformerConfig`` would refuse ``overlap_moe_expert_parallel_comm``.
-    Then the flag stays off the config until the hook sets it on the built one (:func:`apply_deferred`); the note
-    is the config's ``ep_overlap_deferred``. Returns whether it was deferred."""
+    has no virtual stages, Megatron-Core's ``TransformerConfig`` would refuse ``overlap_moe_expert_parallel_comm``
+    (and ``delay_wgrad_compute``, which needs it). Then they stay off the config until :func:`apply_deferred`; the
+    note is the config's ``ep_overlap_deferred``. Returns whether they were deferred."""
     plain_pipeline = (getattr(model_config, "pipeline_model_parallel_size", 1) or 1) > 1 and (
         getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None
     )
@@ -133,20 +135,33 @@ def defer_overlap_flag(model_config: Any) -> bool:
         and schedule_of(model_config) == "bridge"
     ):
         return False
-    setattr(model_config, DEFERRED, {"overlap_moe_expert_parallel_comm": True})
-    model_config.overlap_moe_expert_parallel_comm = False
+    deferred = {"overlap_moe_expert_parallel_comm": True}
+    if getattr(model_config, "delay_wgrad_compute", False):
+        deferred["delay_wgrad_compute"] = True
+    setattr(model_config, DEFERRED, deferred)
+    for name in deferred:
+        setattr(model_config, name, False)
     logger.info(
-        "EP overlap in the plain 1F1B pipeline: overlap_moe_expert_parallel_comm is set by use_ep_overlap_schedule "
-        "once the model config is built (Megatron-Core's TransformerConfig refuses it without virtual stages)."
+        "EP overlap in the plain 1F1B pipeline: %s set once Megatron-Core's checks of the model config have run "
+        "(its TransformerConfig refuses them without virtual stages).",
+        " and ".join(deferred),
     )
     return True
 
 
-def apply_deferred(model_config: Any) -> dict[str, Any]:
-    """Sets on the built ``model_config`` what :func:`defer_overlap_flag` kept off it; returns those fields."""
+def apply_deferred(model_config: Any, *, built: bool = False) -> dict[str, Any]:
+    """Sets on ``model_config`` what :func:`defer_overlap_flag` kept off it; returns those fields. ``built``: the
+    model was built without them (the hook), so its linears compute their weight gradients in the backward."""
     deferred = getattr(model_config, DEFERRED, None) or {}
     for name, value in deferred.items():
         setattr(model_config, name, value)
     if deferred:
         setattr(model_config, DEFERRED, None)
+    if built and deferred.get("delay_wgrad_compute"):
+        logger.warning(
+            "delay_wgrad_compute reached the model config after the model was built (the plain 1F1B pipeline): "
+            "Transformer Engine's linears compute their weight gradients in the backward, so nothing is delayed "
+            "(numbers are unchanged). This project's patch to Megatron-Bridge's setup sets it before the build "
+            "(tools/upstream.py patch)."
+        )
     return dict(deferred)

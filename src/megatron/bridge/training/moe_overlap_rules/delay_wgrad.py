@@ -3,7 +3,6 @@
 from megatron.bridge.training.moe_overlap_rules.facts import (
     DELAY_WGRAD,
     GROUPED_GEMM,
-    MODEL_BUILT,
     NO_TE_NOTE,
     OVERLAP,
     OVERLAP_GRAD_REDUCE,
@@ -11,11 +10,9 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     TE_AT_LEAST,
     TE_GROUPED_GEMM,
     Rule,
-    bridge_schedule,
     delay_wgrad_on,
     delay_wgrad_with_te,
     graph_scope_needs_te_wgrad,
-    plain_pipeline,
 )
 
 DELAY_WGRAD_RULES: tuple[Rule, ...] = (
@@ -28,18 +25,6 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
         "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute: the EP overlap layer step schedules "
         "the delayed wgrad.",
         "set comm_overlap.overlap_moe_expert_parallel_comm=True, or delay_wgrad_compute=False.",
-    ),
-    Rule(
-        "delay_wgrad_plain_pipeline_in_the_recipe",
-        (DELAY_WGRAD, "model.pipeline_model_parallel_size", "model.virtual_pipeline_model_parallel_size", MODEL_BUILT),
-        lambda f: delay_wgrad_on(f) and bridge_schedule(f) and plain_pipeline(f) and not f[MODEL_BUILT],
-        lambda f: False,
-        "Megatron-Core's linears delay their weight gradients only when delay_wgrad_compute is set as they are "
-        "built, and its TransformerConfig refuses that flag (with the overlap flag it needs) when "
-        "pipeline_model_parallel_size > 1 without virtual stages; the hook turns the overlap on once the model "
-        "config is built, too late for them.",
-        "set delay_wgrad_compute=False (the plain 1F1B pipeline still hides the all-to-alls), or set "
-        "virtual_pipeline_model_parallel_size.",
     ),
     Rule(
         "delay_wgrad_grad_reduce_te",

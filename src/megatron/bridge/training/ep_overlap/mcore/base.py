@@ -106,7 +106,7 @@ class McoreChunk(ChunkHooks):
         self.rotary_pos_emb = None
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
         if not self.pre_process:
-            self.rotary_pos_emb = self._rotary(torch.empty(seq, 1, 0, device=device))
+            self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
         self.layers, self.layer_numbers = self._build_units()
         # Full recompute: segments of units (a GPTModel's layers, a HybridModel's MoE groups); the MTP layer, one
         # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
@@ -342,7 +342,16 @@ class McoreChunk(ChunkHooks):
         if packed_seq_params is None:
             return self.rotary_pos_emb
         device = next(self.parameters()).device
-        return self._rotary(torch.empty(self.sequence_length, 1, 0, device=device), packed_seq_params)
+        return self._rotary(torch.empty(self._received_length(), 1, 0, device=device), packed_seq_params)
+
+    def _received_length(self) -> int:
+        """This rank's part of the sequence, the length of the activation a chunk receives: Megatron-Core's rotary
+        embedding scales it back up by the tensor-parallel size (with sequence parallelism) and the context-parallel
+        size."""
+        length = self.sequence_length
+        if self.config.sequence_parallel:
+            length //= self.config.tensor_model_parallel_size
+        return length // (self.config.context_parallel_size or 1)
 
 
 class MicrobatchView:

@@ -402,10 +402,10 @@ def use_ep_overlap_schedule(
     keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
     ``build_schedule_plan``. ``full_recompute=(method, layers)`` sets ``recompute_granularity="full"``,
     ``recompute_method`` and ``recompute_num_layers`` on the built config first: Megatron-Core's config refuses them
-    with the overlap flag when Bridge builds it from the recipe. So it does the overlap flag in the plain 1F1B
-    pipeline (PP > 1 without virtual stages), which the recipe's ``CommOverlapConfig.setup`` kept off the config;
-    there Megatron-Bridge's ``train()`` must take :func:`get_forward_backward_func` of this package (the patch
-    makes it), else the hook refuses, naming the fix.
+    with the overlap flag when Bridge builds it from the recipe. So it does the overlap and delayed-wgrad flags in
+    the plain 1F1B pipeline (PP > 1 without virtual stages), which the recipe's ``CommOverlapConfig.setup`` kept off
+    the config, unless the patched ``setup`` set them before the build; there Megatron-Bridge's ``train()`` must take
+    :func:`get_forward_backward_func` of this package (the patch makes it), else the hook refuses, naming the fix.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
@@ -420,7 +420,7 @@ def use_ep_overlap_schedule(
     if full_recompute is not None:
         config.recompute_granularity = "full"
         config.recompute_method, config.recompute_num_layers = full_recompute
-    apply_deferred(config)  # the plain 1F1B pipeline's overlap flag, kept off the recipe's config until now
+    apply_deferred(config, built=True)  # the plain 1F1B pipeline's flags, if Bridge's setup did not set them
     high_priority = bool(getattr(config, "high_priority_a2a_comm_stream", False))
     checked, refusal = [], None
     try:
