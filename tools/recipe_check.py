@@ -1,6 +1,6 @@
 """Check Megatron-Bridge 0.6.2's own recipes against this project's EP overlap, on CPU, before a cluster runs them.
 
-    make recipe-check RECIPES="qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config gpt_oss_20b_pretrain_16gpu_h100_bf16_config"
+  make recipe-check RECIPES="qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config gpt_oss_20b_pretrain_16gpu_h100_bf16_config"
     make recipe-check RECIPES=--all          # every recipe that turns the overlap on or has its line commented out
     python tools/recipe_check.py --list      # the recipe functions of the installed 0.6.2
     python tools/recipe_check.py NAME ... [--no_delay_wgrad] [--json rows.json] [--markdown table.md]
