@@ -9,7 +9,8 @@ What runs, in order:
 1. **The recipe as a user builds it.** ``megatron.bridge.recipes`` imports every recipe; on a host without the hub or
    ``diffusers``: the flux recipes' ``diffusers`` imports get empty modules, and ``AutoConfig.from_pretrained`` gives
    ``AutoConfig.for_model`` of the model's type (``transformers``' defaults, which mirror the published checkpoint),
-   from :data:`CONFIG_SOURCES`; the row names that source. The recipe function then runs unchanged.
+   from :data:`CONFIG_SOURCES`; the row names that source. A recipe that asks the GPU which flex dispatcher backend
+   it takes sees an H100's device properties. The recipe function then runs unchanged.
 2. **The overlap on, as Bridge's performance scripts' ``--moe_a2a_overlap true`` does:** the overlap flag and delayed
    wgrad on, ``moe_shared_expert_overlap`` off; with this project's config class and pre-wrap hook (the README's
    recipe lines). Full recompute set by the recipe moves to the hook's ``full_recompute`` keyword, the fix our rule
@@ -54,6 +55,8 @@ CONFIG_SOURCES = {
     "deepseek-v2": "deepseek_v2",
     "glm-4.5": "glm4_moe",
     "olmoe": "olmoe",
+    "nemotron-3-nano": "nemotron_h",
+    "minimax-m2": "minimax_m2",
 }
 SOURCES_USED: list[str] = []
 
@@ -83,13 +86,17 @@ class _EmptyDiffusers(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def _offline_config(cls, name, *args, **kwargs):
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
     key = str(name).lower()
     for part, model_type in CONFIG_SOURCES.items():
         if part in key:
             config = transformers.AutoConfig.for_model(model_type)
-            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+            heads = (
+                modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+            )
+            config.architectures = [next(head[model_type] for head in heads if model_type in head)]
             SOURCES_USED.append(f"{name} -> transformers AutoConfig.for_model({model_type!r})")
             return config
     raise OSError(f"no offline config for {name!r} (the hub is not reached; transformers has no config for it here)")
@@ -102,6 +109,12 @@ def install_stand_ins(tree: Path) -> None:
 
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_BareBridge"]
     sys.path.insert(0, str(tree))
+    import torch
+
+    # Recipes ask the GPU which flex dispatcher backend it takes (apply_flex_dispatcher_backend): built as on an H100.
+    torch.cuda.get_device_properties = lambda *args: types.SimpleNamespace(
+        major=9, minor=0, name="NVIDIA H100 80GB HBM3"
+    )
     sys.meta_path.insert(0, _EmptyDiffusers())
     transformers.AutoConfig.from_pretrained = classmethod(_offline_config)
 
@@ -153,6 +166,12 @@ def shrink(model) -> dict:
     data = grid // math.gcd(sizes["tensor"] * sizes["context"], grid)
     world = sizes["tensor"] * sizes["context"] * sizes["pipeline"] * data
     model.num_layers, model.moe_layer_freq = _layers(model, sizes["pipeline"] * (vpp or 1))
+    pattern = getattr(model, "hybrid_layer_pattern", None)
+    if pattern:  # a hybrid stack: the shortest start of the pattern that has every kind of layer it has
+        kinds = set(pattern.replace("|", ""))
+        start = next(n for n in range(1, len(pattern) + 1) if set(pattern[:n].replace("|", "")) == kinds)
+        model.hybrid_layer_pattern = pattern[:start].replace("|", "")
+        model.num_layers = len(model.hybrid_layer_pattern)
     for name in ("pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
                  "num_layers_in_last_pipeline_stage"):  # fmt: skip
         setattr(model, name, None)
@@ -202,12 +221,22 @@ def on_cpu(cfg) -> list[str]:
         model.moe_token_dispatcher_type = "alltoall"
     model.transformer_layer_spec = recipe_spec
     model.transformer_impl = "local"
+    if getattr(model, "mtp_num_layers", None):
+        import megatron.bridge.models.gpt_provider as gpt_provider
+
+        gpt_provider.mtp_block_spec = local_mtp_block_spec  # in this worker process only
+        said.append("MTP block -> local modules")
     said.append("layer spec -> Megatron-Core local" + (", SP norms" if model.sequence_parallel else ""))
     if model.context_parallel_size > 1:
         said.append("attention -> tests' context-parallel attention")
+    if getattr(cfg, "peft", None) is not None:
+        said.append(f"{type(cfg.peft).__name__} not applied (full weights train)")
     for name in _FUSIONS:
         if hasattr(model, name):
             setattr(model, name, False)
+    if "moe_act" in (model.recompute_modules or []):  # Megatron-Core recomputes it only inside grouped GEMMs
+        model.recompute_modules = [m for m in model.recompute_modules if m != "moe_act"]
+        said.append("recompute of moe_act dropped (it needs grouped GEMMs)")
     if model.cuda_graph_impl not in (None, "none"):
         said.append(f"CUDA graphs {model.cuda_graph_impl} -> none")
     model.cuda_graph_impl = "none"
@@ -232,6 +261,26 @@ def recipe_spec(config, vp_stage=None):
     if config.context_parallel_size > 1:
         with_context_parallel_attention(spec)
     return with_sequence_parallel_norms(spec) if config.sequence_parallel else spec
+
+
+def local_mtp_block_spec(config, vp_stage=None):
+    """Bridge's ``gpt_provider.mtp_block_spec`` with Megatron-Core's local modules (Bridge's asks for Transformer
+    Engine's), its norms taking sequence parallelism where the layout has it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    layers = recipe_spec(config, vp_stage).layer_specs
+    if not layers:  # a stage without decoder layers: the last layer's kind, as Bridge derives it
+        layers = recipe_spec(config, None).layer_specs
+    block = get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine=False, vp_stage=vp_stage)
+    for layer in block.layer_specs if block is not None and config.sequence_parallel else ():  # None: no MTP here
+        for name in ("enorm", "hnorm", "layer_norm"):
+            if getattr(layer.submodules, name, None) is not None:
+                setattr(layer.submodules, name, SequenceParallelNorm)
+    return block
 
 
 def arm_config(model, arm: str, keywords: dict, data: int, delay_wgrad: bool = True):
@@ -286,6 +335,7 @@ def rank_main(rank: int, world: int, model, keywords: dict, data: int, delay_wgr
 
 def verdict(ranks: list[dict]) -> dict:
     """``bitwise``, ``refused`` (rule names), ``differs`` (the first tensor) or ``failed`` (the error line)."""
+
     def secondary(item) -> bool:  # a peer's lost connection or timeout follows another rank's first failure
         return any(word in item[1].get(item[2], {}).get("error", "") for word in ("by peer", "imed out", "Timeout"))
 

@@ -31,6 +31,10 @@ class _Event:
 
 
 class _Stream(_Event):
+    @staticmethod
+    def priority_range():  # Megatron-Core asks for a high-priority comm stream (high_priority_a2a_comm_stream)
+        return 0, -1
+
     def wait_stream(self, *args):
         pass
 
