@@ -29,11 +29,15 @@ def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
         ("tensor_model_parallel_size", layout.get("tensor", 1)),
         ("expert_tensor_parallel_size", layout.get("expert_tensor", 1)),
     )
-    model = build_model(McoreCase(config=sizes))
-    # Set after the build: the local norm refuses sequence parallelism and the local attention context parallelism
-    # when built (Transformer Engine's take both); here only the checks read them.
+    if layout.get("context", 1) > 1:  # an attention that takes it, so only the engine's own refusal is left
+        from .test_context_parallel import GPT, _cp_gpt
+
+        model = _cp_gpt(GPT)
+    else:
+        model = build_model(McoreCase(config=sizes))
+    # Set after the build: the local norm refuses sequence parallelism when built (Transformer Engine's takes it);
+    # here only the checks read it.
     model.config.sequence_parallel = sequence_parallel
-    model.config.context_parallel_size = layout.get("context", 1)
     model.config.overlap_moe_expert_parallel_comm = True
     try:
         if how == "engine":
