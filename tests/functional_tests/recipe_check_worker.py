@@ -310,13 +310,10 @@ def arm_config(model, arm: str, keywords: dict, data: int, delay_wgrad: bool = T
 
 
 def rank_main(rank: int, world: int, model, keywords: dict, data: int, delay_wgrad: bool) -> dict:
-    import torch
-
     from tests.functional_tests.stock_bridge_loop import bridge_train
-    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs, made_on_host
+    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
 
     install_cpu_stubs()
-    torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
     out = {}
     for arm in ("plain", "hook"):
         try:
@@ -335,19 +332,35 @@ def rank_main(rank: int, world: int, model, keywords: dict, data: int, delay_wgr
 
 def verdict(ranks: list[dict]) -> dict:
     """``bitwise``, ``refused`` (rule names), ``differs`` (the first tensor) or ``failed`` (the error line)."""
+    return (
+        _first_error(ranks)
+        or _first_difference(ranks)
+        or {
+            "verdict": "bitwise",
+            "why": f"{STEPS} steps, losses, gradients and parameters on {len(ranks)} ranks",
+        }
+    )
 
-    def secondary(item) -> bool:  # a peer's lost connection or timeout follows another rank's first failure
-        return any(word in item[1].get(item[2], {}).get("error", "") for word in ("by peer", "imed out", "Timeout"))
 
-    tried = [(rank, arms, arm) for rank, arms in enumerate(ranks) for arm in ("plain", "hook")]
-    for rank, arms, arm in sorted(tried, key=secondary):
-        if True:
-            run = arms.get(arm, {})
-            if run.get("refused"):
-                rules = sorted(set(re.findall(r"\[([a-z0-9_]+)\]", run["error"])))
-                return {"verdict": "refused", "why": ", ".join(rules) or run["error"].splitlines()[-1]}
-            if "error" in run:
-                return {"verdict": "failed", "why": f"{arm} arm, rank {rank}: {run['error']}", "trace": run["trace"]}
+_SECONDARY = ("by peer", "imed out", "Timeout")  # words of a rank's error that follows another rank's failure
+
+
+def _first_error(ranks: list[dict]) -> dict | None:
+    """The refusal or failure of the first rank and arm that raised; a peer's lost connection or timeout, which
+    follows another rank's failure, only when there is nothing else."""
+    raised = [(rank, arm, arms[arm]) for rank, arms in enumerate(ranks) for arm in ("plain", "hook")
+              if "error" in arms.get(arm, {})]  # fmt: skip
+    for rank, arm, run in sorted(raised, key=lambda r: any(w in r[2]["error"] for w in _SECONDARY)):
+        if run.get("refused"):
+            rules = sorted(set(re.findall(r"\[([a-z0-9_]+)\]", run["error"])))
+            return {"verdict": "refused", "why": ", ".join(rules) or run["error"].splitlines()[-1]}
+        return {"verdict": "failed", "why": f"{arm} arm, rank {rank}: {run['error']}", "trace": run["trace"]}
+    return None
+
+
+def _first_difference(ranks: list[dict]) -> dict | None:
+    """Where the hook arm's record first differs from the plain arm's (each step's losses, gradients and parameters
+    are dicts by name), or the hook arm did not run this project's plan."""
     for rank, arms in enumerate(ranks):
         plain, hook = arms["plain"], arms["hook"]
         if not hook["overlap_flag"] or hook["plan"] != "EPOverlapPlanBuilder" or not hook["dispatches"]:
@@ -355,12 +368,10 @@ def verdict(ranks: list[dict]) -> dict:
         for step in range(STEPS):
             for what in ("losses", "grads", "params"):
                 mine, theirs = plain[what][step], hook[what][step]
-                for name in mine if isinstance(mine, dict) else [what]:
-                    if (mine[name] if isinstance(mine, dict) else mine) != (
-                        theirs.get(name) if isinstance(theirs, dict) else theirs
-                    ):
+                for name in sorted(mine.keys() | theirs.keys()):
+                    if mine.get(name) != theirs.get(name):
                         return {"verdict": "differs", "why": f"rank {rank} step {step} {what} {name}"}
-    return {"verdict": "bitwise", "why": f"{STEPS} steps, losses, gradients and parameters on {len(ranks)} ranks"}
+    return None
 
 
 def check(name: str, patched: bool, delay_wgrad: bool = True) -> dict:

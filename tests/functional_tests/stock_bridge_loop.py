@@ -332,14 +332,9 @@ def rank_main(
     tp: int,
     model_name: str,
 ) -> dict:
-    import torch
-
-    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs, made_on_host
+    from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
 
     install_cpu_stubs()
-    # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda", and its local attention the default
-    # causal mask: the host, as install_cpu_stubs does for torch.zeros.
-    torch.tensor, torch.ones = made_on_host(torch.tensor), made_on_host(torch.ones)
     return {
         arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute, pp, tp, model_name)
         for arm in arms

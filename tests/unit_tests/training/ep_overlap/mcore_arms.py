@@ -7,6 +7,9 @@ each way does to the model's modules (quantization contexts, graph replays, conf
     hook     Megatron-Core's driver with overlap on, running this project's plan (``use_ep_overlap_schedule``)
     engine   this project's engine, overlapped (``EPOverlapEngine(chunk_for(model))``)
 
+``train_plain_and_hook`` is the two-arm loop of the parallel-layout tests (TP, expert TP, CP), whose models and
+forward steps are their own.
+
 ``run_arm`` builds a fresh model per arm, lets ``prepare(model)`` set config fields and install spies before any
 driver sees the model, and runs ``case.steps`` steps; at PP 2 x VPP 2 (``pipeline=True``) the driver is Megatron-Core's
 interleaved one and the model this rank's two chunks. Call it in a rank forked by ``run_local_ranks`` after
@@ -101,3 +104,40 @@ def run_arm(arm: str, case: McoreCase, *, prepare=None, pipeline: bool = False, 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {"losses": losses, "grads": grads, "models": models}
+
+
+def train_plain_and_hook(build, case: McoreCase, forward_step, *, seq_length: int = SEQ, extra=dict) -> dict:
+    """Both arms of a parallel-layout test, ``case.steps`` Adam steps each through this project's
+    ``get_forward_backward_func`` (Megatron-Core's for every layout but the plain 1F1B pipeline): ``build()`` makes a
+    fresh model per arm; "plain" runs with the overlap off, "overlap" through the hook, its flags set after the build
+    (Megatron-Core's config refuses them in fp32). Per arm: each step's losses (None off the last stage) and
+    gradients, the phases the hook's lane ran, and ``extra()`` when the arm ends."""
+    from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func, use_ep_overlap_schedule
+
+    pipeline = parallel_state.get_pipeline_model_parallel_world_size()
+    out = {}
+    for arm in ("plain", "overlap"):
+        model = build()
+        model.config.batch_p2p_comm = False  # gloo pairs P2P in posting order
+        if arm == "overlap":
+            model.config.overlap_moe_expert_parallel_comm = True
+            model.config.delay_wgrad_compute = case.delay_wgrad
+            use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses, grads, phases = [], [], set()
+        for step in range(case.steps):
+            store = get_forward_backward_func(pp_size=pipeline, vp_size=None)(
+                forward_step_func=forward_step, data_iterator=iter(_data(case, step)), model=[model],
+                num_microbatches=case.microbatches, seq_length=seq_length, micro_batch_size=MICRO_BATCH,
+                forward_only=False,
+            )  # fmt: skip
+            losses.append(torch.stack([logged["lm loss"] for logged in store]) if store else None)
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            if arm == "overlap":
+                phases |= {str(r.phase) for r in model.build_schedule_plan.recorder.comm}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        out[arm] = {"losses": losses, "grads": grads, "phases": phases} | extra()
+    return out

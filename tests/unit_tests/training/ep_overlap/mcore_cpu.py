@@ -3,8 +3,9 @@
 Megatron-Core calls a few ``torch.cuda`` stream/event/device functions directly, forks a CUDA RNG state for
 attention dropout (and saves it around a recompute), and passes all-to-all split sizes as tensors (gloo wants
 lists). On CPU these become no-op streams and events, the current device "cpu" (also where the schedules' token
-counter goes), a plain RNG context, and list splits. Expert tensor parallelism gathers each rank's received tokens,
-a different count per rank, and gloo's all-gather wants equal sizes: the gather pads them to the longest.
+counter goes, and the tensors its optimizer and masks make there), a plain RNG context, and list splits. Expert
+tensor parallelism gathers each rank's received tokens, a different count per rank, and gloo's all-gather wants
+equal sizes: the gather pads them to the longest.
 """
 
 import contextlib
@@ -62,8 +63,10 @@ def install_cpu_stubs() -> None:
     torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the last stage's embedding copy is synced "on CUDA"
     torch.zeros = made_on_host(torch.zeros)  # Megatron-Core's schedules put a token counter on "cuda"
-    torch.ones = made_on_host(torch.ones)  # and the local attention its sliding-window mask
-    torch.tensor = unpinned(torch.tensor)  # RoPE under context parallelism pins its chunk indices
+    torch.ones = made_on_host(torch.ones)  # the local attention its causal and sliding-window masks
+    # Megatron-Core's optimizer makes its scale and found-inf flags on "cuda"; RoPE under context parallelism pins
+    # its chunk indices
+    torch.tensor = made_on_host(unpinned(torch.tensor))
     all_to_all_single = dist.all_to_all_single
 
     def lists(splits):

@@ -33,6 +33,20 @@ def assert_same_training(expected: dict, got: dict, steps: int, where: str) -> N
         assert_bitwise(value, got["params"][param], f"{where} final {param}")
 
 
+def assert_steps_bitwise(plain: dict, overlap: dict, steps: int, rank: int) -> None:
+    """Two arms' per-step losses (None off the last pipeline stage, in both) and gradients (the same parameters, at
+    least one), bit for bit."""
+    for step in range(steps):
+        where = f"rank {rank} step {step}"
+        if plain["losses"][step] is None:
+            assert overlap["losses"][step] is None, where
+        else:
+            assert_bitwise(plain["losses"][step], overlap["losses"][step], f"{where} losses")
+        assert plain["grads"][step].keys() == overlap["grads"][step].keys() and plain["grads"][step], where
+        for param, grad in plain["grads"][step].items():
+            assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+
+
 EXPERT_BIAS = {
     "moe_router_score_function": "sigmoid",
     "moe_router_enable_expert_bias": True,
