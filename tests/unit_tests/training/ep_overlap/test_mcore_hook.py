@@ -301,6 +301,7 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
     return out
 
 
+LAST_STAGE = ["decoder", "mtp", "loss"]
 INTERLEAVED = {  # Megatron-Core refuses N = 5 here
     "gpt": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2),
     "hybrid": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2),
@@ -316,6 +317,15 @@ INTERLEAVED = {  # Megatron-Core refuses N = 5 here
         layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, mtp=True, full_recompute=("uniform", 1)
     ),
     "hybrid-full-uniform1": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2, full_recompute=("uniform", 1)),
+    # DeepSeek-V3's kind of layout over virtual stages (virtual-stage-major): uneven, MTP beside the loss.
+    "gpt-layout-mtp-rope": McoreCase(
+        layer_freq=(0, 1, 1, 1),
+        microbatches=4,
+        steps=2,
+        mtp=True,
+        rope=True,
+        config=(("pipeline_model_parallel_layout", [["embedding", "decoder"], ["decoder"], ["decoder"], LAST_STAGE]),),
+    ),
 }
 
 

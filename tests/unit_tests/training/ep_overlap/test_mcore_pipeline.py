@@ -74,10 +74,9 @@ def build_plans(case: McoreCase, pp: int, vpp: int | None):
     return _gpt_plans(case, pp, vpp)
 
 
-def _gpt_plans(case: McoreCase, pp: int, vpp: int):
+def gpt_stage_models(case: McoreCase, pp: int, vpp: int | None) -> list:
+    """This rank's ``GPTModel`` chunks, one per virtual stage, as Megatron-Core builds them (no plan yet)."""
     from megatron.core import parallel_state
-
-    from megatron.bridge.training.ep_overlap.mcore import chunk_for
 
     pipeline = dict(
         pipeline_model_parallel_size=pp,
@@ -86,16 +85,24 @@ def _gpt_plans(case: McoreCase, pp: int, vpp: int):
     )
     config = gpt_config(case, **pipeline)
     stages = range(vpp) if pp > 1 and vpp else [None]
-    plans = []
-    for v in stages:
-        model = gpt_model(
+    return [
+        gpt_model(
             case,
             config,
             vp_stage=v,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=v is None, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=v is None, vp_stage=v),
         )
-        plans.append(chunk_for(model))
+        for v in stages
+    ]
+
+
+def _gpt_plans(case: McoreCase, pp: int, vpp: int):
+    from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for
+
+    plans = [chunk_for(model) for model in gpt_stage_models(case, pp, vpp)]
     set_weights(plans, local_experts=2, ep_rank=parallel_state.get_expert_model_parallel_rank())
     return plans
 

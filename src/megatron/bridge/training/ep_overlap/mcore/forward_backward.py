@@ -80,7 +80,12 @@ def _overlap_off(config):
 @contextlib.contextmanager
 def _one_virtual_stage(config, num_microbatches: int):
     """Megatron-Core's interleaved schedule over one model chunk per rank: one virtual stage, every microbatch in one
-    group (so the table is microbatch order), asynchronous P2P; for the length of one call, then as it was."""
+    group (so the table is microbatch order), asynchronous P2P; for the length of one call, then as it was.
+
+    Only the config says "one virtual stage" (the schedule builds its P2P communicator, and so counts its warm-up,
+    from it). ``parallel_state`` keeps saying there are none: the chunks were built without a ``vp_stage``, and
+    Megatron-Core's layout and MTP helpers (``get_mtp_layer_offset`` with a ``pipeline_model_parallel_layout``)
+    assert one when it says there are virtual stages."""
     fields = {
         "virtual_pipeline_model_parallel_size": 1,
         "microbatch_group_size_per_vp_stage": num_microbatches,
@@ -93,14 +98,11 @@ def _one_virtual_stage(config, num_microbatches: int):
         "grad_sync_func": config.grad_sync_func,
     }
     saved = {name: getattr(config, name) for name in fields}
-    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    parallel_state.set_virtual_pipeline_model_parallel_world_size(1)
     for name, value in fields.items():
         setattr(config, name, value)
     try:
         yield
     finally:
-        parallel_state.set_virtual_pipeline_model_parallel_world_size(virtual)
         for name, value in saved.items():
             setattr(config, name, value)
 

@@ -29,6 +29,14 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
             f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
             f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
         )
+    standalone = _standalone_mtp_stage(config)
+    if standalone is not None:
+        raise ValueError(
+            f"pipeline_model_parallel_layout puts the multi-token prediction layer on pipeline stage {standalone}, "
+            "apart from the loss (Megatron-Core's standalone MTP stage): the EP-overlap plan runs the MTP layer in "
+            "the head of the stage that computes the loss; fix: list 'mtp' in the last stage, before 'loss', "
+            f"{_OFF}"
+        )
     if model.position_embedding_type == "mrope":
         raise ValueError(
             "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
@@ -56,6 +64,19 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
             "parallelism); fix: build the layers with Transformer Engine's attention (a TE layer spec), or set "
             f"context_parallel_size=1, {_OFF}"
         )
+
+
+def _standalone_mtp_stage(config) -> int | None:
+    """The pipeline rank whose last virtual stage holds the MTP layer, when that is not the stage with the loss."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if not config.mtp_num_layers or layout is None or not hasattr(layout, "layout"):
+        return None
+    from megatron.core.transformer.enums import LayerType
+
+    stages = layout.layout  # [pipeline rank][virtual stage] -> layer kinds
+    if LayerType.mtp in stages[-1][-1]:
+        return None
+    return next((rank for rank, row in enumerate(stages) if LayerType.mtp in row[-1]), None)
 
 
 def _local_attention_layers(model: torch.nn.Module) -> list[int]:
