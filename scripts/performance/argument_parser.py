@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="MoE EP-overlap performance harness: one arm, or a matched A/B of overlap off vs on.",
         epilog=(
             "Trailing key=value overrides (e.g. comm_overlap.overlap_moe_expert_parallel_comm=true) apply last; "
-            "values are parsed by OmegaConf and type-checked against the field. Every flag and override is "
+            "values are parsed by OmegaConf and type-checked against the field; an override of a field a flag sets "
+            "must agree with the flag. Every flag and override is "
             "checked before any rank starts. A run has no wall-clock limit: it ends when it finishes, when a rank "
             "fails (a rank blocked in one collective fails after train.collective_timeout_s, default 120 s), or "
             "when no rank finishes a step for 10 x train.collective_timeout_s (default 20 min). SIGINT/SIGTERM "

@@ -197,6 +197,14 @@ def _pipeline_problems(model: Any, train: Any) -> list[str]:
     _at_least(problems, "--pipeline_model_parallel_size", pp, 1)
     if vpp is not None:
         _at_least(problems, "--virtual_pipeline_model_parallel_size", vpp, 1)
+    if not problems and vpp is not None and pp == 1:
+        # Megatron-Core's initialize_model_parallel refuses virtual stages at PP 1, and the ranks would build one
+        # chunk each, not the vpp the engine checks them against.
+        problems.append(
+            f"--virtual_pipeline_model_parallel_size={vpp}: virtual stages split each pipeline stage into chunks, "
+            "and pipeline_model_parallel_size=1 is no pipeline; add --pipeline_model_parallel_size 2 (or more), or "
+            "drop it"
+        )
     if problems or not isinstance(model.num_layers, int) or model.num_layers < 1:
         return problems
     try:

@@ -46,8 +46,7 @@ def build_recipe(args) -> RecipeConfig:
 def _recipe_with_problems(args) -> tuple[RecipeConfig, list[str]]:
     """Flags and overrides applied (bad overrides are reported, not applied), and every problem of the result."""
     recipe = small_moe_recipe()
-    apply_flag_overrides(recipe, args)
-    problems = apply_overrides(recipe, args.overrides)
+    problems = apply_overrides(recipe, args.overrides, apply_flag_overrides(recipe, args))
     # Fields the model config derived from the recipe's own shape: derived again from the final one (finalize),
     # unless an override set them. Kept, they would give a Megatron-Core model the recipe's head size.
     given = {item.partition("=")[0].strip() for item in args.overrides}

@@ -73,14 +73,20 @@ def test_delay_wgrad_has_its_own_flag():
     assert recipe.comm_overlap.delay_wgrad_compute is True
 
 
-def test_overrides_come_last_and_win():
+def test_overrides_come_last_and_must_agree_with_the_flags():
     recipe = recipe_from(
-        ["--moe_a2a_overlap", "true", "--num_layers", "3", "comm_overlap.overlap_moe_expert_parallel_comm=false",
+        ["--moe_a2a_overlap", "true", "--num_layers", "4", "comm_overlap.overlap_moe_expert_parallel_comm=true",
          "model.num_layers=4", "train.max_steps=2", "model.moe_layer_freq=[1, 0, 1, 0]"]
     )  # fmt: skip
-    assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is False
+    assert recipe.comm_overlap.overlap_moe_expert_parallel_comm is True
     assert recipe.model.num_layers == 4 and recipe.model.moe_layer_freq == [1, 0, 1, 0]
     assert recipe.train.max_steps == 2
+    with pytest.raises(harness_config.ConfigError) as refused:
+        recipe_from(["--num_layers", "3", "model.num_layers=4"])
+    assert refused.value.problems == [
+        "override model.num_layers='4': --num_layers=3 sets model.num_layers=3; give the field one value: drop the "
+        "override or the flag"
+    ]
 
 
 def test_none_is_a_fields_own_word_where_it_takes_no_none():
@@ -585,10 +591,10 @@ def test_auto_placement_misuse_is_one_line(capsys):
 
 
 def test_recompute_modules_take_megatron_lms_list_and_stop_at_an_override():
-    recipe = recipe_from(TINY + ["--recompute_modules", "moe", "layernorm", "model.moe_router_topk=1"])
+    recipe = recipe_from(TINY + ["--recompute_modules", "moe", "layernorm", "model.moe_router_bias_update_rate=0.02"])
     assert recipe.model.recompute_granularity == "selective"
     assert recipe.model.recompute_modules == ["moe", "layernorm"]
-    assert recipe.model.moe_router_topk == 1  # the override after the list was applied, not taken as a module
+    assert recipe.model.moe_router_bias_update_rate == 0.02  # the override after the list applied, not a module
 
 
 @pytest.mark.parametrize(

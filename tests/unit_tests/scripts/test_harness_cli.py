@@ -357,6 +357,127 @@ def test_a_flag_or_field_that_cannot_act_is_refused_before_any_rank(argv, line):
     assert [entry[: len(line)] for entry in run.stderr.splitlines()] == [line]
 
 
+PIPELINE_2 = ["--nproc_per_node", "4", "--pipeline_model_parallel_size", "2", "--num_layers", "4"]
+
+# One use of each flag in the harness's table of what flags set (overrides.FLAG_SETTERS), with the flags it needs
+# beside it: accepted on its own, or (a model the reference model has not) refused for its own reason only.
+FLAG_SAMPLES = {
+    "ab": [["--ab"]],
+    "moe_a2a_overlap": [["--moe_a2a_overlap", "true"], ["--moe_a2a_overlap", "false"]],
+    "delay_wgrad_compute": [["--moe_a2a_overlap", "true", "--delay_wgrad_compute", "true"],
+                            ["--delay_wgrad_compute", "false"]],
+    "cuda_graph_impl": [["--cuda_graph_impl", "none"]],
+    "precision": [["--precision", "bf16"]],
+    "hybrid_layer_pattern": [["--hybrid_layer_pattern", "*E"]],
+    "mtp_num_layers": [["--mtp_num_layers", "0"]],
+    "recompute_modules": [["--recompute_modules", "moe"]],
+    "recompute_granularity": [FULL],
+    "recompute_method": [FULL],
+    "recompute_num_layers": [FULL, ["-rl", "1"]],
+    **{TINY[i][2:]: [TINY[i : i + 2]] for i in range(0, len(TINY), 2)},
+    "moe_router_topk": [["--moe_router_topk", "1"]],
+    "expert_model_parallel_size": [["--expert_model_parallel_size", "2"]],
+    "pipeline_model_parallel_size": [PIPELINE_2],
+    "virtual_pipeline_model_parallel_size": [PIPELINE_2 + ["--virtual_pipeline_model_parallel_size", "2"]],
+    "max_steps": [["-ms", "3"]],
+    "micro_batch_size": [["--micro_batch_size", "1"]],
+    "seed": [["--seed", "7"]],
+    "moe_flex_dispatcher_backend": [["--moe_flex_dispatcher_backend", "deepep"]],
+}  # fmt: skip
+
+
+def _differing(field, value):
+    """A value the harness's type check accepts for ``field`` ("section.name") and that is not ``value``."""
+    import typing
+
+    from utils.overrides import _field_types, _matches
+    from utils.recipe import small_moe_recipe
+
+    section, name = field.split(".")
+    hint = _field_types(type(getattr(small_moe_recipe(), section)))[name]
+    words = [arg for arg in typing.get_args(hint) if isinstance(arg, str)]
+    words += [arg for union in typing.get_args(hint) for arg in typing.get_args(union) if isinstance(arg, str)]
+    if isinstance(value, bool):
+        candidates = [not value]
+    elif isinstance(value, int | float):
+        candidates = [value + 1]
+    elif isinstance(value, list):
+        candidates = [value[:-1], [*value, "core_attn"]]
+    else:
+        candidates = [*words, value + "_other"]
+    return next(other for other in candidates if other != value and _matches(other, hint))
+
+
+def _dry_run(capsys, argv):
+    import ep_overlap_ab
+
+    code = ep_overlap_ab.main([*argv, "-d"])  # in this process: the first call's import warnings are not errors
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+
+
+def test_every_flag_in_the_table_has_a_sample():
+    from utils.overrides import FLAG_SETTERS
+
+    assert set(FLAG_SETTERS) == set(FLAG_SAMPLES)
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_SAMPLES))
+def test_an_override_that_contradicts_a_flag_is_refused_in_every_spelling(capsys, flag):
+    """Issue 54: --moe_a2a_overlap false with comm_overlap.overlap_moe_expert_parallel_comm=true ran overlapped,
+    while the model. spelling of the same contradiction was refused. Each field a flag sets, in each spelling that
+    reaches it (both from the harness's own tables), is now refused with one line when it disagrees and accepted
+    when it agrees."""
+    from argument_parser import parse_cli_args
+    from utils.overrides import apply_flag_overrides, same_field
+    from utils.recipe import small_moe_recipe
+
+    walked = 0
+    for sample in FLAG_SAMPLES[flag]:
+        argv = [*TINY, *sample]
+        alone = _dry_run(capsys, argv)
+        set_by = apply_flag_overrides(small_moe_recipe(), parse_cli_args(argv))
+        fields = {field: value for field, (given, value) in set_by.items() if given.startswith(f"--{flag}=")}
+        for field, value in fields.items():
+            for spelling in same_field(field):
+                walked += 1
+                agreeing = _dry_run(capsys, [*argv, f"{spelling}={json.dumps(value)}"])
+                assert agreeing == alone, (spelling, value)
+                other = _differing(field, value)
+                code, lines = _dry_run(capsys, [*argv, f"{spelling}={json.dumps(other)}"])
+                assert code == 2, (spelling, other)
+                assert lines[1:] == alone[1], (spelling, other, lines)
+                assert lines[0].startswith(f"error: override {spelling}={json.dumps(other)!r}: --{flag}=")
+                assert f" sets {field}={value!r}" in lines[0] and "drop the override or the flag" in lines[0]
+    assert walked
+
+
+def test_the_issues_contradiction_is_one_line_and_status_2_before_any_rank():
+    for spelling in ("comm_overlap", "model"):
+        run = harness(*TINY, "--moe_a2a_overlap", "false", f"{spelling}.overlap_moe_expert_parallel_comm=true")
+        assert run.returncode == 2
+        assert run.stderr.splitlines() == [
+            f"error: override {spelling}.overlap_moe_expert_parallel_comm='true': --moe_a2a_overlap=False sets "
+            "comm_overlap.overlap_moe_expert_parallel_comm=False"
+            + (", the same field" if spelling == "model" else "")
+            + "; give the field one value: drop the override or the flag"
+        ]
+        assert "running arm" not in run.stdout
+
+
+def test_virtual_stages_without_a_pipeline_are_refused_before_any_rank(capsys):
+    """Issue 54: --virtual_pipeline_model_parallel_size 2 at PP 1 passed the dry run; its ranks then failed."""
+    for vpp in ("--virtual_pipeline_model_parallel_size 2", "model.virtual_pipeline_model_parallel_size=2"):
+        assert _dry_run(capsys, [*TINY[2:], *vpp.split()]) == (
+            2,
+            [
+                "error: --virtual_pipeline_model_parallel_size=2: virtual stages split each pipeline stage into "
+                "chunks, and pipeline_model_parallel_size=1 is no pipeline; add --pipeline_model_parallel_size 2 (or "
+                "more), or drop it"
+            ],
+        )
+    assert _dry_run(capsys, [*TINY, *PIPELINE_2, "--virtual_pipeline_model_parallel_size", "2"])[0] == 0
+
+
 def test_full_recompute_flags_reach_the_config_and_the_printed_schedule():
     run = harness(*TINY[2:], "-d", "--ab", "-rl", "1")  # upstream's -rl alone: full recompute of the first layer
     assert run.returncode == 0, run.stderr

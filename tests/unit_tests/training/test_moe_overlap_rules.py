@@ -5,7 +5,12 @@ from types import SimpleNamespace
 import pytest
 
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.moe_overlap_rules import MOE_OVERLAP_RULES, CommOverlapConfigError, check_moe_overlap
+from megatron.bridge.training.moe_overlap_rules import (
+    MOE_OVERLAP_RULES,
+    CommOverlapConfigError,
+    check_moe_overlap,
+    gather_facts,
+)
 
 VALID_MODEL = dict(
     expert_model_parallel_size=2,
@@ -173,11 +178,11 @@ CASES = {
 }
 
 
-def violated(fake_versions, model_overrides, context_overrides):
+def _checked(fake_versions, check, model_overrides, context_overrides):
     context = {**ON, **context_overrides}
     fake_versions(torch=context["torch"], te=context["te"])
     model = SimpleNamespace(**{**VALID_MODEL, **model_overrides})
-    found = check_moe_overlap(
+    return check(
         model,
         overlap_moe_expert_parallel_comm=context["overlap"],
         delay_wgrad_compute=context["delay"],
@@ -186,6 +191,10 @@ def violated(fake_versions, model_overrides, context_overrides):
         micro_batch_size=context["micro_batch"],
         model_config_built=context["built"],
     )
+
+
+def violated(fake_versions, model_overrides, context_overrides):
+    found = _checked(fake_versions, check_moe_overlap, model_overrides, context_overrides)
     return {violation.name: violation for violation in found}
 
 
@@ -203,7 +212,8 @@ def test_rule_fails_and_passes(fake_versions, rule_name):
     text = str(found[rule_name])
     for field in rule.fields:
         assert field in text
-    assert "Fix: " + rule.fix in text
+    facts = _checked(fake_versions, gather_facts, *failing)
+    assert "Fix: " + (rule.fix(facts) if callable(rule.fix) else rule.fix) in text
     assert violated(fake_versions, *passing) == {}
 
 
@@ -260,6 +270,108 @@ def test_te_rule_message_names_pure_torch_path(fake_versions):
 def test_legacy_cuda_graph_scope_field_is_read(fake_versions):
     found = violated(fake_versions, {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "mlp"}, {})
     assert "cuda_graph_scope" in found
+
+
+# Megatron-Core 0.19 takes the graph modules as cuda_graph_modules or, deprecated, cuda_graph_scope; its
+# __post_init__ (which a Megatron-Bridge provider defers to finalize(), after a recipe's setup) moves the latter into
+# the former where that is left at its default, "full".
+GRAPH_MODULE_SPELLINGS = {
+    "cuda_graph_modules": lambda modules: {"cuda_graph_modules": modules},
+    "cuda_graph_scope": lambda modules: {"cuda_graph_modules": "full", "cuda_graph_scope": modules},
+}
+
+
+def _reading(*fields: str) -> list[str]:
+    """The rules whose lines show one of ``fields`` (fact keys)."""
+    return sorted(rule.name for rule in MOE_OVERLAP_RULES if set(fields) & set(rule.fields))
+
+
+GRAPH_MODULE_RULES = _reading("model.cuda_graph_modules", "model.cuda_graph_scope")
+
+
+def _spelled_case(rule_name, spelled):
+    """The rule's failing case with its graph modules (['attn'] where it sets none) given through ``spelled``."""
+    model, context = CASES[rule_name][0]
+    model = dict(model)
+    modules = model.pop("cuda_graph_modules", ["attn"])
+    return {**model, **spelled(modules)}, context
+
+
+def _named_fields(violation) -> set[str]:
+    """The model fields a violation names: in its values, its message and its fix."""
+    text = " ".join([*violation.values, violation.message, violation.fix])
+    return {name for name in ("cuda_graph_modules", "cuda_graph_scope") if name in text}
+
+
+@pytest.mark.parametrize("rule_name", GRAPH_MODULE_RULES)
+def test_a_graph_modules_rule_names_cuda_graph_modules_where_the_user_set_it(fake_versions, rule_name):
+    case = _spelled_case(rule_name, GRAPH_MODULE_SPELLINGS["cuda_graph_modules"])
+    violation = violated(fake_versions, *case)[rule_name]
+    assert _named_fields(violation) == {"cuda_graph_modules"}, str(violation)
+    assert "model.cuda_graph_modules=" in str(violation)
+
+
+@pytest.mark.parametrize("rule_name", GRAPH_MODULE_RULES)
+def test_a_graph_modules_rule_names_the_deprecated_cuda_graph_scope_where_the_user_set_that(fake_versions, rule_name):
+    """Issue 54: the fix told a user to drop 'moe' from cuda_graph_scope whatever field they had set."""
+    case = _spelled_case(rule_name, GRAPH_MODULE_SPELLINGS["cuda_graph_scope"])
+    violation = violated(fake_versions, *case)[rule_name]
+    assert _named_fields(violation) == {"cuda_graph_scope"}, str(violation)
+    modules = case[0]["cuda_graph_scope"]
+    assert f"model.cuda_graph_scope={tuple(modules)!r}" in str(violation)  # what the user set, not 'full' beside it
+
+
+# cuda_graph_impl's deprecated spellings in Megatron-Core 0.19: each sets it where it is 'none', and stays True.
+GRAPH_IMPL_SPELLINGS = {
+    "transformer_engine": {
+        "external_cuda_graph": {"cuda_graph_impl": "none", "external_cuda_graph": True},
+        "external_cuda_graph after __post_init__": {
+            "cuda_graph_impl": "transformer_engine",
+            "external_cuda_graph": True,
+        },
+    },
+    "local": {
+        "enable_cuda_graph": {"cuda_graph_impl": "none", "enable_cuda_graph": True},
+        "enable_cuda_graph after __post_init__": {"cuda_graph_impl": "local", "enable_cuda_graph": True},
+    },
+}
+GRAPH_IMPL_CASES = [
+    (name, spelling)
+    for name in _reading("model.cuda_graph_impl")
+    for spelling in GRAPH_IMPL_SPELLINGS[CASES[name][0][0]["cuda_graph_impl"]]
+]
+
+
+@pytest.mark.parametrize("rule_name, spelling", GRAPH_IMPL_CASES)
+def test_a_cuda_graph_impl_rule_names_the_deprecated_flag_that_turned_graphs_on(fake_versions, rule_name, spelling):
+    model, context = CASES[rule_name][0]
+    impl = model["cuda_graph_impl"]
+    found = violated(fake_versions, {**model, **GRAPH_IMPL_SPELLINGS[impl][spelling]}, context)
+    assert rule_name in found, f"{spelling} should break {rule_name} as cuda_graph_impl={impl!r} does"
+    violation, field = found[rule_name], spelling.split()[0]
+    assert f"model.{field}=True" in str(violation) and "model.cuda_graph_impl=" not in str(violation)
+    # Graphs go off where they were turned on: with the flag still set, cuda_graph_impl='none' changes nothing.
+    assert "cuda_graph_impl='none'" not in violation.fix
+    as_impl = violated(fake_versions, model, context)[rule_name]
+    assert f"model.cuda_graph_impl={impl!r}" in str(as_impl) and field not in str(as_impl)
+    if "cuda_graph_impl='none'" in as_impl.fix:
+        off = f"{field}=False"
+        # A fix keeping graphs (per layer) turns the flag off first: Megatron-Core refuses it beside cuda_graph_impl.
+        keeps_graphs = f"set {off}, and cuda_graph_impl='transformer_engine' with cuda_graph_modules="
+        assert violation.fix == as_impl.fix.replace("cuda_graph_impl='none'", off) or (
+            violation.fix.startswith(keeps_graphs)
+        )
+
+
+def test_moe_recompute_is_named_as_the_user_asked_for_it(fake_versions):
+    """Megatron-Core 0.19's deprecated moe_layer_recompute puts 'moe' in recompute_modules in its __post_init__."""
+    by_flag = violated(fake_versions, {"recompute_modules": ["core_attn"], "moe_layer_recompute": True}, {})
+    by_list = violated(fake_versions, {"recompute_modules": ["moe", "core_attn"]}, {})
+    by_flag, by_list = by_flag["no_moe_recompute"], by_list["no_moe_recompute"]
+    assert "model.moe_layer_recompute=True" in str(by_flag) and by_flag.fix == "set moe_layer_recompute=False."
+    assert "model.recompute_modules=['moe', 'core_attn']" in str(by_list) and by_list.fix.startswith("remove 'moe'")
+    for violation in (by_flag, by_list):
+        assert "disable moe in recompute_modules" in violation.message  # upstream's phrase either way
 
 
 def test_error_lists_every_violation_one_per_line(fake_versions):

@@ -125,8 +125,4 @@ def check_moe_overlap(
         micro_batch_size=micro_batch_size,
         model_config_built=model_config_built,
     )
-    return [
-        Violation(rule.name, {key: facts[key] for key in rule.fields}, rule.message, rule.fix)
-        for rule in rules
-        if rule.applies(facts) and not rule.holds(facts)
-    ]
+    return [rule.violation(facts) for rule in rules if rule.applies(facts) and not rule.holds(facts)]

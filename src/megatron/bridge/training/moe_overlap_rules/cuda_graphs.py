@@ -8,71 +8,90 @@ all-to-all and what orders it.
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
     CHUNKS,
+    GRAPH_IMPL,
+    GRAPH_MODULES,
     OVERLAP,
     Rule,
     bridge_schedule,
     chunked,
+    field_set,
     full_recompute,
+    graphs_off,
     te_graphs,
 )
 
 _WHOLE_STEP = ("local", "full_iteration")
+_BEFORE_DISPATCH = "['attn', 'moe_router', 'moe_preprocess']"
+
+
+def _layer_graphs_instead(f) -> str:
+    """Per-layer Transformer Engine graphs in place of a whole step's, in the fields the user set."""
+    layer = f"cuda_graph_impl='transformer_engine' with {field_set(f, GRAPH_MODULES)}={_BEFORE_DISPATCH}"
+    if field_set(f, GRAPH_IMPL) == "cuda_graph_impl":
+        return f"set {layer} (replayed layer by layer), or {graphs_off(f)}."
+    # Megatron-Core refuses the deprecated flag beside cuda_graph_impl: it goes first either way.
+    return f"set {graphs_off(f)}, and {layer} for graphs replayed layer by layer."
+
 
 CUDA_GRAPH_RULES: tuple[Rule, ...] = (
     Rule(
         "cuda_graph_scope",
-        ("model.cuda_graph_impl", "model.cuda_graph_scope"),
+        (GRAPH_IMPL, GRAPH_MODULES),
         lambda f: f[OVERLAP] and te_graphs(f),
-        lambda f: not {"moe", "mlp"} & set(f["model.cuda_graph_scope"]),
+        lambda f: not {"moe", "mlp"} & set(f[GRAPH_MODULES]),
         "Transformer Engine CUDA graphs over 'moe' or 'mlp' would capture the all-to-all the schedule splits.",
-        "drop 'moe' and 'mlp' from cuda_graph_scope (e.g. keep 'attn', 'moe_router', 'moe_preprocess').",
+        lambda f: (
+            f"drop 'moe' and 'mlp' from {field_set(f, GRAPH_MODULES)} (e.g. keep 'attn', 'moe_router', "
+            "'moe_preprocess')."
+        ),
     ),
     Rule(
         "cuda_graph_whole_layer",
-        ("model.cuda_graph_impl", "model.cuda_graph_scope"),
+        (GRAPH_IMPL, GRAPH_MODULES),
         lambda f: f[OVERLAP] and te_graphs(f),
-        lambda f: bool(set(f["model.cuda_graph_scope"]) - {"full"}),
-        "Transformer Engine CUDA graphs with no cuda_graph_modules capture whole layers, the MoE layer's all-to-all "
-        "included (Megatron-Core asserts EP overlap must be disabled when CUDA graph captures the whole MLP/MoE "
-        "part).",
-        "set cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess'].",
+        lambda f: bool(set(f[GRAPH_MODULES]) - {"full"}),
+        lambda f: (
+            f"Transformer Engine CUDA graphs with no {field_set(f, GRAPH_MODULES)} capture whole layers, the MoE "
+            "layer's all-to-all included (Megatron-Core asserts EP overlap must be disabled when CUDA graph captures "
+            "the whole MLP/MoE part)."
+        ),
+        lambda f: f"set {field_set(f, GRAPH_MODULES)}={_BEFORE_DISPATCH}.",
     ),
     Rule(
         "cuda_graph_host_sync",
-        ("model.cuda_graph_impl", "model.cuda_graph_scope"),
-        lambda f: bridge_schedule(f) and f["model.cuda_graph_impl"] in _WHOLE_STEP,
+        (GRAPH_IMPL, GRAPH_MODULES),
+        lambda f: bridge_schedule(f) and f[GRAPH_IMPL] in _WHOLE_STEP,
         lambda f: False,
         "a graph of the whole step cannot contain this project's schedule: every layer step synchronizes with the "
         "host (the alltoall dispatcher copies its split sizes to the host before each all-to-all, and the hook "
         "agrees each of Megatron-Core's driver calls across the expert-parallel ranks on the host), so no dispatcher "
         "qualifies yet.",
-        "set cuda_graph_impl='transformer_engine' with cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess'] "
-        "(replayed layer by layer), or cuda_graph_impl='none'.",
+        _layer_graphs_instead,
     ),
     Rule(
         "cuda_graph_mtp",
-        ("model.cuda_graph_impl", "model.mtp_num_layers"),
+        (GRAPH_IMPL, "model.mtp_num_layers"),
         lambda f: bridge_schedule(f) and te_graphs(f),
         lambda f: not f["model.mtp_num_layers"],
         "this project's plan runs the multi-token prediction layer whole in its head, and a graphed layer's call "
         "with overlap_moe_expert_parallel_comm on stops at its dispatch.",
-        "set mtp_num_layers=None, or cuda_graph_impl='none'.",
+        lambda f: f"set mtp_num_layers=None, or {graphs_off(f)}.",
     ),
     Rule(
         "cuda_graph_full_recompute",
-        ("model.cuda_graph_impl", "model.recompute_granularity"),
+        (GRAPH_IMPL, "model.recompute_granularity"),
         lambda f: full_recompute(f) and te_graphs(f),
         lambda f: False,
         "the replay of full recompute would run a microbatch's graph a second time inside its own backward, over "
         "the static buffers its first replay's backward still reads.",
-        "set cuda_graph_impl='none', or recompute_granularity='selective'.",
+        lambda f: f"set {graphs_off(f)}, or recompute_granularity='selective'.",
     ),
     Rule(
         "cuda_graph_chunks",
-        ("model.cuda_graph_impl", CHUNKS),
+        (GRAPH_IMPL, CHUNKS),
         lambda f: chunked(f) and te_graphs(f),
         lambda f: False,
         "graphs are captured for whole microbatches, and chunking runs halves of them.",
-        "set moe_ep_overlap_chunks=1, or cuda_graph_impl='none'.",
+        lambda f: f"set moe_ep_overlap_chunks=1, or {graphs_off(f)}.",
     ),
 )

@@ -2,6 +2,7 @@
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
     DELAY_WGRAD,
+    GRAPH_MODULES,
     GROUPED_GEMM,
     NO_TE_NOTE,
     OVERLAP,
@@ -12,8 +13,15 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     Rule,
     delay_wgrad_on,
     delay_wgrad_with_te,
+    field_set,
     graph_scope_needs_te_wgrad,
 )
+
+
+def _or_ungraph(first_choice: str):
+    """A fix: ``first_choice``, or take attention and the router out of the graphs, in the field the user set."""
+    return lambda f: f"{first_choice}, or drop 'attn'/'moe_router' from {field_set(f, GRAPH_MODULES)}."
+
 
 DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     # --- delay_wgrad_compute ---
@@ -44,28 +52,28 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "delay_wgrad_graph_te",
-        ("model.cuda_graph_scope", TE),
+        (GRAPH_MODULES, TE),
         lambda f: graph_scope_needs_te_wgrad(f) and f[GROUPED_GEMM] == TE_GROUPED_GEMM,
         lambda f: f[TE_AT_LEAST]("2.12.0"),
         "CUDA graph with delay_wgrad_compute requires TE version >= 2.12.0 (graphed attention, or a graphed router "
         "with non-overlapped shared experts)" + NO_TE_NOTE,
-        "upgrade transformer-engine to >= 2.12.0, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+        _or_ungraph("upgrade transformer-engine to >= 2.12.0"),
     ),
     Rule(
         "delay_wgrad_graph_grad_fusion",
-        ("model.cuda_graph_scope", "model.gradient_accumulation_fusion"),
+        (GRAPH_MODULES, "model.gradient_accumulation_fusion"),
         graph_scope_needs_te_wgrad,
         lambda f: bool(f["model.gradient_accumulation_fusion"]),
         "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion: graphed wgrad needs the static "
         "main_grad buffers.",
-        "set gradient_accumulation_fusion=True, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+        _or_ungraph("set gradient_accumulation_fusion=True"),
     ),
     Rule(
         "delay_wgrad_graph_attn_bias",
-        ("model.cuda_graph_scope", "model.add_bias_linear", "model.add_qkv_bias"),
+        (GRAPH_MODULES, "model.add_bias_linear", "model.add_qkv_bias"),
         graph_scope_needs_te_wgrad,
         lambda f: not (f["model.add_bias_linear"] or f["model.add_qkv_bias"]),
         "CUDA graph with delay_wgrad_compute does not support attention bias.",
-        "set add_bias_linear=False and add_qkv_bias=False, or drop 'attn'/'moe_router' from cuda_graph_scope.",
+        _or_ungraph("set add_bias_linear=False and add_qkv_bias=False"),
     ),
 )

@@ -7,6 +7,11 @@ Contract:
       versions from their metadata, nothing imports CUDA code; ``ep_overlap.*`` this project's schedule options).
     * :class:`Rule` is one requirement as data; :class:`Violation` a failed one with the values seen;
       :class:`CommOverlapConfigError` carries every violation of a check, one line each.
+    * A field Megatron-Core 0.19 still takes under a deprecated name (``cuda_graph_scope`` for ``cuda_graph_modules``,
+      ``enable_cuda_graph``/``external_cuda_graph`` for ``cuda_graph_impl``, ``moe_layer_recompute`` for 'moe' in
+      ``recompute_modules``) is read as Megatron-Core will resolve it, under the current name, whether its
+      ``__post_init__`` has run yet or not; ``SPELLED`` keeps the field the user set, which a violation shows and
+      its texts name (:func:`field_set`).
     * Which schedule runs the layers (:func:`schedule_of`) decides which rules apply: Megatron-Core's own overlapped
       schedule, or this project's (marked on the config by :func:`use_bridge_schedule`).
     * The predicates below (``overlap_on``, ``bridge_schedule``, ...) are what the rule tables of the topic modules
@@ -38,6 +43,12 @@ EDGE_PAIRING = "ep_overlap.edge_pairing"
 WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
 OFF_HOST = "ep_overlap.launch_off_host"
 MICRO_BATCH = "train.micro_batch_size"
+# Model fields that Megatron-Core 0.19 also takes under a deprecated name (_DEPRECATED_SPELLINGS).
+GRAPH_IMPL = "model.cuda_graph_impl"
+GRAPH_MODULES = "model.cuda_graph_modules"
+RECOMPUTE_MODULES = "model.recompute_modules"
+# Where the user set one of those by its deprecated name: fact key -> (that field's key, its value).
+SPELLED = "check.spelled_as"
 # False while a recipe's config is set up (CommOverlapConfig.setup runs before Bridge builds the model config).
 MODEL_BUILT = "check.model_config_built"
 # Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
@@ -59,13 +70,11 @@ _MODEL_FIELDS: dict[str, Any] = {
     "recompute_granularity": None,
     "recompute_method": None,
     "recompute_num_layers": None,
-    "recompute_modules": None,
     "hidden_dropout": 0.0,
     "attention_dropout": 0.0,
     "moe_shared_expert_overlap": False,
     "moe_shared_expert_intermediate_size": None,
     "mtp_num_layers": None,
-    "cuda_graph_impl": "none",
     "gradient_accumulation_fusion": False,
     "add_bias_linear": False,
     "add_qkv_bias": False,
@@ -87,6 +96,9 @@ _MODEL_FIELDS: dict[str, Any] = {
 }
 
 
+Text = str | Callable[[Mapping[str, Any]], str]
+
+
 @dataclass(frozen=True)
 class Rule:
     """One requirement of EP overlap, as data.
@@ -96,16 +108,27 @@ class Rule:
         fields: Fact keys whose values the message shows.
         applies: True when the rule is relevant for these facts (e.g. only with delayed wgrad on).
         holds: True when the requirement is met.
-        message: What is wrong, in one sentence.
-        fix: What to change, in one sentence.
+        message: What is wrong, in one sentence; or a function of the facts that gives it, where it names a field
+            the user may have set under a deprecated name (:func:`field_set`).
+        fix: What to change, in one sentence; or a function of the facts, as ``message``.
     """
 
     name: str
     fields: tuple[str, ...]
     applies: Callable[[Mapping[str, Any]], bool]
     holds: Callable[[Mapping[str, Any]], bool]
-    message: str
-    fix: str
+    message: Text
+    fix: Text
+
+    def violation(self, facts: Mapping[str, Any]) -> "Violation":
+        """This rule broken by ``facts``: each field shown as the user set it (``SPELLED``), the texts for them."""
+        spelled = facts.get(SPELLED, {})
+        values = dict(spelled.get(key, (key, facts[key])) for key in self.fields)
+        return Violation(self.name, values, _text(self.message, facts), _text(self.fix, facts))
+
+
+def _text(text: Text, facts: Mapping[str, Any]) -> str:
+    return text(facts) if callable(text) else text
 
 
 @dataclass(frozen=True)
@@ -145,14 +168,71 @@ def graph_modules(model_config: Any) -> tuple[str, ...]:
 
     Megatron-Core 0.19 renamed the field; older Bridge configs still set the old one, so both count.
     """
-    names: list[str] = []
+    names: tuple[str, ...] = ()
     for raw in (getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)):
-        if raw is None:
-            continue
-        if isinstance(raw, str) or not isinstance(raw, Iterable):
-            raw = [raw]
-        names += [getattr(scope, "name", scope) for scope in raw]
-    return tuple(names)
+        names += _module_names(raw)
+    return names
+
+
+def _module_names(raw: Any) -> tuple[str, ...]:
+    """A graph-modules field's value (a name, an enum member, a list of them, or None) as plain names."""
+    if raw is None:
+        return ()
+    if isinstance(raw, str) or not isinstance(raw, Iterable):
+        raw = [raw]
+    return tuple(getattr(scope, "name", scope) for scope in raw)
+
+
+def _graph_impl(model_config: Any) -> tuple[str, tuple[str, Any] | None]:
+    """``cuda_graph_impl`` as Megatron-Core 0.19 resolves it: the deprecated ``enable_cuda_graph`` (local) or
+    ``external_cuda_graph`` (transformer_engine) sets it where it is 'none', and the flag stays True after."""
+    impl = getattr(model_config, "cuda_graph_impl", "none")
+    for deprecated, meant in (("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")):
+        if getattr(model_config, deprecated, False) and impl in ("none", meant):
+            return meant, (f"model.{deprecated}", True)
+    return impl, None
+
+
+def _graph_modules(model_config: Any) -> tuple[tuple[str, ...], tuple[str, Any] | None]:
+    """The per-layer graph modules: Megatron-Core 0.19 moves the deprecated ``cuda_graph_scope`` into
+    ``cuda_graph_modules`` where that is unset ('full', the default); it refuses both set, so both then count."""
+    modules, scope = getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)
+    if scope is not None and (not modules or modules == "full"):
+        names = _module_names(scope)
+        return names, ("model.cuda_graph_scope", names)
+    return graph_modules(model_config), None
+
+
+def _recompute_modules(model_config: Any) -> tuple[Any, tuple[str, Any] | None]:
+    """``recompute_modules`` as Megatron-Core 0.19 resolves them: the deprecated ``moe_layer_recompute`` adds 'moe'
+    (and the flag stays True after)."""
+    modules = getattr(model_config, "recompute_modules", None)
+    if getattr(model_config, "moe_layer_recompute", False):
+        listed = list(modules or ())
+        if "moe" not in listed:
+            listed.append("moe")
+        return listed, ("model.moe_layer_recompute", True)
+    return modules, None
+
+
+# Fact key -> its reader: (the value Megatron-Core will use, (the deprecated field the user set, its value) or None).
+_DEPRECATED_SPELLINGS: dict[str, Callable[[Any], tuple[Any, tuple[str, Any] | None]]] = {
+    GRAPH_IMPL: _graph_impl,
+    GRAPH_MODULES: _graph_modules,
+    RECOMPUTE_MODULES: _recompute_modules,
+}
+
+
+def field_set(f: Mapping[str, Any], key: str) -> str:
+    """The name of the model-config field behind the fact ``key`` that the user set: its deprecated name where that
+    is what they set, else the field's own. Texts name this one: a fix must change what the user wrote."""
+    return f[SPELLED].get(key, (key,))[0].split(".", 1)[1]
+
+
+def graphs_off(f: Mapping[str, Any]) -> str:
+    """The setting that turns CUDA graphs off, in the field the user turned them on with."""
+    name = field_set(f, GRAPH_IMPL)
+    return "cuda_graph_impl='none'" if name == "cuda_graph_impl" else f"{name}=False"
 
 
 def grouped_gemm_backend(te_version: Version | None) -> str:
@@ -181,7 +261,11 @@ def gather_facts(
     facts: dict[str, Any] = {
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
     }
-    facts["model.cuda_graph_scope"] = graph_modules(model_config)
+    facts[SPELLED] = {}
+    for key, read in _DEPRECATED_SPELLINGS.items():
+        facts[key], spelled = read(model_config)
+        if spelled is not None:
+            facts[SPELLED][key] = spelled
     facts[SCHEDULE] = schedule_of(model_config)
     facts[OVERLAP] = bool(overlap_moe_expert_parallel_comm)
     facts[DELAY_WGRAD] = bool(delay_wgrad_compute)
@@ -263,7 +347,7 @@ def delay_wgrad_with_te(f: Mapping[str, Any]) -> bool:
 
 
 def te_graphs(f: Mapping[str, Any]) -> bool:
-    return f["model.cuda_graph_impl"] == "transformer_engine"
+    return f[GRAPH_IMPL] == "transformer_engine"
 
 
 def graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
@@ -272,7 +356,7 @@ def graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
     Judged by the graph modules alone, as Megatron-Bridge does: recipes set ``cuda_graph_impl`` separately, and
     a module listed for capture is taken as a request to capture it.
     """
-    scopes = f["model.cuda_graph_scope"]
+    scopes = f[GRAPH_MODULES]
     router_with_plain_shared = (
         "moe_router" in scopes
         and f["model.moe_shared_expert_intermediate_size"] is not None

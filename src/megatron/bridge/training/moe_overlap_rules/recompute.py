@@ -5,7 +5,9 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     MCORE_FULL_RECOMPUTE,
     MODEL_BUILT,
     OVERLAP,
+    RECOMPUTE_MODULES,
     SCHEDULE,
+    SPELLED,
     WGRAD_WINDOW,
     Rule,
     bridge_schedule,
@@ -84,11 +86,18 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "no_moe_recompute",
-        ("model.recompute_modules", SCHEDULE),
+        (RECOMPUTE_MODULES, SCHEDULE),
         lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
-        lambda f: "moe" not in (f["model.recompute_modules"] or ()),
-        "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules.",
-        "remove 'moe' from recompute_modules.",
+        lambda f: "moe" not in (f[RECOMPUTE_MODULES] or ()),
+        lambda f: (
+            "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules"
+            + (" (moe_layer_recompute=True puts it there)." if RECOMPUTE_MODULES in f[SPELLED] else ".")
+        ),
+        lambda f: (
+            "set moe_layer_recompute=False."
+            if RECOMPUTE_MODULES in f[SPELLED]
+            else "remove 'moe' from recompute_modules."
+        ),
     ),
     Rule(
         "full_recompute_wgrad_window",
