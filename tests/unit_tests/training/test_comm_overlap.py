@@ -422,7 +422,10 @@ def test_bridges_loop_must_take_our_function_for_the_plain_1f1b_pipeline(monkeyp
         assert unpaired_loop_problem(SimpleNamespace(**{**vars(config), **layout})) is None
     monkeypatch.delitem(sys.modules, "megatron.bridge.training.train")  # another loop: it takes ours itself
     assert unpaired_loop_problem(config) is None
-    # Megatron-Core's function everywhere but the plain 1F1B pipeline.
-    assert get_forward_backward_func(pp_size=1) is schedules.get_forward_backward_func(pp_size=1)
-    assert get_forward_backward_func(pp_size=2, vp_size=2) is schedules.forward_backward_pipelining_with_interleaving
+    # Megatron-Core's schedule everywhere but the plain 1F1B pipeline (its microbatch count announced).
+    assert get_forward_backward_func(pp_size=1).schedule is schedules.get_forward_backward_func(pp_size=1)
+    assert (
+        get_forward_backward_func(pp_size=2, vp_size=2).schedule
+        is schedules.forward_backward_pipelining_with_interleaving
+    )
     assert get_forward_backward_func(pp_size=2).__name__ == "forward_backward_pipelining_with_ep_overlap"

@@ -381,12 +381,15 @@ def test_a_microbatch_the_plan_cannot_run_is_refused_before_it_runs(argument, li
         assert "; fix: " in outcome.result
 
 
-def _disagreeing_counts(rank: int, world: int) -> dict:
+def _disagreeing_counts(rank: int, world: int, announced: bool = False) -> dict:
     import time
 
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    if announced:  # this package's function announces the count: agreed once, at the step's first plan
+        from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func
+    else:  # Megatron-Core's, with no num-microbatches calculator: nothing says the count, agreed per driver call
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
@@ -405,6 +408,49 @@ def _disagreeing_counts(rank: int, world: int) -> dict:
         return {"error": None}
     except RuntimeError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - start}
+
+
+def test_ranks_given_different_microbatch_counts_fail_together_at_the_first_plan_naming_the_counts():
+    for outcome in run_local_ranks(_disagreeing_counts, 2, (True,)):
+        error = outcome.result["error"]
+        assert error is not None and "were given different microbatch counts" in error, error
+        named = "(their all-to-alls pair step by step; counts from the forward-backward call): rank 0: 3, rank 1: 4"
+        assert named in error, error
+        assert outcome.result["seconds"] < 30
+
+
+def _host_collectives_per_step(rank: int, world: int, announced: bool) -> list[int]:
+    """The agreement's host collectives in each of 2 steps of 3 microbatches (PP 1: F, F+B, F+B, B: 4 calls)."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core import pipeline_parallel
+
+    from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func, use_ep_overlap_schedule
+
+    model = build_model(McoreCase(microbatches=3))
+    model.config.overlap_moe_expert_parallel_comm = True
+    use_ep_overlap_schedule([model], timeout=timedelta(seconds=60))
+    agreement = model.build_schedule_plan.session.agreement
+    schedule = get_forward_backward_func() if announced else pipeline_parallel.get_forward_backward_func()
+    counts = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        data = [tuple(torch.randint(0, 64, (2, MICRO_BATCH, SEQ), generator=gen)) for _ in range(3)]
+        before = agreement.collectives
+        schedule(
+            forward_step_func=bridge_style_forward_step, data_iterator=iter(data), model=[model],
+            num_microbatches=3, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+        )  # fmt: skip
+        counts.append(agreement.collectives - before)
+    return counts
+
+
+@pytest.mark.parametrize("announced, per_step", [(True, 1), (False, 4)], ids=["count-known", "count-unknown"])
+def test_the_agreement_costs_one_host_collective_per_step_where_the_count_is_known(announced, per_step):
+    # Known (this package's get_forward_backward_func, or Megatron-Core's calculator): once, at the step's first
+    # plan. Unknown (Megatron-Core's function called directly, no calculator): once per driver call, N + 1 at PP 1.
+    for outcome in run_local_ranks(_host_collectives_per_step, 2, (announced,)):
+        assert outcome.result == [per_step, per_step], outcome.result
 
 
 def test_ranks_given_different_microbatch_counts_fail_together_naming_the_counts():

@@ -24,25 +24,46 @@ Contract:
 
 import contextlib
 import copy
+import functools
 import sys
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
+from megatron.bridge.training.ep_overlap.mcore.agreement import announced
+
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kwargs):
     """Megatron-Core's ``get_forward_backward_func`` (same arguments), but for PP > 1 without virtual stages:
     :func:`forward_backward_pipelining_with_ep_overlap`, which runs Megatron-Core's plain schedule unless the
-    model's config turns ``overlap_moe_expert_parallel_comm`` on."""
+    model's config turns ``overlap_moe_expert_parallel_comm`` on. Either way the function announces each call's
+    microbatch count to the plans it builds (``agreement.announced``), so the EP ranks agree on it once per step."""
     mcore = schedules.get_forward_backward_func(pp_size, vp_size, **kwargs)
     if mcore is schedules.forward_backward_pipelining_without_interleaving:
         return forward_backward_pipelining_with_ep_overlap
-    return mcore
+    return _announcing(mcore)
+
+
+def _announcing(function):
+    """``function`` (one of Megatron-Core's schedules), its microbatch count announced for the length of a call."""
+
+    @functools.wraps(function)
+    def call(*args, num_microbatches: int, **kwargs):
+        with announced(num_microbatches):
+            return function(*args, num_microbatches=num_microbatches, **kwargs)
+
+    call.schedule = function  # which of Megatron-Core's schedules it runs
+    return call
 
 
 def forward_backward_pipelining_with_ep_overlap(*, forward_step_func, data_iterator, model, num_microbatches, **kw):
     """Megatron-Core's non-interleaved schedule's arguments and result (see the module docstring)."""
+    with announced(num_microbatches):
+        return _plain_pipeline(forward_step_func, data_iterator, model, num_microbatches, kw)
+
+
+def _plain_pipeline(forward_step_func, data_iterator, model, num_microbatches: int, kw: dict):
     models = model if isinstance(model, list) else [model]
     config = get_model_config(models[0])
     pipeline = parallel_state.get_pipeline_model_parallel_world_size()

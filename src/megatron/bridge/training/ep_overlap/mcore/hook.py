@@ -41,6 +41,7 @@ from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done, make_lane
 from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
+from megatron.bridge.training.ep_overlap.mcore.agreement import Agreement
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
@@ -62,7 +63,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's default collective timeout
 # What Megatron-Core's driver asks of one call, and the phase its records carry.
-_AGREED = (StepKind.FORWARD, StepKind.PAIRED, StepKind.BACKWARD)  # the calls' kinds, coded for the agreement
 _PHASES = {StepKind.PAIRED: Phase.PAIRED, StepKind.FORWARD: Phase.WARMUP, StepKind.BACKWARD: Phase.COOLDOWN}
 
 
@@ -111,55 +111,19 @@ class _MicrobatchModel(MicrobatchView):
 
 
 class _RankSession:
-    """What a rank's chunks share: the lane of the current step, the plans in flight, and a gloo group over the EP
-    ranks on which every driver call is agreed before its all-to-alls (:meth:`agree`)."""
+    """What a rank's chunks share: the lane of the current step, the plans in flight, and the agreement of the EP
+    ranks on each step's microbatch count (``agreement.py``)."""
 
-    def __init__(self, groups, high_priority: bool, agree_group=None):
+    def __init__(self, groups, high_priority: bool, agreement: Agreement | None = None):
         self.groups, self.high_priority = groups, high_priority
-        self.agree_group = agree_group
+        self.agreement = agreement or Agreement()
         self.lane = None
         self.step = 0
         self.in_flight: set[tuple[int, int]] = set()  # (builder, microbatch)
 
-    def agree(self, kind: str, vp_stage: int | None, f_mb: int | None, b_mb: int | None) -> None:
-        """Every EP rank must run the same driver call (its kind, chunk and microbatches): the ranks of an EP group
-        pair their all-to-alls call by call. A small host-side all-gather checks it, so ranks given different
-        microbatch counts fail together at once, naming the counts, instead of one blocking in an all-to-all until
-        the collective timeout.
-
-        Raises:
-            RuntimeError: On every rank of the group, when they disagree.
-        """
-        group = self.agree_group
-        if group is None or torch.distributed.get_world_size(group) == 1:
-            return
-        code = _AGREED.index(kind)
-        mine = torch.tensor([code, -1 if vp_stage is None else vp_stage, -1 if f_mb is None else f_mb,
-                             -1 if b_mb is None else b_mb], dtype=torch.int64)  # fmt: skip
-        everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(everyone, mine, group=group)
-        rows = [tuple(t.tolist()) for t in everyone]
-        if len(set(rows)) == 1:
-            return
-        ranks = torch.distributed.get_process_group_ranks(group)
-        names = _AGREED
-
-        def said(rank: int, row: tuple) -> str:
-            code, _, f, b = row
-            if code == 2:  # the last backward of the step: the rank's count is known
-                return f"rank {rank} ran its last backward, of microbatch {b} ({b + 1} microbatches)"
-            what = f"forward of microbatch {f}" + (f" with the backward of microbatch {b}" if code == 1 else "")
-            return f"rank {rank} is at a {names[code]} step ({what})"
-
-        raise RuntimeError(
-            "EP-overlap schedule: the expert-parallel ranks were given different microbatch counts (their all-to-"
-            "alls pair step by step): "
-            + "; ".join(said(r, row) for r, row in zip(ranks, rows))
-            + "; give every rank the same num_microbatches"
-        )
-
     def lane_for(self, device: torch.device):
-        if not self.in_flight:  # a new step
+        if not self.in_flight:  # a new step: its count agreed before any of its all-to-alls
+            self.agreement.start_step()
             self.lane = make_lane(self.groups, device, high_priority=self.high_priority)
             self.step += 1
         return self.lane
@@ -193,7 +157,9 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         kind = step_kind(f is not None, b is not None)
         either = f_schedule_plan or b_schedule_plan
         session = either.builder.session
-        session.agree(kind, either.vp_stage, f.mb if f is not None else None, b.mb if b is not None else None)
+        session.agreement.check_call(
+            str(kind), either.vp_stage, f.mb if f is not None else None, b.mb if b is not None else None
+        )
         session.lane.recorder.phase = _PHASES[kind]
         windows = windows_of(
             kind,
@@ -380,6 +346,7 @@ class EPOverlapPlanBuilder:
             self._step, self._next_microbatch = session.step, 0
             self.chunk.start_step()
         index = self._next_microbatch
+        session.agreement.check_plan(index)
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
         view = _MicrobatchModel(self.chunk, index, position_ids, attention_mask, loss_mask, packed_seq_params)
@@ -434,10 +401,10 @@ def use_ep_overlap_schedule(
     # wait for a peer that is gone.
     refuse_together(refusal)
     groups = mcore_ep_groups(timeout)
-    agree_group = None
+    agreement = Agreement()
     if torch.distributed.is_initialized() and groups.ep_size > 1:
-        agree_group, _ = gloo_group_like(groups.ep_group, timeout)
-    session = _RankSession(groups, high_priority, agree_group)
+        agreement = Agreement(gloo_group_like(groups.ep_group, timeout)[0])
+    session = _RankSession(groups, high_priority, agreement)
     for model, (options, plan) in zip(models, checked):
         model.build_schedule_plan = EPOverlapPlanBuilder(model, session, checked=(options, plan))
     return models
