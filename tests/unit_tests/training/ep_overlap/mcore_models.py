@@ -1,13 +1,26 @@
 """Test-only: the Megatron-Core models the adapter tests build, from local (non-Transformer-Engine) specs, for CPU.
 
 :class:`McoreCase` and :func:`build_gpt`: a ``GPTModel``. :class:`HybridCase` and :func:`build_hybrid`: a
-``HybridModel``. Megatron-Core ships only a Transformer Engine spec for ``HybridModel`` (``hybrid_stack_spec``); this
-one takes the attention (``*``), MLA (``+``), MLP (``-``) and MoE (``E``) parts of ``get_gpt_layer_local_spec()``,
-and the stack's final norm (Transformer Engine's ``TENorm``, hard-wired in ``HybridStack``) becomes the local spec's
-norm; a pattern's MTP part (after ``/``) gets the MTP block with local norms and projection. Megatron-Core 0.19's local
-MLA spec (``+``, and ``McoreCase.mla``) does not build as shipped (its ``DotProductAttention`` takes no
-``k_channels``): here its core attention takes MLA's head sizes. Left to the GPU check: Mamba (``M``) and GDN (``G``)
-need their CUDA kernels. Build after ``install_cpu_stubs`` (on CPU).
+``HybridModel``. Megatron-Core ships only a Transformer Engine spec for ``HybridModel`` (``hybrid_stack_spec``);
+:func:`local_hybrid_stack_spec` is its local twin: attention (``*``), MLA (``+``), MLP (``-``) and MoE (``E``) from
+``get_gpt_layer_local_spec()``, Mamba (``M``: ``MambaLayer`` with its own norm and ``MambaMixer`` with local
+in/out projections, where Transformer Engine fuses the norm into ``in_proj``) and GDN (``G``: a ``TransformerLayer``
+whose self-attention is ``GatedDeltaNet``, local norm before it), the stack's final norm (Transformer Engine's
+``TENorm``, hard-wired in ``HybridStack``) made the local norm, and for a pattern's MTP part (after ``/``) the MTP
+block with local norms and projection. Megatron-Core 0.19's local MLA spec (``+``, and ``McoreCase.mla``) does not
+build as shipped (its ``DotProductAttention`` takes no ``k_channels``): here its core attention takes MLA's head
+sizes.
+
+A ``GPTModel`` with gated delta net attention (Qwen3-Next, Qwen3.5: ``experimental_attention_variant=
+'gated_delta_net'``, GDN layers and attention layers by ``linear_attention_freq``): ``McoreCase.gdn_freq``, built
+from :func:`local_gdn_decoder_block_spec`, the local twin of the Transformer Engine block spec Megatron-Bridge
+0.6.2's Qwen3-Next provider sets (``get_transformer_block_with_experimental_attention_variant_spec``); its MTP block:
+:func:`local_gdn_mtp_block_spec`. Norms are :class:`LocalNorm` (Megatron-Core's local one refuses
+``layernorm_zero_centered_gamma``, which Qwen3-Next sets).
+
+Mamba and GDN mixers call CUDA/Triton kernels: build after ``install_cpu_stubs`` and, where the model has them,
+``ssm_kernels.install_mamba_kernels()`` / ``install_gdn_kernels()`` (on CPU; :func:`install_kernels_for` does both
+as a case needs them).
 """
 
 from dataclasses import dataclass
@@ -43,6 +56,7 @@ class McoreCase:
     packed: bool = False  # core attention that runs packed (THD) microbatches (thd_attention.py)
     config: tuple = ()  # more TransformerConfig fields, as (name, value) pairs, set when the config is built
     te: bool = False  # Megatron-Core's Transformer Engine spec (GPU)
+    gdn_freq: int | tuple | None = None  # a GPTModel with gated delta net: linear_attention_freq (a tuple: per layer)
 
 
 # Multi-latent attention: small latent ranks and head sizes; yarn's scaling as DeepSeek-V3 configures it.
@@ -85,6 +99,133 @@ def gpt_block_spec(config, vp_stage: int | None = None, te: bool = False):
     return spec
 
 
+class LocalNorm:
+    """Megatron-Core's local norm (torch's ``LayerNorm`` or ``RMSNorm``), and with ``layernorm_zero_centered_gamma``
+    (which it refuses) a :class:`ZeroCenteredNorm`, as Transformer Engine's norm reads that field."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.layernorm_zero_centered_gamma:
+            return ZeroCenteredNorm(hidden_size, eps, rms=config.normalization == "RMSNorm")
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        return WrappedTorchNorm(config, hidden_size, eps)
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """A norm whose weight starts at zero and scales by ``1 + weight`` (RMSNorm, or LayerNorm with a bias)."""
+
+    def __init__(self, hidden_size: int, eps: float, rms: bool):
+        super().__init__()
+        self.eps, self.rms = eps, rms
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = None if rms else torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        shape = (x_SBH.shape[-1],)
+        if self.rms:
+            return torch.nn.functional.rms_norm(x_SBH, shape, 1 + self.weight, self.eps)
+        return torch.nn.functional.layer_norm(x_SBH, shape, 1 + self.weight, self.bias, self.eps)
+
+
+def _local_norms(submodules) -> None:
+    """Each Megatron-Core local norm in ``submodules`` (a layer's, its attention's) becomes :class:`LocalNorm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    for holder in (submodules, getattr(getattr(submodules, "self_attention", None), "submodules", None)):
+        for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm"):
+            if holder is not None and getattr(holder, name, None) is WrappedTorchNorm:
+                setattr(holder, name, LocalNorm)
+
+
+def local_gdn_spec():
+    """``GatedDeltaNet`` with local modules: input projection and output projection Megatron-Core's local linears
+    (Transformer Engine's spec fuses the layer's input norm into ``in_proj``; here the layer's ``input_layernorm``
+    runs before it), the gated output norm :class:`LocalNorm`."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=LocalNorm, out_proj=RowParallelLinear)
+    return ModuleSpec(module=GatedDeltaNet, submodules=submodules)
+
+
+def gdn_layer_specs(config) -> list:
+    """Every decoder layer's local spec for a ``gated_delta_net`` config (see :func:`local_gdn_decoder_block_spec`)."""
+    import copy
+
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern,
+        get_moe_layer_pattern,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    def local(num_experts=None):
+        layer = get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm,
+        ).submodules  # fmt: skip
+        _local_norms(layer)
+        return layer
+
+    attention, dense = local(), local()
+    moe = local(config.num_moe_experts) if config.num_moe_experts else None
+    moe_layers = get_moe_layer_pattern(config) if moe is not None else [0] * config.num_layers
+    specs = []
+    for gdn, is_moe in zip(get_linear_attention_pattern(config), moe_layers):
+        submodules = TransformerLayerSubmodules(
+            input_layernorm=LocalNorm,
+            self_attention=local_gdn_spec() if gdn else copy.deepcopy(attention.self_attention),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=LocalNorm,
+            mlp=(moe if is_moe else dense).mlp,
+            mlp_bda=get_bias_dropout_add,
+        )
+        specs.append(ModuleSpec(module=TransformerLayer, submodules=submodules))
+    return specs
+
+
+def local_gdn_decoder_block_spec(config, vp_stage: int | None = None, pp_rank: int | None = None):
+    """The local twin of Megatron-Core's ``get_transformer_block_with_experimental_attention_variant_spec`` (what
+    Bridge 0.6.2's Qwen3-Next provider sets as ``transformer_layer_spec``; Transformer Engine only) for a
+    ``gated_delta_net`` config: per layer, GDN (:func:`local_gdn_spec`) or Megatron-Core's local self-attention
+    (query/key norms, gated output as the config says) by ``linear_attention_freq``, an MoE or dense local MLP by
+    ``moe_layer_freq``, :class:`LocalNorm` before each; the layers of this pipeline stage (``vp_stage``,
+    ``pp_rank``, or the config's layout), as Megatron-Core's function selects them."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    specs = gdn_layer_specs(config)
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None and hasattr(layout, "get_layer_id_list"):
+        local_ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in local_ids], layer_norm=LocalNorm)
+
+
+def local_gdn_mtp_block_spec(config, vp_stage: int | None = None, layer_spec=None):
+    """Bridge 0.6.2's ``gpt_provider.mtp_block_spec`` for a ``gated_delta_net`` config, with local modules: the MTP
+    layer like the last decoder layer (``layer_spec``; by default this stage's last, or the model's last where the
+    stage has none, as Bridge derives it), its norms :class:`LocalNorm`; None without an MTP layer on this stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not config.mtp_num_layers:
+        return None
+    if layer_spec is None:
+        stage = local_gdn_decoder_block_spec(config, vp_stage).layer_specs
+        layer_spec = stage[-1] if stage else gdn_layer_specs(config)[-1]
+    block = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False, vp_stage=vp_stage)
+    for layer in block.layer_specs if block is not None else ():
+        for name in ("enorm", "hnorm", "layer_norm"):
+            setattr(layer.submodules, name, LocalNorm)
+    return block
+
+
 def _full_recompute_fields(case: McoreCase) -> dict:
     if case.full_recompute is None:
         return {}
@@ -100,6 +241,7 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
     fields = (
         dict(
             **(MLA_FIELDS if case.mla else {}),
+            **(gdn_fields(case.gdn_freq) if case.gdn_freq else {}),
             num_layers=len(case.layer_freq),
             hidden_size=32,
             num_attention_heads=2,
@@ -144,6 +286,36 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
     return with_yarn((MLATransformerConfig if case.mla else TransformerConfig)(**fields), case)
 
 
+# Gated delta net: small heads (four value heads on two query/key heads), Qwen3-Next's conv width, SiLU (the mixer's
+# convolution takes only SiLU; it reads the config's activation).
+GDN_FIELDS = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    activation_func=torch.nn.functional.silu,
+)
+# What Bridge 0.6.2's Qwen3-Next provider sets besides the attention variant (Qwen3NextBridge.provider_bridge), as
+# (name, value) pairs for McoreCase.config: RMSNorm with zero-centered weights, query/key norms, gated attention
+# output, gated SiLU MLPs, a gated shared expert.
+QWEN3_NEXT_FIELDS = (
+    ("normalization", "RMSNorm"),
+    ("layernorm_zero_centered_gamma", True),
+    ("qk_layernorm", True),
+    ("attention_output_gate", True),
+    ("gated_linear_unit", True),
+    ("moe_shared_expert_gate", True),
+    ("moe_router_dtype", "fp32"),
+)
+
+
+def gdn_fields(linear_attention_freq) -> dict:
+    """A config's gated delta net fields: GDN layers where ``linear_attention_freq`` puts them, attention between."""
+    freq = list(linear_attention_freq) if isinstance(linear_attention_freq, tuple) else linear_attention_freq
+    return dict(GDN_FIELDS, experimental_attention_variant="gated_delta_net", linear_attention_freq=freq)
+
+
 # YaRN's scaling as Bridge's GPT-OSS provider sets it, with a short original context for these short sequences.
 YARN_FIELDS = dict(
     yarn_rotary_scaling_factor=32.0,
@@ -174,13 +346,16 @@ def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    spec = gpt_block_spec(config, vp_stage=vp_stage, te=case.te)
+    gdn = config.experimental_attention_variant == "gated_delta_net" and not case.te
+    spec = local_gdn_decoder_block_spec(config, vp_stage) if gdn else gpt_block_spec(config, vp_stage, case.te)
     if case.packed:
         from .thd_attention import with_packed_attention
 
         with_packed_attention(spec)
     mtp = None
-    if case.mtp:
+    if case.mtp and gdn:
+        mtp = local_gdn_mtp_block_spec(config, vp_stage, spec.layer_specs[-1] if spec.layer_specs else None)
+    elif case.mtp:
         mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, vp_stage)
     return GPTModel(
         config,
@@ -210,19 +385,99 @@ def build_model(case: McoreCase, *, overlap_flag: bool = False):
 
 
 def expected_mlps(case: McoreCase) -> list[str]:
-    """Each decoder layer's MLP class: from ``layer_freq``, or from a hybrid pattern (attention layers have none)."""
+    """Each decoder layer's MLP class: from ``layer_freq``, or from a hybrid pattern (attention and GDN layers have an
+    identity, Mamba layers none)."""
     if not isinstance(case, HybridCase):
         return ["MoELayer" if moe else "MLP" for moe in case.layer_freq]
-    kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "+": "IdentityOp", "M": "NoneType"}  # Mamba: no MLP
+    kinds = {"E": "MoELayer", "-": "MLP", "*": "IdentityOp", "+": "IdentityOp", "G": "IdentityOp", "M": "NoneType"}
     return [kinds[c] for c in case.pattern.split("/")[0].replace("|", "")]  # the MTP layers are not the decoder's
 
 
 @dataclass(frozen=True)
 class HybridCase(McoreCase):
     """A hybrid stack's pattern (``|`` between pipeline segments) and the run's shape (``McoreCase``'s fields;
-    ``layer_freq`` is unused)."""
+    ``layer_freq`` is unused). ``mamba_chunk``: the Mamba scan's chunk size (Bridge's ``mamba_chunk_size``; below the
+    sequence length, so the scan carries its state across chunks)."""
 
     pattern: str = "*E*E"
+    mamba_chunk: int = 4
+
+
+# Mamba: 8 heads of 8 channels (expand 2 of hidden 32), in 2 groups, state 8.
+MAMBA_FIELDS = dict(mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=8)
+
+
+def install_kernels_for(case: McoreCase) -> None:
+    """The CPU stand-ins of the kernels ``case``'s model calls (``ssm_kernels.py``), before it is built."""
+    from .ssm_kernels import install_gdn_kernels, install_mamba_kernels
+
+    pattern = getattr(case, "pattern", "")
+    if "M" in pattern:
+        install_mamba_kernels()
+    if "G" in pattern or case.gdn_freq:
+        install_gdn_kernels()
+
+
+def local_hybrid_stack_spec(config=None, *, packed: bool = False):
+    """``HybridStack``'s spec with Megatron-Core's local modules (the module docstring), for every layer symbol, and
+    the MTP block's norms and projection local. Also makes ``HybridStack``'s final norm (Transformer Engine's
+    ``TENorm``, which it names directly) the local norm, in this process. ``config`` (optional: Bridge's
+    ``HybridModelProvider.hybrid_stack_spec`` may be this function) adds MLA layers where it has
+    ``multi_latent_attention`` and zero-centered norms where it says so; ``packed``: attention layers that run packed
+    (THD) microbatches (``thd_attention.py``)."""
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    experts = getattr(config, "num_moe_experts", None) or 8  # the spec does not depend on the count
+    normalization = getattr(config, "normalization", None)
+    dense = get_gpt_layer_local_spec(normalization=normalization).submodules
+    moe = get_gpt_layer_local_spec(num_experts=experts, normalization=normalization).submodules
+    for layer in (dense, moe):
+        _local_norms(layer)
+    if packed:
+        from .thd_attention import PackedCausalAttention
+
+        dense.self_attention.submodules.core_attention = PackedCausalAttention
+    hybrid_block.TENorm = LocalNorm
+    mixer = ModuleSpec(
+        module=MambaMixer,
+        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+    )
+    layers = dict(
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
+            self_attn_bda=dense.self_attn_bda)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)),
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=LocalNorm, mixer=mixer, mamba_bda=get_bias_dropout_add)),
+        gdn_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=LocalNorm, self_attention=local_gdn_spec(), self_attn_bda=get_bias_dropout_add)),
+    )  # fmt: skip
+    if getattr(config, "multi_latent_attention", False):
+        mla = get_gpt_layer_local_spec(multi_latent_attention=True, normalization=normalization).submodules
+        _local_norms(mla)
+        mla.self_attention.submodules.core_attention = local_mla_core_attention()
+        layers["mla_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=mla.input_layernorm, self_attention=mla.self_attention,
+            self_attn_bda=mla.self_attn_bda))  # fmt: skip
+    return ModuleSpec(
+        module=hybrid_block.HybridStack,
+        submodules=hybrid_block.HybridStackSubmodules(**layers, mtp_block_spec=_local_hybrid_mtp_spec()),
+    )
 
 
 def build_hybrid(
@@ -235,51 +490,16 @@ def build_hybrid(
     pre_process: bool = True,
     post_process: bool = True,
 ):
-    import megatron.core.models.hybrid.hybrid_block as hybrid_block
     import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.ssm.mlp_layer import MLPLayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-    from megatron.core.transformer.transformer_layer import (
-        MoETransformerLayer,
-        TransformerLayer,
-        TransformerLayerSubmodules,
-    )
 
     experts = 2 * case.world
-    if case.te:  # Megatron-Core's own spec: Transformer Engine layers, Mamba (and GDN) with their CUDA kernels
-        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as stack_spec
-
-        mamba = dict(mamba_head_dim=16, mamba_num_groups=1, mamba_state_dim=16)
-    else:
-        dense, moe = get_gpt_layer_local_spec().submodules, get_gpt_layer_local_spec(num_experts=experts).submodules
-        if case.packed:
-            from .thd_attention import PackedCausalAttention
-
-            dense.self_attention.submodules.core_attention = PackedCausalAttention
-        hybrid_block.TENorm = dense.input_layernorm
-        layers = dict(
-            attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-                input_layernorm=dense.input_layernorm, self_attention=dense.self_attention,
-                self_attn_bda=dense.self_attn_bda)),
-            mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp, mlp_bda=dense.mlp_bda)),
-            moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda)),
-        )  # fmt: skip
-        if "+" in case.pattern:
-            mla = get_gpt_layer_local_spec(multi_latent_attention=True).submodules
-            mla.self_attention.submodules.core_attention = local_mla_core_attention()
-            layers["mla_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-                input_layernorm=mla.input_layernorm, self_attention=mla.self_attention,
-                self_attn_bda=mla.self_attn_bda))  # fmt: skip
-        stack_spec = ModuleSpec(
-            module=hybrid_block.HybridStack,
-            submodules=hybrid_block.HybridStackSubmodules(**layers, mtp_block_spec=_local_hybrid_mtp_spec()),
-        )
-        mamba = {}
+    kinds = set(case.pattern)
+    # Transformer Engine's spec (GPU): the sizes its kernels were checked with; local: MAMBA_FIELDS
+    mamba = dict(mamba_head_dim=16, mamba_num_groups=1, mamba_state_dim=16) if case.te else {}
+    mamba = MAMBA_FIELDS if "M" in kinds and not case.te else mamba
+    gdn = GDN_FIELDS if "G" in kinds else {}
     pattern = case.pattern if pp > 1 else case.pattern.replace("|", "")
     main, *depths = pattern.split("/")
     fields = dict(
@@ -292,10 +512,16 @@ def build_hybrid(
         add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
-        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba, **gdn,
         **_full_recompute_fields(case),
     ) | dict(case.config)  # fmt: skip
     config = with_yarn((MLATransformerConfig if "+" in case.pattern else TransformerConfig)(**fields), case)
+    if case.te:  # Megatron-Core's own spec: Transformer Engine layers, Mamba (and GDN) with their CUDA kernels
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as stack_spec
+    else:
+        stack_spec = local_hybrid_stack_spec(config, packed=case.packed)
+        if "M" in kinds:  # as Bridge's HybridModelProvider sets its mamba_chunk_size
+            stack_spec.submodules.mamba_layer.submodules.mixer.params = {"chunk_size": case.mamba_chunk}
     torch.manual_seed(1234)
     model = HybridModel(
         config,

@@ -3,8 +3,11 @@
 Contract:
     * A hybrid stack is a pattern of layers (``*`` attention, ``+`` MLA, ``D`` DSA, ``-`` MLP, ``M`` Mamba, ``G``
       GDN, ``E`` MoE). The schedule's unit is an MoE group: the layers after one MoE layer up to and including the
-      next. The group's compute layers run whole at the start of its ``pre_dispatch``, as ``HybridStack.forward``
-      runs them; the MoE layer is cut into nodes like a ``GPTModel`` layer
+      next. The group's compute layers run whole at the start of its ``pre_dispatch``, called as
+      ``HybridStack.forward`` calls them (``layer.run_stack_layer``: a Mamba layer with the attention mask and the
+      packed-sequence parameters, whose ``seq_idx`` its mixer reads; attention, MLP and GDN layers, each a
+      ``TransformerLayer``, also with the rotary embedding, a GDN mixer reading the ``cu_seqlens``); the MoE layer is
+      cut into nodes like a ``GPTModel`` layer
       (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer`). Layers after the last MoE layer are
       one dense unit (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreComputeRun`).
     * :class:`McoreHybridChunk` runs a ``HybridModel`` or one pipeline chunk of it (``|`` in the pattern, virtual
@@ -14,6 +17,9 @@ Contract:
     * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
     * Full recompute (``recompute_method``, ``recompute_num_layers``) counts units: a segment of N is N MoE groups;
       the MTP depth is checkpointed by Megatron-Core's MTP block, inside the head.
+    * Delayed wgrad: a GDN layer's mixer offers ``backward_dw`` (its projections), run in the attention-wgrad slot;
+      a Mamba mixer offers none, so delayed wgrad with its projections from Transformer Engine (which would defer
+      their weight gradients) is refused, naming the layer (``layer.py``).
     * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` and below): more than
       one MTP depth.
 """

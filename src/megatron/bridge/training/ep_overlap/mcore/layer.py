@@ -28,7 +28,9 @@ Contract:
       forward, not from another microbatch's in flight.
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
-      experts' backward (the plan warns once).
+      experts' backward (the plan warns once). A layer run whole gets its attention's ``backward_dw`` in the
+      attention-wgrad slot (a GDN mixer's too: its projections); a Mamba mixer has none, so a Mamba layer whose
+      Transformer Engine linears would defer weight gradients is refused by name (``undelayable``).
 """
 
 import contextlib
@@ -66,7 +68,10 @@ def uses_transformer_engine(module: torch.nn.Module) -> bool:
 def run_stack_layer(
     layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb, packed_seq_params=None
 ) -> torch.Tensor:
-    """One decoder layer whole, called as Megatron-Core's stacks call it (``TransformerBlock``, ``HybridStack``)."""
+    """One decoder layer whole, called as Megatron-Core's stacks call it (``TransformerBlock``, ``HybridStack``): a
+    ``TransformerLayer`` (attention, MLP, GDN: ``G``) with the rotary embedding, any other layer (``MambaLayer``)
+    without it. Both take the packed-sequence parameters: a Mamba mixer reads the documents' boundaries there
+    (``seq_idx``), a GDN its ``cu_seqlens``."""
     if isinstance(layer, TransformerLayer):
         out, _ = layer(
             hidden_states=x_SBH,
@@ -74,8 +79,8 @@ def run_stack_layer(
             rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=packed_seq_params,
         )
-    else:  # Mamba, GDN: no rotary embedding
-        out = layer(hidden_states=x_SBH, attention_mask=attention_mask)
+    else:
+        out = layer(hidden_states=x_SBH, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
     return out[0] if isinstance(out, tuple) else out
 
 
