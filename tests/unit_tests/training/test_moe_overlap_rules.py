@@ -42,6 +42,8 @@ PP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=
 CHUNKS = {"options": {"moe_ep_overlap_chunks": 2}}
 BRIDGE = {"ep_overlap_schedule": "bridge"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+FLEX = {"moe_token_dispatcher_type": "flex"}
+STATIC_HYBRIDEP = {**FLEX, "moe_flex_dispatcher_backend": "hybridep", "moe_expert_rank_capacity_factor": 1.5}
 
 # rule name -> (failing case, passing case); each case is (model overrides, context overrides)
 CASES = {
@@ -100,8 +102,12 @@ CASES = {
         ({"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": []}, {}),
         (ATTN_GRAPH, {}),
     ),
-    # A graph of the whole step: Megatron-Core's own schedule is upstream's call; this project's syncs on the host.
-    "cuda_graph_host_sync": (({**BRIDGE, "cuda_graph_impl": "local"}, {}), ({"cuda_graph_impl": "local"}, {})),
+    # A graph of the whole step: Megatron-Core's own schedule is upstream's call; this project's runs it where the
+    # dispatch reads nothing on the host (a static-shape flex backend).
+    "cuda_graph_host_sync": (
+        ({**BRIDGE, "cuda_graph_impl": "local"}, {}),
+        ({**BRIDGE, "cuda_graph_impl": "local", **STATIC_HYBRIDEP}, {}),
+    ),
     "cuda_graph_mtp": (({**BRIDGE, **ATTN_GRAPH, "mtp_num_layers": 1}, {}), ({**ATTN_GRAPH, "mtp_num_layers": 1}, {})),
     "cuda_graph_full_recompute": (({**BRIDGE, **FULL, **ATTN_GRAPH}, {}), ({**BRIDGE, **FULL}, {})),
     "cuda_graph_chunks": ((ATTN_GRAPH, CHUNKS), ({}, CHUNKS)),
@@ -467,3 +473,36 @@ def test_every_fix_names_fields_that_exist_on_the_config_it_names(fake_versions,
     violation = violated(fake_versions, *CASES[rule_name][0])[rule_name]
     missing = _named(violation.fix) - _existing_names() - CALLABLES
     assert not missing, f"[{rule_name}] fix names {sorted(missing)}, which no config has: {violation.fix}"
+
+
+@pytest.mark.parametrize(
+    "dispatch, runs, named",
+    [
+        ({"moe_token_dispatcher_type": "alltoall"}, False, "the alltoall dispatcher copies its split sizes"),
+        ({**FLEX, "moe_flex_dispatcher_backend": "deepep"}, False, "the deepep backend waits on the host"),
+        ({**FLEX, "moe_flex_dispatcher_backend": "hybridep"}, False, "HybridEP without moe_expert_rank_capacity"),
+        ({**STATIC_HYBRIDEP, "moe_hybridep_pad_uneven_dispatch_inputs": True}, False, "the largest token count"),
+        ({**FLEX, "moe_flex_dispatcher_backend": "ncclep"}, False, "NCCL EP without moe_ncclep_static_shape"),
+        (STATIC_HYBRIDEP, True, None),
+        ({**FLEX, "moe_flex_dispatcher_backend": "ncclep", "moe_ncclep_static_shape": True}, True, None),
+    ],
+    ids=["alltoall", "deepep", "hybridep", "hybridep-uneven", "ncclep", "hybridep-static", "ncclep-static"],
+)
+@pytest.mark.parametrize(
+    "graphs",
+    [
+        {"cuda_graph_impl": "full_iteration"},
+        {"cuda_graph_impl": "local"},
+        {"cuda_graph_impl": "local", "cuda_graph_modules": ["full_iteration"]},
+        {"cuda_graph_impl": "none", "cuda_graph_modules": ["full_iteration"]},  # Megatron-Core promotes it
+    ],
+    ids=["full_iteration", "local", "local-full_iteration", "none-full_iteration"],
+)
+def test_a_whole_step_graph_runs_our_schedule_only_with_a_static_shape_dispatch(graphs, dispatch, runs, named):
+    config = SimpleNamespace(**{**VALID_MODEL, **BRIDGE, **graphs, **dispatch})
+    found = [v for v in check_moe_overlap(config, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
+             if v.name == "cuda_graph_host_sync"]  # fmt: skip
+    assert (not found) == runs, found
+    if not runs:
+        assert named in found[0].message and "with a static-shape flex backend (" in found[0].fix
+        assert "moe_expert_rank_capacity_factor set, or 'ncclep' with moe_ncclep_static_shape=True" in found[0].fix

@@ -2,8 +2,9 @@
 
 Transformer Engine's per-layer graphs (``cuda_graph_impl="transformer_engine"``) over the layer's parts before the
 dispatch (``attn``, ``moe_router``, ``moe_preprocess``; ``mamba`` layers whole) are replayed by both schedules. A
-graph over a whole MoE layer, or over a whole step (``local``, ``full_iteration``), would have to contain the
-all-to-all and what orders it.
+graph over a whole MoE layer would have to contain the all-to-all the schedule splits. A graph over a whole step
+(``full_iteration``; ``local`` with its module) contains this project's schedule where the step waits for nothing on
+the host: with a static-shape flex backend, whose dispatch needs no split sizes there.
 """
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
@@ -17,10 +18,16 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     field_set,
     full_recompute,
     graphs_off,
+    host_read_in_dispatch,
     te_graphs,
+    whole_step_graphs,
 )
 
-_WHOLE_STEP = ("local", "full_iteration")
+# The flex backends whose dispatch needs nothing from the host, in the fields that make them so.
+_STATIC_BACKENDS = (
+    "moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend='hybridep' and moe_expert_rank_capacity_factor "
+    "set, or 'ncclep' with moe_ncclep_static_shape=True"
+)
 _BEFORE_DISPATCH = "['attn', 'moe_router', 'moe_preprocess']"
 
 
@@ -59,14 +66,17 @@ CUDA_GRAPH_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "cuda_graph_host_sync",
-        (GRAPH_IMPL, GRAPH_MODULES),
-        lambda f: bridge_schedule(f) and f[GRAPH_IMPL] in _WHOLE_STEP,
-        lambda f: False,
-        "a graph of the whole step cannot contain this project's schedule: every layer step synchronizes with the "
-        "host (the alltoall dispatcher copies its split sizes to the host before each all-to-all, and the hook "
-        "agrees each of Megatron-Core's driver calls across the expert-parallel ranks on the host), so no dispatcher "
-        "qualifies yet.",
-        _layer_graphs_instead,
+        (GRAPH_IMPL, GRAPH_MODULES, "model.moe_token_dispatcher_type", "model.moe_flex_dispatcher_backend"),
+        lambda f: bridge_schedule(f) and whole_step_graphs(f),
+        lambda f: host_read_in_dispatch(f) is None,
+        lambda f: (
+            "a graph of the whole step replays device work only, so nothing in the step may wait for the host, and "
+            f"{host_read_in_dispatch(f)}."
+        ),
+        lambda f: (
+            f"{_layer_graphs_instead(f)[:-1]}; or keep the step's graph with a static-shape flex backend "
+            f"({_STATIC_BACKENDS})."
+        ),
     ),
     Rule(
         "cuda_graph_mtp",

@@ -87,6 +87,10 @@ _MODEL_FIELDS: dict[str, Any] = {
     "fp4": None,
     "mlp_chunks_for_training": 1,
     "moe_paged_stash": False,
+    "moe_flex_dispatcher_backend": None,
+    "moe_expert_rank_capacity_factor": None,
+    "moe_ncclep_static_shape": False,
+    "moe_hybridep_pad_uneven_dispatch_inputs": False,
     "fine_grained_activation_offloading": False,
     "cpu_offloading": False,
     "ep_overlap_early_attn_memory_release": False,
@@ -348,6 +352,29 @@ def delay_wgrad_with_te(f: Mapping[str, Any]) -> bool:
 
 def te_graphs(f: Mapping[str, Any]) -> bool:
     return f[GRAPH_IMPL] == "transformer_engine"
+
+
+def whole_step_graphs(f: Mapping[str, Any]) -> bool:
+    """A graph of a whole step: ``full_iteration``, or ``local`` (Megatron-Core 0.19 moves a ``full_iteration``
+    module to the implementation, from ``none`` too)."""
+    return f[GRAPH_IMPL] in ("local", "full_iteration") or "full_iteration" in f[GRAPH_MODULES]
+
+
+def host_read_in_dispatch(f: Mapping[str, Any]) -> str | None:
+    """What makes the token dispatch read on the host in every step, or None for a static-shape flex backend:
+    HybridEP with ``moe_expert_rank_capacity_factor`` (and even inputs), NCCL EP with ``moe_ncclep_static_shape``."""
+    if f["model.moe_token_dispatcher_type"] != "flex":
+        return "the alltoall dispatcher copies its split sizes to the host before each all-to-all"
+    backend = f["model.moe_flex_dispatcher_backend"]
+    if backend == "hybridep" and f["model.moe_expert_rank_capacity_factor"] is None:
+        return "HybridEP without moe_expert_rank_capacity_factor sizes its output on the host after each dispatch"
+    if backend == "hybridep" and f["model.moe_hybridep_pad_uneven_dispatch_inputs"]:
+        return "moe_hybridep_pad_uneven_dispatch_inputs reads the largest token count on the host"
+    if backend == "ncclep" and not f["model.moe_ncclep_static_shape"]:
+        return "NCCL EP without moe_ncclep_static_shape reads its received token count on the host"
+    if backend not in ("hybridep", "ncclep"):
+        return f"the {backend} backend waits on the host for the device's token counts in each dispatch"
+    return None
 
 
 def graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
