@@ -8,7 +8,9 @@
 The patch holds this project's new modules, its changes to upstream's ``training/comm_overlap.py`` and
 ``training/flex_dispatcher_backend.py`` (whole files here, supersets of upstream's), and the hunks for upstream
 files this project does not ship, stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped
-path gets the packed-sequence parameters, the plain path the loss mask when the model has MTP layers). It is made by
+path gets the packed-sequence parameters, the plain path the loss mask when the model has MTP layers;
+``qwen3_vl_step.diff``: the overlapped path gets the plain forward's arguments, images and their grids included;
+``setup.diff``, ``train.diff``: the plain 1F1B pipeline). It is made by
 default against the 0.6.2 sources (the registry's sdist, fetched here into build/, never committed), and checked
 with ``git apply --check`` on a fresh copy of the tree it is made for before it is written. It passes upstream's
 repository checks: every new Python file starts with the license header upstream's copyright check expects (added

@@ -78,11 +78,15 @@ class McoreChunk(ChunkHooks):
         delay_wgrad: Whether the engine will run with delayed wgrad (for the one warning below).
     """
 
+    multimodal_rotary = False  # whether the plan computes multimodal ('mrope') rotary positions (refusals.py)
+    # The forward's arguments besides the text model's that the plan binds to a microbatch (bind_inputs), by name.
+    bound_inputs: tuple[str, ...] = ()
+
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         config = model.config
         self.pre_process, self.post_process = model.pre_process, model.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
-        refuse_unscheduled(model, self.mtp)
+        refuse_unscheduled(model, self.mtp, multimodal_rotary=self.multimodal_rotary)
         # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
         # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order, where the
         # chunk also embeds. A pipeline's last stage holds its own copy (Megatron-Core sums the copies' gradients
@@ -332,6 +336,15 @@ class McoreChunk(ChunkHooks):
         for unit in self.layers[first:stop]:
             x_SBH = unit(x_SBH)
         return x_SBH
+
+    def input_problems(self, input_ids: torch.Tensor | None, inputs: dict, packed_seq_params=None) -> list[str]:
+        """What keeps the plan from running a microbatch with ``inputs`` (``bound_inputs`` given, by name); empty
+        when it can. A plan that binds no inputs has nothing to say."""
+        return []
+
+    def bind_inputs(self, view: "MicrobatchView", input_ids: torch.Tensor | None, inputs: dict):
+        """One microbatch's ``view`` with its ``inputs`` bound (a plan that binds none returns the view)."""
+        return view
 
     def with_packed_sequences(self, packed_seq_params) -> "MicrobatchView":
         return MicrobatchView(self, packed_seq_params=packed_seq_params)

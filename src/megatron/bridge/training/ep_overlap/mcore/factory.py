@@ -7,12 +7,14 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
 from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
 from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
+from megatron.bridge.training.ep_overlap.mcore.vision_language import McoreVisionLanguageChunk, is_vision_language
 
 PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
 
 
 def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
-    """The plan that runs ``model`` (a ``GPTModel`` or a ``HybridModel``, whole or one pipeline chunk).
+    """The plan that runs ``model`` (a ``GPTModel``, a ``HybridModel`` or Megatron-Bridge's ``Qwen3VLModel``, whole
+    or one pipeline chunk).
 
     Raises:
         ValueError: For another model class, or a feature of the model the plan does not schedule (one line naming
@@ -21,8 +23,10 @@ def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChun
     for model_class, plan_class in PLANS.items():
         if isinstance(model, model_class):
             return plan_class(model, delay_wgrad=delay_wgrad)
+    if is_vision_language(model):  # Bridge's class, recognized without importing Bridge's models here
+        return McoreVisionLanguageChunk(model, delay_wgrad=delay_wgrad)
     raise ValueError(
-        f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel (whole or a "
-        "pipeline chunk) and no other model class yet; fix: build one of those, or turn "
-        "overlap_moe_expert_parallel_comm off for this model"
+        f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel and "
+        "Megatron-Bridge's Qwen3VLModel (whole or a pipeline chunk), and no other model class yet; fix: build one of "
+        "those, or turn overlap_moe_expert_parallel_comm off for this model"
     )

@@ -316,10 +316,18 @@ class EPOverlapPlanBuilder:
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
         packed_seq_params=None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
-        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward."""
-        given = sorted(name for name, value in unsupported.items() if value is not None)
+        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward (a
+        vision-language model's images and videos with their grids too, bound where the plan takes them)."""
+        multimodal = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                          pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
+        inputs = {k: v for k, v in multimodal.items() if v is not None and k in self.chunk.bound_inputs}
+        given = sorted(k for k, v in (unsupported | multimodal).items() if v is not None and k not in inputs)
         if decoder_input is not None:
             given.insert(0, "decoder_input")
         missing = []
@@ -333,6 +341,7 @@ class EPOverlapPlanBuilder:
             missing.append("labels are required on the last chunk (its output is per-token losses)")
         if self.chunk.mtp and input_ids is None:
             missing.append("input_ids are required on the chunk with the multi-token prediction layer")
+        missing += self.chunk.input_problems(input_ids, inputs, packed_seq_params)
         if missing or given:
             problems = missing + [
                 "{}: {}; fix: {}".format(name, *_UNSCHEDULED.get(name, ("not scheduled by the plan", "pass None")))
@@ -350,6 +359,7 @@ class EPOverlapPlanBuilder:
         self._next_microbatch += 1
         session.in_flight.add((id(self), index))
         view = _MicrobatchModel(self.chunk, index, position_ids, attention_mask, loss_mask, packed_seq_params)
+        view = self.chunk.bind_inputs(view, input_ids, inputs)
         nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
         event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
         input_tensor = None if self.chunk.pre_process else self.chunk.model.decoder.input_tensor
@@ -378,8 +388,9 @@ def use_ep_overlap_schedule(
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
         ValueError: When the model is outside what the plan supports (another model class, more than one MTP layer,
             fused residual norms, selective recompute of ``moe`` or ``layernorm``, NCCL EP's zero-copy
-            buffers, multimodal rotary positions; the list with what is supported, MTP, tied embeddings, full
-            recompute, the flex dispatcher and packed sequences among them:
+            buffers, multimodal rotary positions outside Megatron-Bridge's ``Qwen3VLModel``; the list with what is
+            supported, MTP, tied embeddings, full recompute, the flex dispatcher, packed sequences and Bridge's
+            Qwen3-VL and Qwen3.5-VL models among them:
             ``docs/training/megatron-core-integration.md``), or another rank refused it. Every rank raises, before
             any collective of the step.
     """

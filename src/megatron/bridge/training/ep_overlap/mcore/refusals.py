@@ -1,7 +1,8 @@
 """What the Megatron-Core plan refuses, each with one line naming the fix.
 
 Contract:
-    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built.
+    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built;
+      :func:`refuse_vision_language`: what the plan does not schedule of Megatron-Bridge's vision-language model.
     * :func:`check_delayed_wgrad`: with delayed wgrad, layers whose Transformer Engine linears would defer weight
       gradients nothing runs (refused), and experts whose local linears delay nothing (one warning).
     * :func:`layout_problems` (when the engine is built) and :func:`step_problems` (at each engine step's start):
@@ -21,8 +22,9 @@ logger = logging.getLogger(__name__)
 _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
 
 
-def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
-    """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule."""
+def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: bool = False) -> None:
+    """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule.
+    ``multimodal_rotary``: the plan computes multimodal rotary positions (the vision-language plan's)."""
     config = model.config
     if config.mtp_num_layers and config.mtp_num_layers > 1:
         raise ValueError(
@@ -37,10 +39,14 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
             "the head of the stage that computes the loss; fix: list 'mtp' in the last stage, before 'loss', "
             f"{_OFF}"
         )
-    if model.position_embedding_type == "mrope":
+    if model.position_embedding_type == "mrope" and not multimodal_rotary:
+        # Their position ids come from a microbatch's images (their grids), which only the vision-language model
+        # around this language model holds.
         raise ValueError(
             "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
-            f"scheduled by the EP-overlap plan; fix: use 'rope' or 'learned_absolute', {_OFF}"
+            "scheduled by the EP-overlap plan outside Megatron-Bridge's Qwen3VLModel, which computes them from a "
+            "microbatch's input ids and image grids; fix: build the language model inside that model, or use 'rope' "
+            f"or 'learned_absolute', {_OFF}"
         )
     if mtp and config.recompute_granularity == "full" and config.recompute_method == "uniform":
         if config.recompute_num_layers != 1:  # Megatron-Core's MTP layer asserts it in its first forward
@@ -63,6 +69,41 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool) -> None:
             "DotProductAttention, which attends only within this rank's part of the sequence (it takes no context "
             "parallelism); fix: build the layers with Transformer Engine's attention (a TE layer spec), or set "
             f"context_parallel_size=1, {_OFF}"
+        )
+
+
+def refuse_vision_language(model: torch.nn.Module) -> None:
+    """Raises ValueError (one line, with its fix) for the first feature of Megatron-Bridge's ``Qwen3VLModel`` that the
+    vision-language plan does not schedule; the language model's own go through :func:`refuse_unscheduled`."""
+    config = model.config
+    if getattr(model, "use_dist_train", False) or not model.add_decoder:
+        raise ValueError(
+            "dist_train.use_dist_train: Qwen3VLModel's vision tower and language model on different ranks are not "
+            f"scheduled by the EP-overlap plan; fix: set dist_train.use_dist_train=False, {_OFF}"
+        )
+    if config.sequence_parallel:
+        raise ValueError(
+            "sequence_parallel with Qwen3VLModel: the model scatters its merged embeddings and splits its deepstack "
+            "features over the tensor-parallel ranks, which the EP-overlap plan does not do yet; fix: "
+            f"tensor_model_parallel_size=1 and sequence_parallel=False, {_OFF}"
+        )
+    if config.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size} with Qwen3VLModel: its images and rotary positions "
+            f"are split over the context-parallel ranks, which the EP-overlap plan does not do yet; fix: "
+            f"context_parallel_size=1, {_OFF}"
+        )
+    if config.mtp_num_layers:
+        raise ValueError(
+            f"mtp_num_layers={config.mtp_num_layers} with Qwen3VLModel: its multi-token prediction layer reads the "
+            f"microbatch's multimodal rotary positions, which the plan's head does not pass yet; fix: "
+            f"mtp_num_layers=None, {_OFF}"
+        )
+    graphs = getattr(config, "vision_cuda_graph_impl", "none")
+    if graphs not in (None, "none"):
+        raise ValueError(
+            f"vision_cuda_graph_impl={graphs!r}: the EP-overlap plan does not number the vision tower's CUDA graph "
+            f"replays by microbatch; fix: vision_cuda_graph_impl='none', {_OFF}"
         )
 
 
