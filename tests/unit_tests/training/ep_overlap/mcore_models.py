@@ -85,6 +85,18 @@ def local_mla_core_attention():
     return LocalMLACoreAttention
 
 
+def _model_layer_specs(config, te: bool) -> list:
+    """Every decoder layer's spec of the model, whatever the stage (as Bridge derives an MTP layer's kind on a stage
+    without decoder layers)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+    specs = get_gpt_decoder_layer_specs(config, use_transformer_engine=te, normalization=config.normalization)
+    if config.multi_latent_attention and not te:
+        for layer_spec in specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = local_mla_core_attention()
+    return specs
+
+
 def gpt_block_spec(config, vp_stage: int | None = None, te: bool = False):
     """Megatron-Core's local decoder block spec for ``config`` (with MLA's core attention made to build), or with
     ``te`` its Transformer Engine spec."""
@@ -356,7 +368,8 @@ def gpt_model(case: McoreCase, config, vp_stage: int | None = None, **chunk):
     if case.mtp and gdn:
         mtp = local_gdn_mtp_block_spec(config, vp_stage, spec.layer_specs[-1] if spec.layer_specs else None)
     elif case.mtp:
-        mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1] if spec.layer_specs else None, False, vp_stage)
+        layers = spec.layer_specs or _model_layer_specs(config, case.te)  # a stage of MTP alone: the last layer's kind
+        mtp = get_gpt_mtp_block_spec(config, layers[-1], False, vp_stage)
     return GPTModel(
         config,
         transformer_layer_spec=spec,

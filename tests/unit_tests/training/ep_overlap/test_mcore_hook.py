@@ -301,7 +301,7 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
     return out
 
 
-LAST_STAGE = ["decoder", "mtp", "loss"]
+LAST_STAGE, MTP_STAGE = ["decoder", "mtp", "loss"], ["mtp", "loss"]
 INTERLEAVED = {  # Megatron-Core refuses N = 5 here
     "gpt": McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2),
     "hybrid": HybridCase(pattern="*E|E-|*-E|E*", microbatches=4, steps=2),
@@ -325,6 +325,16 @@ INTERLEAVED = {  # Megatron-Core refuses N = 5 here
         mtp=True,
         rope=True,
         config=(("pipeline_model_parallel_layout", [["embedding", "decoder"], ["decoder"], ["decoder"], LAST_STAGE]),),
+    ),
+    # The last virtual stage holds only MTP and the loss (DeepSeek-V3's 1,024-GPU H100 layout, shrunk): the final
+    # norm ends the stage before it.
+    "gpt-layout-mtp-stage": McoreCase(
+        layer_freq=(0, 1, 1),
+        microbatches=4,
+        steps=2,
+        mtp=True,
+        rope=True,
+        config=(("pipeline_model_parallel_layout", [["embedding", "decoder"], ["decoder"], ["decoder"], MTP_STAGE]),),
     ),
 }
 

@@ -25,6 +25,9 @@ from .test_numerics import assert_bitwise
 PP = 2
 # DeepSeek-V3's recipe layout, shrunk: the embedding with the first layers; MTP and the loss on the last stage.
 DEEPSEEK_LAYOUT = (("embedding", "decoder", "decoder"), ("decoder", "decoder", "mtp", "loss"))
+# The last stage holds only the MTP layer and the loss: the final norm ends the other stage (Megatron-Core puts it on
+# the stage of the last decoder layer when there is an MTP layer).
+MTP_STAGE_LAYOUT = (("embedding", "decoder", "decoder", "decoder", "decoder"), ("mtp", "loss"))
 # Four stages, uneven: an embedding-only first stage, two layers on the second, MTP beside the last layer.
 UNEVEN_LAYOUT = (("embedding",), ("decoder", "decoder"), ("decoder",), ("decoder", "mtp", "loss"))
 
@@ -123,6 +126,10 @@ CASES = {
     "gpt-N4-deepseek-layout-mtp": (
         _with_layout(replace(GPT, layer_freq=(0, 1, 1, 1), microbatches=4, mtp=True, rope=True), DEEPSEEK_LAYOUT),
         ("overlap", "delayed"),
+    ),
+    "gpt-N4-mtp-stage-layout": (
+        _with_layout(replace(GPT, layer_freq=(0, 1, 1, 1), microbatches=4, mtp=True, rope=True), MTP_STAGE_LAYOUT),
+        ("overlap",),
     ),
 }
 # PP 4 x EP 2, 8 ranks: the same layout shape, uneven, N not a multiple of PP.

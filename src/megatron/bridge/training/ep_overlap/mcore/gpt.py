@@ -32,11 +32,20 @@ class McoreGPTChunk(McoreChunk):
         super().__init__(model, delay_wgrad=delay_wgrad)
 
     def _build_units(self) -> tuple[list, list[int]]:
-        numbers = [layer.layer_number - 1 for layer in self.model.decoder.layers]  # Megatron-Core counts from 1
-        return [McoreLayer(layer, i, self) for i, layer in zip(numbers, self.model.decoder.layers)], numbers
+        decoder = self.model.decoder
+        numbers = [layer.layer_number - 1 for layer in decoder.layers]  # Megatron-Core counts from 1
+        units = [McoreLayer(layer, i, self) for i, layer in zip(numbers, decoder.layers)]
+        if units and decoder.final_layernorm is not None and not self.post_process:
+            # With an MTP layer Megatron-Core puts the final norm on the stage of the last decoder layer, which a
+            # pipeline layout may keep apart from the loss's stage: the norm ends that stage's last layer there.
+            units[-1] = _FinalNormLayer(decoder.layers[-1], numbers[-1], self)
+        return units, numbers
 
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        return self.model.decoder.final_layernorm(x_SBH)
+        """The decoder's final norm where this chunk's block holds it (a loss stage that holds only the MTP layer
+        has none: the stage of the last decoder layer applied it)."""
+        norm = self.model.decoder.final_layernorm
+        return x_SBH if norm is None or not self.post_process else norm(x_SBH)
 
     def embed(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
@@ -54,3 +63,15 @@ class McoreGPTChunk(McoreChunk):
             input_ids=None, position_ids=None, decoder_input=x_SBH, packed_seq_params=packed_seq_params
         )
         return rotary_pos_emb
+
+
+class _FinalNormLayer(McoreLayer):
+    """The last layer of a chunk that holds the decoder's final norm but not the loss: its output normed, as the
+    block's forward norms it, after ``combine`` (the layer's last node; a replay's too) or after the whole layer in
+    the plain path."""
+
+    def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        return self.chunk.model.decoder.final_layernorm(super().__call__(x_SBH))
+
+    def combine(self, back, shared, h, routing) -> torch.Tensor:
+        return self.chunk.model.decoder.final_layernorm(super().combine(back, shared, h, routing))
