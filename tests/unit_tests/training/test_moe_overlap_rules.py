@@ -118,7 +118,6 @@ CASES = {
     ),
     # What this project's plan does not schedule (the field audit): refused for it; Megatron-Core's schedule decides.
     "mlp_chunks": (({**BRIDGE, "mlp_chunks_for_training": 2}, {}), ({"mlp_chunks_for_training": 2}, {})),
-    "paged_stash": (({**BRIDGE, "moe_paged_stash": True}, {}), ({"moe_paged_stash": True}, {})),
     "activation_offloading": (
         ({**BRIDGE, "fine_grained_activation_offloading": True}, {}),
         ({"fine_grained_activation_offloading": True}, {}),
@@ -127,7 +126,25 @@ CASES = {
         ({**BRIDGE, "ep_overlap_early_attn_memory_release": True}, {}),
         ({"ep_overlap_early_attn_memory_release": True}, {}),
     ),
-    "latent_moe": (({**BRIDGE, "moe_latent_size": 16}, {}), ({"moe_latent_size": 16}, {})),
+    # The plan runs latent projections bitwise; with delayed wgrad Megatron-Core defers one onto its own stream.
+    "latent_moe_delayed_wgrad": (
+        ({**BRIDGE, "moe_latent_size": 16}, {"delay": True}),
+        ({**BRIDGE, "moe_latent_size": 16}, {}),
+    ),
+    # Newer families' layer features (architectures.py): DeepSeek-V4's, and GLM-5.2's top-k sharing with recompute.
+    "hyper_connections": (
+        ({**BRIDGE, "enable_hyper_connections": True}, {}),
+        ({"enable_hyper_connections": True}, {}),
+    ),
+    "hash_routing": (({**BRIDGE, "moe_n_hash_layers": 3}, {}), ({"moe_n_hash_layers": 3}, {})),
+    "attention_variant": (
+        ({**BRIDGE, "experimental_attention_variant": "dsv4_hybrid"}, {}),
+        ({**BRIDGE, "experimental_attention_variant": "dsa"}, {}),
+    ),
+    "dsa_topk_sharing_recompute": (
+        ({**BRIDGE, **FULL, "experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 4}, {}),
+        ({**BRIDGE, "experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 4}, {}),
+    ),
     "moe_tp_needs_sp": (
         ({"tensor_model_parallel_size": 2}, {}),
         ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {}),
@@ -446,6 +463,8 @@ def test_graph_modules_count_without_cuda_graph_impl(fake_versions):
 CALLABLES = {"apply_flex_dispatcher_backend", "use_bridge_schedule", "use_ep_overlap_schedule"}
 CALLABLES |= {"register_pre_wrap_hook", "full_recompute"}  # use_ep_overlap_schedule's keyword
 CALLABLES |= {"get_forward_backward_func"}  # the schedule a training loop takes from ep_overlap.mcore
+# Fields Megatron-Bridge 0.6.2's DeepSeek-V4 bridge sets on its provider, which Megatron-Core 0.19 does not declare.
+CALLABLES |= {"enable_hyper_connections", "moe_n_hash_layers"}
 
 
 def _existing_names() -> set[str]:
@@ -506,3 +525,14 @@ def test_a_whole_step_graph_runs_our_schedule_only_with_a_static_shape_dispatch(
     if not runs:
         assert named in found[0].message and "with a static-shape flex backend (" in found[0].fix
         assert "moe_expert_rank_capacity_factor set, or 'ncclep' with moe_ncclep_static_shape=True" in found[0].fix
+
+
+@pytest.mark.parametrize("experts_node, refused", [(False, True), (True, False)], ids=["megatron-core", "reference"])
+def test_moe_recompute_under_this_projects_schedule_is_refused_for_megatron_cores_moe_layer(experts_node, refused):
+    # Megatron-Core's config asserts it with the flag on (its MoE layer recomputes the module from the forward the
+    # plan runs step by step); the reference model's experts' node recomputes it itself.
+    fields = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    config = SimpleNamespace(**{**VALID_MODEL, **BRIDGE, **fields, "recomputes_moe_in_experts_node": experts_node})
+    violations = check_moe_overlap(config, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
+    found = {v.name for v in violations}
+    assert ("no_moe_recompute" in found) == refused, found

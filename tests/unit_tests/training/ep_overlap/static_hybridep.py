@@ -16,6 +16,10 @@ whatever the routing:
         Each received row sums its experts' outputs, expert by expert; the rows go back to their source rank, and a
         token sums what each rank sent back, rank by rank.
 
+Without a budget (``num_permuted_tokens=None``: no capacity factor, as after Megatron-Core's ``PagedStashRunner``
+clears it to rerun an overflowed step) P is the number of rows routed here, read on the host as HybridEP's dynamic
+path does (``CALLS["dispatch_dynamic"]`` counts those dispatches).
+
 T tokens, H hidden, N experts, E local experts, R received rows, P the budget. :func:`install_static_hybridep` puts
 them into Megatron-Core's token dispatcher module, and :func:`make_static` sets the capacity factor on a built
 model's HybridEP managers (Megatron-Core's config asks for Transformer Engine's op fuser with it, so it is set after
@@ -101,6 +105,9 @@ class _Dispatch(torch.autograd.Function):
         # every rank sends its tokens' routing for all experts; each keeps the columns of its own
         routes_RE = _to_every_rank(routing_TN.to(torch.int64), group)[:, experts].bool()
         probs_RE = _to_every_rank(probs_TN.float(), group)[:, experts]
+        if budget is None:  # the dynamic path: as many rows as were routed here
+            CALLS["dispatch_dynamic"] += 1
+            budget = int(routes_RE.sum())
         positions_RE, over = _positions(routes_RE, budget)
         rows_PH = _permute(x_RH, positions_RE, budget)
         probs_P = probs_RE.new_zeros(budget + 1)
@@ -140,11 +147,8 @@ class _Combine(torch.autograd.Function):
 
 
 def static_dispatch(x, routing_map, probs, group, num_local_experts, *args, num_permuted_tokens=None, **kwargs):
-    if num_permuted_tokens is None:
-        raise ValueError(
-            "the static HybridEP stand-in needs num_permuted_tokens (set moe_expert_rank_capacity_factor)"
-        )
-    return _Dispatch.apply(x, routing_map, probs, group, num_local_experts, int(num_permuted_tokens))
+    budget = None if num_permuted_tokens is None else int(num_permuted_tokens)
+    return _Dispatch.apply(x, routing_map, probs, group, num_local_experts, budget)
 
 
 def static_combine(x, handle, num_permuted_tokens=None, pad_multiple=None, fused=False):

@@ -3,8 +3,8 @@
 Contract:
     * Every rule is one row of data in ``MOE_OVERLAP_RULES``: a name, the fields it reads, when it applies,
       what must hold, what is wrong when it does not, and how to fix it. The rows live in one module per topic
-      (``overlap``, ``recompute``, ``cuda_graphs``, ``quantization``, ``model_features``, ``delay_wgrad``,
-      ``schedule_options``); the
+      (``overlap``, ``recompute``, ``cuda_graphs``, ``quantization``, ``model_features``, ``architectures``,
+      ``delay_wgrad``, ``schedule_options``); the
       facts they read and what a rule is, in ``facts``.
     * :func:`check_moe_overlap` evaluates every rule and returns all violations; it never raises and never
       stops at the first failure. :class:`CommOverlapConfigError` carries all of them in one message, one
@@ -30,6 +30,7 @@ Two rules depend on what runs the layers, not on the config alone:
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from megatron.bridge.training.moe_overlap_rules.architectures import ARCHITECTURE_RULES
 from megatron.bridge.training.moe_overlap_rules.cuda_graphs import CUDA_GRAPH_RULES
 from megatron.bridge.training.moe_overlap_rules.delay_wgrad import DELAY_WGRAD_RULES
 from megatron.bridge.training.moe_overlap_rules.facts import (
@@ -61,6 +62,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
     + CUDA_GRAPH_RULES
     + QUANTIZATION_RULES
     + MODEL_FEATURE_RULES
+    + ARCHITECTURE_RULES
     + DELAY_WGRAD_RULES
     + SCHEDULE_OPTION_RULES
 )

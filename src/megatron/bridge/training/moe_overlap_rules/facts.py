@@ -51,6 +51,7 @@ RECOMPUTE_MODULES = "model.recompute_modules"
 SPELLED = "check.spelled_as"
 # False while a recipe's config is set up (CommOverlapConfig.setup runs before Bridge builds the model config).
 MODEL_BUILT = "check.model_config_built"
+
 # Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
 MCORE_FULL_RECOMPUTE = "0.19; its dev line replays it (PRs #5869, #6311), main's PR #6429 is still open"
 _SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
@@ -87,6 +88,9 @@ _MODEL_FIELDS: dict[str, Any] = {
     "fp4": None,
     "mlp_chunks_for_training": 1,
     "moe_paged_stash": False,
+    # A model whose MoE layer recomputes its experts itself (the reference MoE GPT's experts' node); Megatron-Core's
+    # layer recomputes the module from a forward this project's plan runs step by step.
+    "recomputes_moe_in_experts_node": False,
     "moe_flex_dispatcher_backend": None,
     "moe_expert_rank_capacity_factor": None,
     "moe_ncclep_static_shape": False,
@@ -97,6 +101,12 @@ _MODEL_FIELDS: dict[str, Any] = {
     "moe_latent_size": None,
     "tensor_model_parallel_size": 1,
     "sequence_parallel": False,
+    # Layer features of newer model families (moe_overlap_rules/architectures.py); the last two are not
+    # Megatron-Core 0.19 fields, and a Megatron-Bridge provider that sets them carries them as attributes.
+    "experimental_attention_variant": None,
+    "dsa_indexer_topk_freq": 1,
+    "enable_hyper_connections": False,
+    "moe_n_hash_layers": 0,
 }
 
 

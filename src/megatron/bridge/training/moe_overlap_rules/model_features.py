@@ -1,7 +1,7 @@
 """Model features this project's plan does not schedule: refused by name, where Megatron-Core's own forward would act
 on them and the plan would not (the field audit, ``tests/.../test_config_fields.py``, finds them)."""
 
-from megatron.bridge.training.moe_overlap_rules.facts import Rule, bridge_schedule
+from megatron.bridge.training.moe_overlap_rules.facts import Rule, bridge_schedule, delay_wgrad_on
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off."
 
@@ -14,16 +14,6 @@ MODEL_FEATURE_RULES: tuple[Rule, ...] = (
         "the plain forward runs each MoE layer once per sequence chunk (a dispatch and a combine per chunk), while "
         "the overlapped schedule dispatches whole microbatches, so the MoE layers would compute otherwise.",
         f"set mlp_chunks_for_training=1, {_OFF}",
-    ),
-    Rule(
-        "paged_stash",
-        ("model.moe_paged_stash",),
-        bridge_schedule,
-        lambda f: not f["model.moe_paged_stash"],
-        "paged stash pages the routed experts' activations out in the forward's order and back in the backward's, "
-        "advanced by the model's forward (which the plan does not call) for one microbatch at a time, while the "
-        "schedule interleaves two microbatches' layers.",
-        f"set moe_paged_stash=False, {_OFF}",
     ),
     Rule(
         "activation_offloading",
@@ -44,12 +34,15 @@ MODEL_FEATURE_RULES: tuple[Rule, ...] = (
         "set ep_overlap_early_attn_memory_release=False, or run Megatron-Core's own schedule (no pre-wrap hook).",
     ),
     Rule(
-        "latent_moe",
-        ("model.moe_latent_size",),
-        bridge_schedule,
+        "latent_moe_delayed_wgrad",
+        ("model.moe_latent_size", "comm_overlap.delay_wgrad_compute"),
+        lambda f: bridge_schedule(f) and delay_wgrad_on(f),
         lambda f: f["model.moe_latent_size"] is None,
-        "the MoE latent projections are Transformer Engine linears only, and this project's plan has not run them "
-        "yet (no test has: they need a GPU with Transformer Engine), so it does not claim them.",
-        f"set moe_latent_size=None, {_OFF}",
+        "the plan runs the MoE latent projections where the plain path does (preprocess, postprocess: bitwise), but "
+        "with delayed wgrad Megatron-Core's MoE layer runs the output projection's deferred weight gradient on the "
+        "communication stream of its own combined-1F1B driver, which this project's schedule neither uses nor orders "
+        "with its compute stream. Supporting it takes the plan running both projections' backward_dw on its own "
+        "streams, and a GPU test with Transformer Engine.",
+        f"set delay_wgrad_compute=False (or moe_latent_size=None), {_OFF}",
     ),
 )

@@ -87,7 +87,9 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
     Rule(
         "no_moe_recompute",
         (RECOMPUTE_MODULES, SCHEDULE),
-        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
+        # Megatron-Core's schedule; and this project's on Megatron-Core's MoE layer, whose config asserts it with the
+        # flag on (the plan runs that layer step by step; the reference model recomputes it in its experts' node).
+        lambda f: f[OVERLAP] and (f[SCHEDULE] == "mcore" or not f["model.recomputes_moe_in_experts_node"]),
         lambda f: "moe" not in (f[RECOMPUTE_MODULES] or ()),
         lambda f: (
             "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules"

@@ -158,10 +158,15 @@ class McoreChunk(ChunkHooks):
 
     @torch.no_grad()
     def update_router_biases(self, groups: EPGroups) -> None:
-        """What Megatron-Core's ``finalize_model_grads`` does for routers with ``moe_router_enable_expert_bias``:
-        each training router's bias moves toward balance from the step's token counts summed over the
-        tensor x data x context-parallel group, then the counts restart (the same arithmetic as its
-        ``get_updated_expert_bias``, under the engine's collective timeout)."""
+        """What Megatron-Core's ``finalize_model_grads`` does for the routers after a step's gradient sync: with
+        ``moe_router_enable_expert_bias``, each training router's bias moves toward balance from the step's token
+        counts summed over the tensor x data x context-parallel group, then the counts restart (the same arithmetic
+        as its ``get_updated_expert_bias``, under the engine's collective timeout); with a global auxiliary loss, its
+        token trackers restart (``reset_model_temporary_tensors``), or the next step's loss would count this one's."""
+        if "global_aux_loss" in str(self.config.moe_router_load_balancing_type):
+            for module in self.model.modules():
+                if hasattr(module, "reset_global_aux_loss_tracker"):
+                    module.reset_global_aux_loss_tracker()
         routers = [
             module
             for module in self.model.modules()

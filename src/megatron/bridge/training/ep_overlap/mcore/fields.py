@@ -9,6 +9,10 @@ Contract:
       table or :data:`NOT_READ_BY_THE_ENGINE`. Anything else fails the test.
     * A field the plan would need and cannot act on is refused by name when the plan is built (the rules in
       ``moe_overlap_rules``, or ``McoreChunk``), never listed here.
+    * The audit's cases include Megatron-Bridge 0.6.2's newer families (GLM-5's DSA layers, Nemotron-3's latent MoE,
+      K-EXAONE's and MiniMax-M3's layers); none needs a row here. Their features that are not Megatron-Core 0.19
+      fields (DeepSeek-V4's hyper-connections and hash routing) are refused by rules (``architectures``). A case the
+      engine refuses at a step's start (DSA: Megatron-Core's driver scales its indexer loss) is audited for the plan.
 """
 
 NOT_READ_BY_THE_PLAN: dict[str, str] = {
@@ -34,5 +38,6 @@ NOT_READ_BY_THE_ENGINE: dict[str, str] = {
     "overlap_moe_expert_parallel_comm": "the engine takes overlap from its options (EPOverlapOptions.from_config "
     "reads it when the engine is built)",
     "fine_grained_activation_offloading": "refused when the engine is built (rule activation_offloading)",
-    "moe_paged_stash": "refused when the engine is built (rule paged_stash)",
+    "moe_paged_stash": "refused at each engine step (refusals.step_problems): the engine never starts a paged-stash "
+    "step (paged_stash_reset); under Megatron-Core's driver the plan runs it",
 }

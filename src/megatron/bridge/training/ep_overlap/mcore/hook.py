@@ -26,6 +26,8 @@ Contract:
     * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
       options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
       adapter's limits (``chunk_for``).
+    * With ``moe_paged_stash``, each built plan calls the model's ``preprocess_for_paged_stash``, as Megatron-Core's
+      own plan does; its driver starts each step's stash.
     * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
       every rank of an EP group issues them in the same order. A new step (a plan built while none is in
       flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
@@ -348,6 +350,10 @@ class EPOverlapPlanBuilder:
                 for name in given
             ]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
+        if getattr(self.chunk.config, "moe_paged_stash", False):
+            # Where Megatron-Core's build_schedule_plan calls it: this microbatch's expert groups are numbered from
+            # here, so the stash pushes and pops the paired microbatches' pages in the order it recorded.
+            self.chunk.model.preprocess_for_paged_stash()
         session = self.session
         device = next(self.chunk.parameters()).device
         lane = session.lane_for(device)

@@ -25,7 +25,9 @@ Contract:
       between ``preprocess`` and ``postprocess``. Two forwards of one layer may be in flight at once (edge pairing),
       so each microbatch's :class:`McoreRouting` saves their attributes after each step that sets them and puts them
       back before the next; a new microbatch starts from the state the last combine left, as in the stack's
-      forward, not from another microbatch's in flight.
+      forward, not from another microbatch's in flight. Only what the dispatcher's own steps write is put back
+      (:class:`StepWritten`): a setting changed between steps by someone else stays as they left it, such as the
+      capacity factor Megatron-Core's ``PagedStashRunner`` clears to rerun a step on HybridEP's dynamic path.
     * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
       it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
       experts' backward (the plan warns once). A layer run whole gets its attention's ``backward_dw`` in the
@@ -117,13 +119,45 @@ def _undelayable(layers) -> list[str]:
     ]
 
 
+_ABSENT = object()  # an attribute a snapshot did not have
+
+
+def _attributes(dispatcher) -> tuple[dict, dict]:
+    """The dispatcher's attributes and its backend manager's (empty without one), as they are now."""
+    manager = getattr(dispatcher, "_comm_manager", None)
+    return dict(vars(dispatcher)), dict(getattr(manager, "__dict__", {}))
+
+
+@dataclass
+class StepWritten:
+    """The attributes a dispatcher's own steps (``preprocess``, dispatch, experts, combine, ``postprocess``) have
+    written so far, on the dispatcher and on its backend manager: the routing state. One per layer, shared by its
+    microbatches. Everything else on them is a setting, which a restore never touches."""
+
+    dispatcher: set[str] = field(default_factory=set)
+    manager: set[str] = field(default_factory=set)
+
+    def learn(self, before: tuple[dict, dict], after: tuple[dict, dict]) -> None:
+        """Adds what one step changed (a new value object: the step assigned it) between ``before`` and ``after``."""
+        for written, old, new in zip((self.dispatcher, self.manager), before, after):
+            written.update(k for k in old.keys() | new.keys() if old.get(k, _ABSENT) is not new.get(k, _ABSENT))
+
+
+def _put_back(owner, state: dict, written: set[str]) -> None:
+    for name in written:
+        value = state.get(name, _ABSENT)
+        if value is not _ABSENT:
+            setattr(owner, name, value)
+
+
 @dataclass
 class McoreRouting:
     """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the routing
     state for this microbatch of the dispatcher and of its backend manager, if it has one (their attributes, saved
-    after each step that sets them)."""
+    after each step that sets them; only those the steps write are put back, see :class:`StepWritten`)."""
 
     dispatcher: object
+    written: StepWritten = field(default_factory=StepWritten)
     state: dict = field(default_factory=dict)
     in_splits: list[int] = field(default_factory=list)
     out_splits: list[int] = field(default_factory=list)
@@ -131,30 +165,33 @@ class McoreRouting:
     exchanged: tuple | None = None  # (in_splits, out_splits) once read: what a replay must see again
 
     @classmethod
-    def of(cls, dispatcher) -> "McoreRouting":
-        """The dispatcher's state as it is now."""
-        routing = cls(dispatcher)
+    def of(cls, dispatcher, written: StepWritten | None = None, before: tuple[dict, dict] | None = None):
+        """The dispatcher's state as it is now; ``before``: its attributes before the step that just ran (what that
+        step wrote joins ``written``)."""
+        routing = cls(dispatcher, written if written is not None else StepWritten())
+        if before is not None:
+            routing.written.learn(before, _attributes(dispatcher))
         routing.save()
         return routing
 
     def save(self) -> None:
         """Takes the dispatcher's (and its manager's) attributes as this microbatch's state."""
-        self.state = dict(self.dispatcher.__dict__)
-        manager = getattr(self.dispatcher, "_comm_manager", None)
-        self.manager_state = dict(getattr(manager, "__dict__", {}))
+        self.state, self.manager_state = _attributes(self.dispatcher)
 
     def restore(self) -> None:
-        """Puts this microbatch's state back into the dispatcher (and its manager)."""
-        self.dispatcher.__dict__.update(self.state)
+        """Puts this microbatch's routing state back into the dispatcher (and its manager)."""
+        _put_back(self.dispatcher, self.state, self.written.dispatcher)
         manager = getattr(self.dispatcher, "_comm_manager", None)
         if manager is not None:
-            manager.__dict__.update(self.manager_state)
+            _put_back(manager, self.manager_state, self.written.manager)
 
     @contextlib.contextmanager
     def active(self):
         """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
         self.restore()
+        before = _attributes(self.dispatcher)
         yield self.dispatcher
+        self.written.learn(before, _attributes(self.dispatcher))
         self.save()
 
 
@@ -211,7 +248,7 @@ class McoreLayer(_Unit):
         self.owns_comm = self.is_moe and config.moe_token_dispatcher_type == "flex"
         # The state the last combine left (at first, the dispatcher as built): where a new microbatch starts. One
         # list that the per-microbatch copies (bound_to) share.
-        self._combined = [McoreRouting.of(layer.mlp.token_dispatcher)] if self.is_moe else None
+        self._combined = [McoreRouting.of(layer.mlp.token_dispatcher, StepWritten())] if self.is_moe else None
         if self.owns_comm and config.moe_flex_dispatcher_backend == "ncclep" and config.moe_ncclep_zero_copy:
             raise ValueError(
                 f"{self.name}: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer shared by "
@@ -240,17 +277,20 @@ class McoreLayer(_Unit):
 
     def _layer_pre_dispatch(self, x_SBH: torch.Tensor) -> PreDispatch:
         layer = self.layer
+        before = None
         if self.is_moe:
             # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine
             # left (a backend resets what its combine consumed, such as HybridEP's row count), not that of a
             # microbatch between its dispatch and its combine.
-            self._combined[0].restore()
+            start = self._combined[0]
+            start.restore()
+            before = _attributes(start.dispatcher)
         set_microbatch(layer, self.microbatch)
         if replays(layer):
             h, tokens, permuted_probs, shared = replay_pre_dispatch(layer, x_SBH, self.chunk)
             if not self.is_moe:
                 return PreDispatch(h, (h,), None, None)
-            return PreDispatch(h, (tokens, permuted_probs), shared, McoreRouting.of(layer.mlp.token_dispatcher))
+            return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
         h, _ = layer._forward_attention(
             hidden_states=x_SBH,
             attention_mask=self.chunk.attention_mask,
@@ -266,7 +306,11 @@ class McoreLayer(_Unit):
         shared = mlp.shared_experts_compute(normed)
         probs, routing_map = mlp.route(normed)
         tokens, permuted_probs = mlp.preprocess(normed, probs, routing_map)
-        return PreDispatch(h, (tokens, permuted_probs), shared, McoreRouting.of(mlp.token_dispatcher))
+        return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
+
+    def _routing(self, before: tuple[dict, dict]) -> McoreRouting:
+        """The new microbatch's routing, once its ``pre_dispatch`` ran (what that wrote is routing state too)."""
+        return McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
 
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
         """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are

@@ -1,8 +1,16 @@
 """What the Megatron-Core plan refuses, each with one line naming the fix.
 
 Contract:
-    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built;
-      :func:`refuse_vision_language`: what the plan does not schedule of Megatron-Bridge's vision-language model.
+    * :func:`config_refusals`: the refusals a model config alone decides, each ``(name, line)``: a short snake_case
+      name (as the rules in ``moe_overlap_rules`` have) and the one line the plan raises when it is built. It reads
+      a Megatron-Bridge provider before ``finalize()`` (fields by attribute, Megatron-Core's defaults where absent;
+      the provider's class says which model it builds) or a built config. The rules are not repeated, but for
+      ``mtp_layers``, the rule's name on purpose: the plan refuses it wherever it is built, the rule where the overlap
+      is on. A recipe check calls it beside the rules for a config-only verdict.
+    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built (the config-only ones
+      are :func:`config_refusals`'s, the rest need the built model); :func:`refuse_vision_language`: what the plan
+      does not schedule of Megatron-Bridge's vision-language model.
+    * :func:`zero_copy_refusal`: NCCL EP's zero-copy buffers, which each MoE layer of the plan refuses, naming itself.
     * :func:`check_delayed_wgrad`: with delayed wgrad, layers whose Transformer Engine linears would defer weight
       gradients nothing runs (refused), and experts whose local linears delay nothing (one warning).
     * :func:`layout_problems` (when the engine is built) and :func:`step_problems` (at each engine step's start):
@@ -20,34 +28,123 @@ from megatron.bridge.utils.logging import warn_rank0
 logger = logging.getLogger(__name__)
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
+# Megatron-Bridge's providers that build its Qwen3VLModel, the one model around a language model the plan runs
+# (vision_language.py). A provider is recognized by the names of its classes: Bridge's models are not imported here.
+_QWEN3_VL_PROVIDERS = frozenset(
+    {"Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider", "Qwen35VLMoEModelProvider"}
+)
+
+
+def config_refusals(config) -> list[tuple[str, str]]:
+    """The plan's refusals that ``config`` alone decides (see the module docstring).
+
+    Args:
+        config: A Megatron-Bridge model provider, finalized or not, or a Megatron-Core ``TransformerConfig``.
+
+    Returns:
+        ``(name, line)`` per refusal, in the order the plan checks them; empty when the plan would build. Names:
+        ``model_class``, ``mtp_layers``, ``mtp_standalone_stage``, ``mrope``, ``recompute_stepped_modules``,
+        ``ncclep_zero_copy``, and for a Qwen3-VL provider ``vl_sequence_parallel``, ``vl_context_parallel``,
+        ``vl_mtp``, ``vl_cuda_graphs``.
+    """
+    classes = {cls.__name__ for cls in type(config).__mro__}
+    vision_language = bool(classes & _QWEN3_VL_PROVIDERS)
+    refusals = []
+    if not vision_language and callable(getattr(config, "provide_language_model", None)):
+        refusals.append(("model_class", _model_class_line(type(config).__name__)))
+    kind = getattr(config, "position_embedding_type", None)
+    refusals += _language_refusals(config, kind, multimodal_rotary=vision_language)
+    if vision_language:
+        refusals += _vision_language_refusals(config)
+    zero_copy = zero_copy_refusal(config)
+    if zero_copy is not None:
+        refusals.append(("ncclep_zero_copy", zero_copy))
+    return refusals
+
+
+def _model_class_line(provider: str) -> str:
+    return (
+        f"{provider} builds a model of its own around its language model (provide_language_model): the EP-overlap "
+        "plan runs Megatron-Core's GPTModel and HybridModel and Megatron-Bridge's Qwen3VLModel, no other model class "
+        "yet (supporting one takes a plan of what its forward runs besides the language model's layers, such as a "
+        "vision tower whose features it merges before the first layer); fix: train its language model alone (a text "
+        f"provider, e.g. its to_text_provider() where it has one), {_OFF}"
+    )
+
+
+def zero_copy_refusal(config) -> str | None:
+    """NCCL EP's zero-copy buffers with the flex dispatcher: the line refusing them, or None. Each MoE layer of the
+    plan refuses them in these words, its name first (``layer.McoreLayer``)."""
+    ncclep = (
+        getattr(config, "moe_token_dispatcher_type", None) == "flex"
+        and getattr(config, "moe_flex_dispatcher_backend", None) == "ncclep"
+    )
+    if not (ncclep and getattr(config, "moe_ncclep_zero_copy", False)):
+        return None
+    return (
+        "moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer shared by every microbatch, and "
+        "the EP-overlap schedule keeps two microbatches' tokens in flight; fix: set moe_ncclep_zero_copy=False, "
+        f"{_OFF}"
+    )
+
+
+def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bool) -> list[tuple[str, str]]:
+    """The config-only refusals of a language model's plan; ``position_embedding_type`` is the model's (a built
+    model holds it, a provider's config carries it)."""
+    refusals = []
+    mtp_layers = getattr(config, "mtp_num_layers", None)
+    if mtp_layers and mtp_layers > 1:
+        refusals.append(
+            (
+                "mtp_layers",
+                f"mtp_num_layers={mtp_layers}: the EP-overlap schedule runs at most one multi-token prediction layer "
+                f"(as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}",
+            )
+        )
+    standalone = _standalone_mtp_stage(config)
+    if standalone is not None:
+        refusals.append(
+            (
+                "mtp_standalone_stage",
+                "pipeline_model_parallel_layout puts the multi-token prediction layer on pipeline stage "
+                f"{standalone}, apart from the loss (Megatron-Core's standalone MTP stage): the EP-overlap plan runs "
+                "the MTP layer in the head of the stage that computes the loss; fix: list 'mtp' in the last stage, "
+                f"before 'loss', {_OFF}",
+            )
+        )
+    if position_embedding_type == "mrope" and not multimodal_rotary:
+        # Their position ids come from a microbatch's images (their grids), which only the vision-language model
+        # around this language model holds.
+        refusals.append(
+            (
+                "mrope",
+                "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
+                "scheduled by the EP-overlap plan outside Megatron-Bridge's Qwen3VLModel, which computes them from a "
+                "microbatch's input ids and image grids; fix: build the language model inside that model, or use "
+                f"'rope' or 'learned_absolute', {_OFF}",
+            )
+        )
+    modules = getattr(config, "recompute_modules", None) or ()
+    stepped = {"moe", "layernorm"} & set(modules)
+    if getattr(config, "recompute_granularity", None) == "selective" and stepped:
+        refusals.append(
+            (
+                "recompute_stepped_modules",
+                f"recompute_modules={modules}: Megatron-Core recomputes {sorted(stepped)} from the MoE layer's and "
+                "the transformer layer's forward, which the EP-overlap plan runs step by step instead; fix: drop "
+                f"{sorted(stepped)} from recompute_modules, {_OFF}",
+            )
+        )
+    return refusals
 
 
 def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: bool = False) -> None:
     """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule.
     ``multimodal_rotary``: the plan computes multimodal rotary positions (the vision-language plan's)."""
     config = model.config
-    if config.mtp_num_layers and config.mtp_num_layers > 1:
-        raise ValueError(
-            f"mtp_num_layers={config.mtp_num_layers}: the EP-overlap schedule runs at most one multi-token "
-            f"prediction layer (as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}"
-        )
-    standalone = _standalone_mtp_stage(config)
-    if standalone is not None:
-        raise ValueError(
-            f"pipeline_model_parallel_layout puts the multi-token prediction layer on pipeline stage {standalone}, "
-            "apart from the loss (Megatron-Core's standalone MTP stage): the EP-overlap plan runs the MTP layer in "
-            "the head of the stage that computes the loss; fix: list 'mtp' in the last stage, before 'loss', "
-            f"{_OFF}"
-        )
-    if model.position_embedding_type == "mrope" and not multimodal_rotary:
-        # Their position ids come from a microbatch's images (their grids), which only the vision-language model
-        # around this language model holds.
-        raise ValueError(
-            "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not "
-            "scheduled by the EP-overlap plan outside Megatron-Bridge's Qwen3VLModel, which computes them from a "
-            "microbatch's input ids and image grids; fix: build the language model inside that model, or use 'rope' "
-            f"or 'learned_absolute', {_OFF}"
-        )
+    decided = _language_refusals(config, model.position_embedding_type, multimodal_rotary=multimodal_rotary)
+    if decided:
+        raise ValueError(decided[0][1])
     if mtp and config.recompute_granularity == "full" and config.recompute_method == "uniform":
         if config.recompute_num_layers != 1:  # Megatron-Core's MTP layer asserts it in its first forward
             raise ValueError(
@@ -55,13 +152,6 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: 
                 "layer: Megatron-Core checkpoints the MTP depth as one segment only with recompute_num_layers=1; "
                 f"fix: set recompute_num_layers=1 (or recompute_method='block'), {_OFF}"
             )
-    stepped = {"moe", "layernorm"} & set(config.recompute_modules or ())
-    if config.recompute_granularity == "selective" and stepped:
-        raise ValueError(
-            f"recompute_modules={config.recompute_modules}: Megatron-Core recomputes {sorted(stepped)} from "
-            "the MoE layer's and the transformer layer's forward, which the EP-overlap plan runs step by step "
-            f"instead; fix: drop {sorted(stepped)} from recompute_modules, {_OFF}"
-        )
     local = _local_attention_layers(model) if config.context_parallel_size > 1 else []
     if local:
         raise ValueError(
@@ -72,48 +162,81 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: 
         )
 
 
+def _vision_language_refusals(config) -> list[tuple[str, str]]:
+    """The config-only refusals of the vision-language plan (Megatron-Bridge's ``Qwen3VLModel``)."""
+    refusals = []
+    if getattr(config, "sequence_parallel", False):
+        refusals.append(
+            (
+                "vl_sequence_parallel",
+                "sequence_parallel with Qwen3VLModel: the model scatters its merged embeddings and splits its "
+                "deepstack features over the tensor-parallel ranks, which the EP-overlap plan does not do yet; fix: "
+                f"tensor_model_parallel_size=1 and sequence_parallel=False, {_OFF}",
+            )
+        )
+    context = getattr(config, "context_parallel_size", 1) or 1
+    if context > 1:
+        refusals.append(
+            (
+                "vl_context_parallel",
+                f"context_parallel_size={context} with Qwen3VLModel: its images and rotary positions are split over "
+                "the context-parallel ranks, which the EP-overlap plan does not do yet; fix: "
+                f"context_parallel_size=1, {_OFF}",
+            )
+        )
+    mtp_layers = getattr(config, "mtp_num_layers", None)
+    if mtp_layers:
+        refusals.append(
+            (
+                "vl_mtp",
+                f"mtp_num_layers={mtp_layers} with Qwen3VLModel: its multi-token prediction layer reads the "
+                f"microbatch's multimodal rotary positions, which the plan's head does not pass yet; fix: "
+                f"mtp_num_layers=None, {_OFF}",
+            )
+        )
+    graphs = getattr(config, "vision_cuda_graph_impl", "none")
+    if graphs not in (None, "none"):
+        refusals.append(
+            (
+                "vl_cuda_graphs",
+                f"vision_cuda_graph_impl={graphs!r}: the EP-overlap plan does not number the vision tower's CUDA "
+                f"graph replays by microbatch; fix: vision_cuda_graph_impl='none', {_OFF}",
+            )
+        )
+    return refusals
+
+
 def refuse_vision_language(model: torch.nn.Module) -> None:
     """Raises ValueError (one line, with its fix) for the first feature of Megatron-Bridge's ``Qwen3VLModel`` that the
     vision-language plan does not schedule; the language model's own go through :func:`refuse_unscheduled`."""
-    config = model.config
     if getattr(model, "use_dist_train", False) or not model.add_decoder:
         raise ValueError(
             "dist_train.use_dist_train: Qwen3VLModel's vision tower and language model on different ranks are not "
             f"scheduled by the EP-overlap plan; fix: set dist_train.use_dist_train=False, {_OFF}"
         )
-    if config.sequence_parallel:
-        raise ValueError(
-            "sequence_parallel with Qwen3VLModel: the model scatters its merged embeddings and splits its deepstack "
-            "features over the tensor-parallel ranks, which the EP-overlap plan does not do yet; fix: "
-            f"tensor_model_parallel_size=1 and sequence_parallel=False, {_OFF}"
-        )
-    if config.context_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel_size={config.context_parallel_size} with Qwen3VLModel: its images and rotary positions "
-            f"are split over the context-parallel ranks, which the EP-overlap plan does not do yet; fix: "
-            f"context_parallel_size=1, {_OFF}"
-        )
-    if config.mtp_num_layers:
-        raise ValueError(
-            f"mtp_num_layers={config.mtp_num_layers} with Qwen3VLModel: its multi-token prediction layer reads the "
-            f"microbatch's multimodal rotary positions, which the plan's head does not pass yet; fix: "
-            f"mtp_num_layers=None, {_OFF}"
-        )
-    graphs = getattr(config, "vision_cuda_graph_impl", "none")
-    if graphs not in (None, "none"):
-        raise ValueError(
-            f"vision_cuda_graph_impl={graphs!r}: the EP-overlap plan does not number the vision tower's CUDA graph "
-            f"replays by microbatch; fix: vision_cuda_graph_impl='none', {_OFF}"
-        )
+    decided = _vision_language_refusals(model.config)
+    if decided:
+        raise ValueError(decided[0][1])
 
 
 def _standalone_mtp_stage(config) -> int | None:
-    """The pipeline rank whose last virtual stage holds the MTP layer, when that is not the stage with the loss."""
+    """The pipeline rank whose last virtual stage holds the MTP layer, when that is not the stage with the loss. The
+    layout as a provider carries it before ``finalize()`` (a string or a list of stages) is read as Megatron-Core
+    will parse it; one it cannot parse is Megatron-Core's to refuse."""
     layout = getattr(config, "pipeline_model_parallel_layout", None)
-    if not config.mtp_num_layers or layout is None or not hasattr(layout, "layout"):
+    if not getattr(config, "mtp_num_layers", None) or layout is None:
         return None
     from megatron.core.transformer.enums import LayerType
 
+    if not hasattr(layout, "layout"):
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        size = getattr(config, "pipeline_model_parallel_size", 1) or 1
+        try:
+            parse = PipelineParallelLayerLayout.from_str if isinstance(layout, str) else PipelineParallelLayerLayout
+            layout = parse(layout, size)
+        except (AssertionError, ValueError, KeyError, TypeError):
+            return None
     stages = layout.layout  # [pipeline rank][virtual stage] -> layer kinds
     if LayerType.mtp in stages[-1][-1]:
         return None
@@ -177,7 +300,8 @@ def layout_problems() -> list[str]:
 
 def step_problems(model: torch.nn.Module, config) -> list[str]:
     """What Megatron-Core's driver does for a step that the engine, its own driver, does not: replay Transformer
-    Engine CUDA graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast, DSA's indexer loss scale."""
+    Engine CUDA graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast, DSA's indexer loss scale,
+    start paged stash's step (``paged_stash_reset``)."""
     problems = []
     graphed = [m.layer_number for m in model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
     if graphed:
@@ -202,5 +326,11 @@ def step_problems(model: torch.nn.Module, config) -> list[str]:
         problems.append(
             "enable_autocast: Megatron-Core's driver runs the step under torch.autocast, the engine does not; "
             "fix: run under Megatron-Core's driver (use_ep_overlap_schedule), or set enable_autocast=False"
+        )
+    if getattr(config, "moe_paged_stash", False):
+        problems.append(
+            "moe_paged_stash: Megatron-Core's driver starts each step's paged stash (paged_stash_reset: its "
+            "profiling, buffers and page lists), the engine does not; fix: run under Megatron-Core's driver "
+            "(use_ep_overlap_schedule), or set moe_paged_stash=False"
         )
     return problems

@@ -1,0 +1,212 @@
+"""Test-only: the layers of Megatron-Bridge 0.6.2's newer MoE families, built on CPU from local modules.
+
+What each family's provider sets (``tests/.../test_new_families.py`` says which provider and which fields) is built
+here at a small size, with the stand-ins Megatron-Core's Transformer Engine-only modules need on CPU:
+
+* :class:`DuplicatedLinear`: Transformer Engine's ``TELinear`` with ``parallel_mode="duplicated"`` (every rank holds
+  the whole weight; it returns ``(output, bias or None)``; its ``backward_dw`` has nothing to run, as Megatron-Core's
+  local linears). Megatron-Core builds two modules from it only: an MoE layer's latent projections
+  (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch, ``fc2_latent_proj`` after the combine; it asserts
+  Transformer Engine is installed) and the DSA indexer's projections. :func:`install_latent_projections` makes
+  ``moe_layer`` take it, in this (forked) process only.
+* :func:`dsa_block_spec`: the local twin of ``get_transformer_block_with_experimental_attention_variant_spec`` for a
+  ``dsa`` config (GLM-5's ``transformer_layer_spec``; Transformer Engine only): per layer Megatron-Core's absorbed MLA
+  with ``DSAttention`` (its indexer's linears :class:`DuplicatedLinear`, the down projections Megatron-Core's local
+  column-parallel linear, which that attention also takes), an MoE or dense local MLP by ``moe_layer_freq``.
+* :func:`build_minimax_like`: MiniMax-M3's text model as its provider sets it (``to_text_provider``): zero-centered
+  RMSNorm (:class:`~.mcore_models.LocalNorm`, as Transformer Engine's norm reads the field), query/key norms, half
+  the head dims rotated, quick-GELU GLU clamped at 7 with the linear half offset by 1, routers whose weights stay in
+  fp32 in a bf16 model and widen their input to it (:class:`WidenedInputRouter`, the provider's router subclass and
+  pre-wrap hook).
+
+Both paths of a test build the same modules, so a difference is the schedule's.
+"""
+
+import copy
+
+import torch
+
+# DeepSeek sparse attention at this size: an indexer of 2 heads of 8 channels picking 4 of 8 keys. GLM-5's bridge
+# turns the indexer's activation rotation off (Megatron-Core's takes bf16 only), trains the indexer with its sparse
+# KL loss (coefficient 0.001) and sets the indexer's key norm epsilon; the rest are GLM-5's provider fields.
+DSA_FIELDS = (
+    ("experimental_attention_variant", "dsa"),
+    ("dsa_indexer_n_heads", 2),
+    ("dsa_indexer_head_dim", 8),
+    ("dsa_indexer_topk", 4),
+    ("dsa_indexer_rotate_activation", False),
+    ("dsa_indexer_k_norm_epsilon", 1e-6),
+    ("dsa_indexer_loss_coeff", 0.001),
+    ("dsa_indexer_use_sparse_loss", True),
+    ("normalization", "RMSNorm"),
+    ("qk_layernorm", True),
+    ("moe_router_load_balancing_type", "seq_aux_loss"),
+    ("moe_aux_loss_coeff", 0.001),
+    ("moe_router_dtype", "fp32"),
+)
+
+
+class DuplicatedLinear(torch.nn.Module):
+    """Transformer Engine's ``TELinear`` with ``parallel_mode="duplicated"``, in torch (see the module docstring)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool = False,
+        parallel_mode: str | None = "duplicated",
+        **unused,
+    ):
+        super().__init__()
+        if parallel_mode != "duplicated":
+            raise ValueError(f"the stand-in takes parallel_mode='duplicated' only, not {parallel_mode!r}")
+        weight = torch.empty(output_size, input_size, dtype=config.params_dtype)
+        init_method(weight)
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+        self.skip_bias_add = skip_bias_add
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.skip_bias_add:
+            return torch.nn.functional.linear(x, self.weight), self.bias
+        return torch.nn.functional.linear(x, self.weight, self.bias), None
+
+    def backward_dw(self) -> None:
+        """Nothing deferred: the weight gradient runs in the backward, as a local linear's."""
+
+
+def install_latent_projections() -> None:
+    """Megatron-Core's MoE layer builds its latent projections from :class:`DuplicatedLinear` (it asserts Transformer
+    Engine for them otherwise). Call in a forked rank before the model is built."""
+    from megatron.core.transformer.moe import moe_layer
+
+    moe_layer.HAVE_TE, moe_layer.TELinear = True, DuplicatedLinear
+
+
+def _dsa_attention_spec(config):
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class LocalWithDuplicated(LocalSpecProvider):
+        def linear(self):
+            return DuplicatedLinear
+
+    spec = get_dsa_module_spec_for_backend(config, LocalWithDuplicated())
+    spec.submodules.linear_q_down_proj = ColumnParallelLinear
+    spec.submodules.linear_kv_down_proj = ColumnParallelLinear
+    return spec
+
+
+def dsa_block_spec(config, vp_stage: int | None = None):
+    """The decoder block of a ``dsa`` config with local modules (see the module docstring)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    plain = copy.copy(config)  # Megatron-Core's local GPT spec refuses an attention variant; the MLPs are the same
+    plain.experimental_attention_variant = None
+    spec = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, vp_stage=vp_stage)
+    attention = _dsa_attention_spec(config)
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.self_attention = attention
+    return spec
+
+
+def build_dsa_gpt(case, *, overlap_flag: bool = False):
+    """``case``'s ``GPTModel`` (``McoreCase`` with ``mla=True`` and :data:`DSA_FIELDS` in its config) with DSA layers,
+    RoPE as GLM-5 sets it, and one MTP layer like its last decoder layer where ``case.mtp``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from .mcore_models import gpt_config
+
+    config = gpt_config(case, overlap_flag=overlap_flag)
+    spec = dsa_block_spec(config)
+    mtp = get_gpt_mtp_block_spec(config, spec.layer_specs[-1], False) if case.mtp else None
+    torch.manual_seed(1234)
+    model = GPTModel(
+        config,
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
+        vocab_size=64,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+    )
+    return model.bfloat16() if case.bf16 else model
+
+
+# MiniMax-M3's text provider (MiniMaxM3Bridge.provider_bridge), as McoreCase.config pairs; the activation is added by
+# minimax_fields() (Megatron-Core's fused quick-GELU, what the provider imports).
+MINIMAX_M3_FIELDS = (
+    ("normalization", "RMSNorm"),
+    ("layernorm_zero_centered_gamma", True),
+    ("qk_layernorm", True),
+    ("gated_linear_unit", True),
+    ("activation_func_clamp_value", 7.0),
+    ("glu_linear_offset", 1.0),
+    ("bias_activation_fusion", False),
+    ("moe_router_pre_softmax", False),
+    ("moe_router_dtype", "fp32"),
+    ("moe_router_load_balancing_type", "aux_loss"),
+    ("moe_aux_loss_coeff", 0.001),
+)
+MINIMAX_ROTARY_PERCENT = 0.5  # rotary_dim / head_dim of the published config
+
+
+def minimax_fields() -> tuple:
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return (*MINIMAX_M3_FIELDS, ("activation_func", quick_gelu))
+
+
+def widened_input_router():
+    """Megatron-Core's ``TopKRouter`` computing its logits in its weight's dtype (fp32), as MiniMax-M3's does."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class WidenedInputRouter(TopKRouter):
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            return super().gating(input.to(dtype=self.weight.dtype))
+
+    return WidenedInputRouter
+
+
+def build_minimax_like(case):
+    """``case``'s ``GPTModel`` with MiniMax-M3's layers (see the module docstring; ``case.config`` holds
+    :func:`minimax_fields`)."""
+    from functools import partial
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from .mcore_models import LocalNorm, _local_norms, gpt_block_spec, gpt_config
+
+    config = gpt_config(case)
+    spec = gpt_block_spec(config)
+    router = widened_input_router()
+    for layer_spec in spec.layer_specs:
+        layer = layer_spec.submodules
+        _local_norms(layer)  # Megatron-Core's local norm refuses zero-centered weights
+        mlp = layer.mlp
+        if isinstance(mlp, partial) and getattr(mlp.keywords.get("submodules"), "router", None) is TopKRouter:
+            submodules = copy.copy(mlp.keywords["submodules"])
+            submodules.router = router
+            layer.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    spec.layer_norm = LocalNorm
+    torch.manual_seed(1234)
+    model = GPTModel(
+        config,
+        transformer_layer_spec=spec,
+        vocab_size=64,
+        max_sequence_length=8,
+        position_embedding_type="rope",
+        rotary_percent=MINIMAX_ROTARY_PERCENT,
+    )
+    if case.bf16:
+        model = model.bfloat16()
+    for module in model.modules():  # the provider's pre-wrap hook: router weights back to fp32 after the cast
+        if isinstance(module, router):
+            module.weight.data = module.weight.data.float()
+    return model
