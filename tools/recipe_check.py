@@ -1,23 +1,25 @@
-"""Check Megatron-Bridge 0.6.2's own recipes against this project's EP overlap, on CPU, before a cluster runs them.
+"""Check Megatron-Bridge 0.6.2's own MoE recipes against this project's EP overlap, on CPU, before a cluster runs them.
 
-  make recipe-check RECIPES="qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config gpt_oss_20b_pretrain_16gpu_h100_bf16_config"
-    make recipe-check RECIPES=--all          # every recipe that turns the overlap on or has its line commented out
-    python tools/recipe_check.py --list      # the recipe functions of the installed 0.6.2
+    make recipe-check RECIPES="perf_recipes.qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config ..."
+    make recipe-check RECIPES=--all          # every MoE config with expert parallelism above 1
+    python tools/recipe_check.py --list      # that universe, with each recipe's own overlap setting
     python tools/recipe_check.py NAME ... [--no_delay_wgrad] [--json rows.json] [--markdown table.md]
 
-Each recipe is built as a user builds it, the overlap turned on as Bridge's performance scripts' ``--moe_a2a_overlap
-true`` does (overlap and delayed wgrad; ``--no_delay_wgrad``: the overlap alone), shrunk to CPU size with its
-structure and every parallel size above 1 kept above 1 (at most 8 ranks), and trained 2 steps by stock Bridge's own
-``train()`` with this project's plugin, overlap off and on (``tests/functional_tests/recipe_check_worker.py`` says
-exactly what and what it substitutes). Bridge with this project's patch instead where the layout needs it (the plain
-1F1B pipeline). One row per recipe: the shape it ran, what it substituted on CPU, the verdict (``bitwise``,
-``refused`` with the rules' names, ``differs`` with the first tensor, ``failed`` with the error line); the last line
-is ``recipes: B bitwise, R refused, D differ, F failed of N``. Exit status 0 only when nothing differs or failed;
-2 for a name that is not a recipe, one line each.
+The universe is found by built config: every config function of ``megatron.bridge.recipes`` and
+``megatron.bridge.perf_recipes`` that builds a MoE model with ``expert_model_parallel_size > 1``, whatever its overlap
+flag says. A name is qualified by its package (``recipes.NAME`` or ``perf_recipes.NAME``); a bare name is taken when
+one package has it. Each config gets two verdicts:
 
-The first run builds a scratch venv under ``build/stock-bridge/`` (Bridge 0.6.2 from the package registry and what
-its loop imports); no run reaches the Hugging Face hub: each model's config is ``transformers``' own for its type
-(named in the row's ``config``).
+* **GPU, as the recipe is**: this project's rules on the unshrunk config with the overlap on (``runs``, or
+  ``refused`` with the rules' names);
+* **CPU**: shrunk with its structure kept, the CPU substitutions named, trained 2 steps by stock Bridge's own
+  ``train()`` overlap off and on (``bitwise``, ``refused``, ``differs`` with the first tensor, ``failed`` naming the
+  GPU-only piece it needs, or ``not checked`` where the check itself could not: counted apart).
+
+Configs whose CPU run would be the same (shrunk structure, substitutions) share one run; every config keeps its row.
+``tests/functional_tests/recipe_check/`` says exactly what runs. Exit status 0 only when nothing differs and every
+failure names a GPU-only piece; 2 for a name that is not a recipe, one line each. A progress line per run goes to
+stderr. The first run builds a scratch venv under ``build/stock-bridge/``; no run reaches the Hugging Face hub.
 """
 
 import argparse
@@ -26,11 +28,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "functional_tests" / "recipe_check_worker.py"
-VERDICTS = ("bitwise", "refused", "differs", "failed")
+WORKER = ROOT / "tests" / "functional_tests" / "recipe_check" / "worker.py"
+CPU_VERDICTS = ("bitwise", "refused", "differs", "failed", "not checked")
+# What a CPU failure says when a GPU-only piece is missing: the words, and the piece they name.
+GPU_ONLY = {
+    "MambaSSM is not installed": "mamba-ssm kernels (Mamba mixer)",
+    "causal_conv1d": "causal-conv1d kernels",
+    "flash-linear-attention": "flash-linear-attention kernels (gated delta net)",
+    "TransformerEngine": "Transformer Engine",
+    "Transformer Engine": "Transformer Engine",
+}
 
 
 class Trees:
@@ -53,90 +65,153 @@ class Trees:
             self._patched = self.stock_bridge.patched_tree(self.scratch / "patched")
         return self._patched
 
-    def worker(self, tree: Path, *args: str) -> dict:
-        out = self.scratch / "row.json"
+    def worker(self, tree: Path, *args: str, timeout: int = 1200):
+        out = self.scratch / "worker.json"
         out.unlink(missing_ok=True)
         try:
-            run = self.stock_bridge.run(self.python, tree, WORKER, str(out), *args, timeout=1200)
+            run = self.stock_bridge.run(self.python, tree, WORKER, str(out), *args, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"verdict": "failed", "why": "timed out after 1200 s"}
+            return {"verdict": "failed", "why": f"timed out after {timeout} s"}
         if run.returncode != 0 or not out.exists():
             lines = run.stderr.strip().splitlines() or ["(no output)"]
-            return {"verdict": "failed", "why": f"the worker exited {run.returncode}: {lines[-1]}"}
+            return {"verdict": "not checked", "why": f"the check could not run its worker: {lines[-1]}"}
         return json.loads(out.read_text())
 
 
-def check(trees: Trees, name: str, delay_wgrad: bool) -> dict:
-    """One recipe's row: with the plugin, or with the patch where the plugin cannot run the layout."""
+def cpu_run(trees: Trees, name: str, delay_wgrad: bool) -> dict:
+    """One recipe's CPU run: with the plugin, or with the patch where the plugin cannot run the layout."""
     extra = [] if delay_wgrad else ["--no_delay_wgrad"]
     row = trees.worker(trees.plugin, "--recipe", name, *extra)
     if row.get("needs_patch"):
         row = trees.worker(trees.patched, "--recipe", name, "--patched", *extra)
-    return {"recipe": name} | row
+    if row.get("verdict") == "failed":
+        row["gpu_only"] = next((piece for words, piece in GPU_ONLY.items() if words in row.get("why", "")), None)
+    return row
 
 
 def table(rows: list[dict]) -> list[str]:
-    """The rows as a Markdown table, and the summary line."""
-    lines = ["| recipe | recipe's shape | shape run | substituted on CPU | config | verdict |", "|---" * 6 + "|"]
+    """The rows as a Markdown table."""
+    lines = ["| recipe | setting | recipe's shape | GPU, as it is | shape run on CPU | substituted on CPU | config "
+             "| CPU |", "|---" * 8 + "|"]  # fmt: skip
     for row in rows:
-        substituted = "; ".join(row.get("substituted", [])) or "-"
-        config = "; ".join(row.get("config", [])) or "-"
-        verdict = f"**{row['verdict']}**: {row.get('why', '')}".replace("|", "/")
-        lines.append(f"| `{row['recipe']}` | {row.get('recipe_shape', '-')} | {row.get('shape', '-')} "
-                     f"| {substituted} | {config} | {verdict} |")  # fmt: skip
-    return lines + ["", summary(rows)]
+        gpu = row.get("gpu", {})
+        gpu_words = f"**{gpu.get('verdict', '-')}**" + (f": {gpu['why']}" if gpu.get("why") else "")
+        cpu = f"**{row.get('verdict', '-')}**: {row.get('why', '')}"
+        if row.get("run") not in (None, row["recipe"]):
+            cpu += f" (the run of `{row['run']}`)"
+        cells = [f"`{row['recipe']}`", row.get("setting", "-"), row.get("recipe_shape", "-"), gpu_words,
+                 row.get("shape", "-"), "; ".join(row.get("substituted", [])) or "-",
+                 "; ".join(row.get("config", [])) or "-", cpu]  # fmt: skip
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return lines
 
 
-def summary(rows: list[dict]) -> str:
-    count = {verdict: sum(row["verdict"] == verdict for row in rows) for verdict in VERDICTS}
-    return (f"recipes: {count['bitwise']} bitwise, {count['refused']} refused, {count['differs']} differ, "
-            f"{count['failed']} failed of {len(rows)}")  # fmt: skip
+def summary(rows: list[dict], runs: int) -> list[str]:
+    """The counts: configs and runs, the GPU verdicts (by rule), the CPU verdicts (GPU-only pieces apart)."""
+    gpu = Counter(row.get("gpu", {}).get("verdict", "not judged") for row in rows)
+    rules = Counter(rule for row in rows for rule in row.get("gpu", {}).get("rules", []))
+    cpu = Counter(row.get("verdict", "not checked") for row in rows)
+    pieces = Counter(row["gpu_only"] for row in rows if row.get("gpu_only"))
+    families = Counter(row.get("family", "-") for row in rows)
+    both = sum(row.get("verdict") == "bitwise" and row.get("gpu", {}).get("verdict") == "refused" for row in rows)
+    lines = [f"{len(rows)} configs, {runs} runs",
+             f"GPU, as the recipe is: {gpu['runs']} runs, {gpu['refused']} refused"
+             + (f" ({', '.join(f'{rule} {n}' for rule, n in rules.most_common())})" if rules else ""),
+             "CPU: " + ", ".join(f"{cpu[v]} {v}" for v in CPU_VERDICTS)
+             + (f" (GPU-only: {', '.join(f'{p} {n}' for p, n in pieces.most_common())})" if pieces else ""),
+             f"bitwise on CPU but refused on GPU: {both}",
+             "families: " + ", ".join(f"{f} {n}" for f, n in sorted(families.items()))]  # fmt: skip
+    failed_elsewhere = cpu["failed"] - sum(pieces.values())
+    lines.append(f"recipes: {cpu['bitwise']} bitwise, {cpu['refused']} refused, {cpu['differs']} differ, "
+                 f"{failed_elsewhere} failed, {cpu['not checked']} not checked of {len(rows)}")  # fmt: skip
+    return lines
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipes", nargs="*", help="recipe function names of megatron-bridge 0.6.2")
-    parser.add_argument("--all", action="store_true", help="every recipe that turns the overlap on or comments it")
-    parser.add_argument("--list", action="store_true", help="print the recipe function names and stop")
+    parser.add_argument("recipes", nargs="*", help="recipe config functions: recipes.NAME, perf_recipes.NAME or NAME")
+    parser.add_argument("--all", action="store_true", help="every MoE config with expert parallelism above 1")
+    parser.add_argument("--list", action="store_true", help="print the universe with each recipe's setting and stop")
     parser.add_argument("--no_delay_wgrad", action="store_true", help="the overlap without delayed wgrad")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--markdown", type=Path, help="also write the table and the summary line here")
+    parser.add_argument("--markdown", type=Path, help="also write the table and the summary here")
     args = parser.parse_args(argv)
     if not (args.recipes or args.all or args.list):
         parser.error("give recipe names, --all or --list")
     return args
 
 
+def listing(universe: list[dict]) -> list[str]:
+    """``--list``: the universe, one line each, then what the check could not build."""
+    lines = [f"{row['recipe']}  {row['setting']}" for row in universe if row.get("moe_ep")]
+    limits = [row for row in universe if not row["built"] and row.get("limit")]
+    lines += [f"# not built, the check's limit: {row['recipe']}: {row['why']}" for row in limits]
+    failing = [row for row in universe if not row["built"] and not row.get("limit")]
+    lines += [f"# not built, the recipe fails here: {row['recipe']}: {row['why']}" for row in failing]
+    return lines
+
+
+def chosen(args, universe: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rows to check, and one error line per name that is not a recipe."""
+    from tests.functional_tests.recipe_check.universe import resolve_name
+
+    by_name = {row["recipe"]: row for row in universe}
+    if args.all:
+        return [row for row in universe if row.get("moe_ep") or row.get("limit")], []
+    rows, errors = [], []
+    for name in args.recipes:
+        qualified, why = resolve_name(name, list(by_name))
+        if why:
+            errors.append(f"error: {why}")
+        else:
+            rows.append(by_name[qualified])
+    return rows, errors
+
+
+def run_all(trees: Trees, rows: list[dict], delay_wgrad: bool) -> int:
+    """The CPU runs, one per key; each row gets its run's verdict. Returns the number of runs."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get("key") or row["recipe"], []).append(row)
+    started = time.monotonic()
+    for done, members in enumerate(groups.values(), 1):
+        first = members[0]
+        if not first["built"] or "key" not in first:
+            result = {"verdict": "not checked" if first.get("limit") else "failed", "why": first["why"]}
+        else:
+            result = cpu_run(trees, first["recipe"], delay_wgrad)
+        for row in members:
+            row.update({k: v for k, v in result.items() if k not in ("recipe", "config")}, run=first["recipe"])
+        print(f"[{done}/{len(groups)}, {time.monotonic() - started:.0f} s] {first['recipe']} ({len(members)} configs):"
+              f" {result.get('verdict')}: {result.get('why', '')}", file=sys.stderr, flush=True)  # fmt: skip
+    return len(groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="recipe-check-") as scratch:
         trees = Trees(Path(scratch))
-        known = trees.worker(trees.plugin, "--list")
-        if "all" not in known:
-            print(f"error: could not list the recipes: {known.get('why')}", file=sys.stderr)
+        universe = trees.worker(trees.plugin, "--universe", timeout=3600)
+        if not isinstance(universe, list):
+            print(f"error: could not build the recipes' universe: {universe.get('why')}", file=sys.stderr)
             return 1
         if args.list:
-            print("\n".join(known["all"]))
+            print("\n".join(listing(universe)))
             return 0
-        unknown = [name for name in args.recipes if name not in known["all"]]
-        for name in unknown:
-            print(f"error: {name}: not a recipe function of megatron-bridge 0.6.2; fix: a name from "
-                  "`python tools/recipe_check.py --list`", file=sys.stderr)  # fmt: skip
-        if unknown:
+        rows, errors = chosen(args, universe)
+        if errors:
+            print("\n".join(errors), file=sys.stderr)
             return 2
-        rows = []
-        for name in known["overlap"] if args.all else args.recipes:
-            rows.append(check(trees, name, not args.no_delay_wgrad))
-            row = rows[-1]
-            print(f"{name}: {row.get('shape', '-')}: {row['verdict']}: {row.get('why', '')}", flush=True)
-    lines = table(rows)
+        runs = run_all(trees, rows, not args.no_delay_wgrad)
+    lines = table(rows) + [""] + summary(rows, runs)
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
-    failing = sum(row["verdict"] in ("differs", "failed") for row in rows)
-    return 0 if failing == 0 else 1
+    bad = [row for row in rows if row.get("verdict") in ("differs", "not checked")]
+    bad += [row for row in rows if row.get("verdict") == "failed" and not row.get("gpu_only")]
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def patched_tree(into: Path) -> Path:
 def run(python: Path, tree: Path, script: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``script`` in the scratch interpreter, importing ``megatron.bridge`` from ``tree``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env |= {"EP_OVERLAP_BRIDGE_TREE": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "HOME": tempfile.gettempdir()}
+    env |= {"EP_OVERLAP_BRIDGE_TREE": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "HOME": tempfile.gettempdir(),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no hub here: fail at once, never retry  # fmt: skip
     return subprocess.run([python, str(script), str(tree), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=tempfile.gettempdir())  # fmt: skip

@@ -182,14 +182,15 @@ def recipe(
     return cfg
 
 
-def batches(rank: int, step: int, mask_every: int, packed: bool = False):
-    """One step's microbatches in the shape Bridge's ``get_batch`` reads (what its GPT datasets yield); ``packed``:
-    each row holds two documents, with the boundaries Bridge's packed datasets add (``cu_seqlens_q``, ...)."""
+def batches(rank: int, step: int, mask_every: int, packed: bool = False, count: int = MICROBATCHES):
+    """One step's ``count`` microbatches in the shape Bridge's ``get_batch`` reads (what its GPT datasets yield);
+    ``packed``: each row holds two documents, with the boundaries Bridge's packed datasets add (``cu_seqlens_q``,
+    ...)."""
     import torch
 
     gen = torch.Generator().manual_seed(1000 * step + rank)
     out = []
-    for _ in range(MICROBATCHES):
+    for _ in range(count):
         rows = 1 if packed else MICRO_BATCH  # a packed microbatch is one row of documents
         tokens = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
         loss_mask = torch.ones(rows, SEQ)
@@ -276,7 +277,7 @@ def bridge_train(cfg, steps: int, mask_every: int, packed: bool = False) -> dict
 
         def on_train_step_end(self, context):
             assert not context.skipped_iter, "a step was skipped"
-            named = list(context.model[0].named_parameters())
+            named = _every_chunks_parameters(context.model)
             record["losses"].append({k: v.float().tolist() for k, v in context.loss_dict.items()})
             tracked = MTPLossLoggingHelper.tracker.get("loss_values")  # the MTP loss, summed over microbatches
             record["mtp_losses"].append(None if tracked is None else tracked.float().tolist())
@@ -286,7 +287,10 @@ def bridge_train(cfg, steps: int, mask_every: int, packed: bool = False) -> dict
     from megatron.core import parallel_state
 
     data_rank = parallel_state.get_data_parallel_rank()  # the stages of a pipeline read the same microbatches
-    data = iter([mb for step in range(steps) for mb in batches(data_rank, step, mask_every, packed)])
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    count = get_num_microbatches()  # what the config's global batch makes of it
+    data = iter([mb for step in range(steps) for mb in batches(data_rank, step, mask_every, packed, count)])
     # Bridge's loop itself: train_step per iteration (zero_grad_buffer, the driver, optimizer.step), logging, exit.
     train(forward_step, model, optimizer, scheduler, data, None, state, create_checkpoint_manager(cfg.checkpoint),
           pg_collection, callback_manager=normalize_callbacks([Keep()]))  # fmt: skip
@@ -299,6 +303,13 @@ def bridge_train(cfg, steps: int, mask_every: int, packed: bool = False) -> dict
     record["paired"] = recorder is not None and any(r.phase == "paired" for r in recorder.comm)
     destroy_global_state()  # Bridge's teardown between runs in one process
     return record
+
+
+def _every_chunks_parameters(model: list) -> list:
+    """Every model chunk's named parameters (with virtual stages, each name prefixed by its chunk)."""
+    if len(model) == 1:
+        return list(model[0].named_parameters())
+    return [(f"chunk{v}.{n}", p) for v, chunk in enumerate(model) for n, p in chunk.named_parameters()]
 
 
 def initialize_on_cpu(cfg):

@@ -1,6 +1,8 @@
-"""``tools/recipe_check.py`` (``make recipe-check``) as a user runs it: one cheap recipe of Megatron-Bridge 0.6.2 end
-to end, and a name that is not a recipe. Skipped with the reason when the package registry cannot be reached (the
-scratch venv comes from it). ``--all`` stays out of CI: its table is in ``docs/training/recipes.md``.
+"""``tools/recipe_check.py`` (``make recipe-check``) as a user runs it, on a few of Megatron-Bridge 0.6.2's recipes:
+a performance recipe that turns the overlap on, and one row per CPU stand-in the check brings (the Mamba kernels,
+the gated delta net's kernels, the vision-language local specs), plus the universe's listing and the names that are
+not one recipe. Skipped with the reason when the package registry cannot be reached (the scratch venv comes from it).
+``--all`` stays out of CI: its table is in ``docs/training/recipes.md``.
 """
 
 import json
@@ -12,7 +14,15 @@ import pytest
 from . import stock_bridge
 
 TOOL = stock_bridge.ROOT / "tools" / "recipe_check.py"
-MOONLIGHT = "moonlight_16b_pretrain_8gpu_h100_bf16_config"
+# What make test checks: a performance recipe with the overlap on by value (flex HybridEP, CUDA graphs, paged stash
+# on a GPU), Nemotron-3 Nano (Mamba), Qwen3-Next (gated delta net, MTP), Qwen3-VL 30B (vision tower, mrope,
+# deepstack, the patch).
+ROWS = {
+    "perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config": "dispatcher flex",
+    "perf_recipes.nemotron_3_nano_pretrain_16gpu_h100_bf16_config": "mamba-ssm kernels -> tests' torch stand-ins",
+    "recipes.qwen3_next_80b_a3b_pretrain_config": "gated delta net kernels -> tests' torch stand-ins",
+    "recipes.qwen3_vl_30b_a3b_sft_config": "specs -> local modules (vl_support)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,28 +34,42 @@ def scratch():
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=1500,
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=2400,
                           cwd=stock_bridge.ROOT)  # fmt: skip
 
 
-def test_a_recipe_with_mla_shared_experts_and_tp_with_sp_trains_bitwise_through_bridges_loop(scratch, tmp_path):
-    """Moonlight-16B's H100 recipe (TP 2 with SP, EP 8, MLA, 3 leading dense layers, shared experts, selective
-    recompute): shrunk to TP 2 x EP 2 on 2 ranks, a leading dense layer kept, overlap and delayed wgrad on."""
-    run = _check(MOONLIGHT, "--json", str(tmp_path / "rows.json"))
+def test_a_performance_recipe_and_each_stand_ins_row_train_bitwise_through_bridges_loop(scratch, tmp_path):
+    run = _check(*ROWS, "--json", str(tmp_path / "rows.json"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "recipes: 1 bitwise, 0 refused, 0 differ, 0 failed of 1"
-    (row,) = json.loads((tmp_path / "rows.json").read_text())
-    assert row["recipe_shape"].startswith("TP2 PP1 CP1 EP8 ETP1 SP 61 layers (3 dense) MLA shared experts")
-    assert row["shape"] == "TP2 PP1 CP1 EP2 ETP1 SP 2 layers (1 dense) MLA shared experts" and row["ranks"] == 2
-    assert row["config"] == ["moonshotai/Moonlight-16B-A3B -> transformers AutoConfig.for_model('deepseek_v3')"]
-    assert "layer spec -> Megatron-Core local, SP norms" in row["substituted"]
+    rows = {row["recipe"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    assert rows.keys() == ROWS.keys()
+    for name, words in ROWS.items():
+        row = rows[name]
+        assert row["verdict"] == "bitwise", (name, row.get("why"))
+        assert any(words in said for said in row["substituted"]), (name, row["substituted"])
+        assert row["gpu"]["verdict"] in ("runs", "refused") and row["config"], row
+    perf = rows["perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"]
+    assert perf["setting"] == "on" and perf["gpu"]["verdict"] == "runs", perf
+    assert "[" in run.stderr and f"/{len(ROWS)}" in run.stderr  # a progress line per run
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1] == f"recipes: {len(ROWS)} bitwise, 0 refused, 0 differ, 0 failed, 0 not checked of {len(ROWS)}"
+    assert f"{len(ROWS)} configs, {len(ROWS)} runs" in lines
 
 
-def test_a_name_that_is_not_a_recipe_gets_one_line_and_exit_status_2(scratch):
-    run = _check("qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "no_such_recipe_config")
+def test_the_listing_and_names_that_are_not_one_recipe(scratch):
+    listing = _check("--list")
+    assert listing.returncode == 0, listing.stderr[-3000:]
+    universe = [line.split() for line in listing.stdout.splitlines() if not line.startswith("#")]
+    settings = {name: " ".join(rest) for name, *rest in universe}
+    assert len(settings) >= 273 and set(settings.values()) <= {"on", "off", "unset", "commented out"}
+    assert settings["perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"] == "on"
+    assert "recipes.deepseek_v3_pretrain_config" in settings and "recipes.kimi_k2_pretrain_config" in settings
+    both = "qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config"  # in recipes and in perf_recipes
+    run = _check("qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "no_such_recipe_config", both)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: no_such_recipe_config: not a recipe function of megatron-bridge 0.6.2; fix: a name from "
-        "`python tools/recipe_check.py --list`"
+        "`python tools/recipe_check.py --list`",
+        f"error: {both}: in both packages; fix: name one of perf_recipes.{both}, recipes.{both}",
     ]
     assert "recipes:" not in run.stdout

@@ -60,7 +60,7 @@ def bridge_train_vl(cfg, steps: int) -> dict:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from tests.functional_tests import vl_support
-    from tests.functional_tests.stock_bridge_loop import initialize_on_cpu
+    from tests.functional_tests.stock_bridge_loop import _every_chunks_parameters, initialize_on_cpu
     from tests.unit_tests.training.ep_overlap.mcore_cpu import plain_cuda_rng
 
     vl = vl_support.for_recipe(cfg)
@@ -84,7 +84,7 @@ def bridge_train_vl(cfg, steps: int) -> dict:
     class Keep(Callback):
         def on_train_step_end(self, context):
             assert not context.skipped_iter, "a step was skipped"
-            named = list(context.model[0].named_parameters())
+            named = [(n, p) for n, p in _every_chunks_parameters(context.model) if p.requires_grad]  # not frozen
             record["losses"].append({k: v.float().tolist() for k, v in context.loss_dict.items()})
             record["mtp_losses"].append(None)  # the plan refuses an MTP layer with a VL model
             record["grads"].append({n: p.main_grad.float().flatten().tolist() for n, p in named})
