@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-only check in one command (about 2-4 minutes): GPU-marked tests (including the functional smoke on
-# one or more GPUs) and a short A/B on the GPU(s). Run from the repository root after `make install`.
+# one or more GPUs), a short A/B on the GPU(s), and on 2 or more GPUs with HybridEP a full-iteration CUDA graph of
+# our plan against eager. Run from the repository root after `make install`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -34,6 +35,16 @@ if [ "$gpus" -ge 2 ]; then
     else
         echo "   flex (DeepEP, HybridEP) A/Bs skipped: deep_ep is not installed"
     fi
+    # HybridEP as Megatron-Core detects it: its fused_a2a leaves hybrid_ep_dispatch None without deep_ep's HybridEP.
+    hybridep='from megatron.core.transformer.moe import fused_a2a as f; raise SystemExit(f.hybrid_ep_dispatch is None)'
+    if "$py" -c "$hybridep" 2>/dev/null; then
+        echo "== A full-iteration CUDA graph of our plan with static-shape HybridEP vs eager on $gpus GPUs (bitwise)"
+        # HybridEP compiles its kernels on first use: the check's collectives wait up to 600 s for a slow rank.
+        timeout 900 "$py" -m torch.distributed.run --nproc_per_node "$gpus" \
+            tests/functional_tests/full_iteration_graph_check.py || status=1
+    else
+        echo "   full-iteration CUDA graph check skipped: no HybridEP (deep_ep missing, or built without it)"
+    fi
 elif "$py" -c "import omegaconf" 2>/dev/null; then
     echo "== A/B on 1 GPU: 2 ranks over gloo (CUDA tensors, the comm stream and events for real; no NCCL)"
     for impl in reference mcore; do
@@ -56,6 +67,9 @@ elif "$py" -c "import omegaconf" 2>/dev/null; then
     fi
 else
     echo "== A/B skipped: 1 GPU and no omegaconf here (the harness's dependency; carry it to run this part)"
+fi
+if [ "$gpus" -lt 2 ]; then
+    echo "   full-iteration CUDA graph check skipped: needs 2 or more GPUs (one NCCL rank each, EP = GPUs); $gpus here"
 fi
 echo "gpu_check: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status
