@@ -14,6 +14,9 @@ Events, one line each, in the order the host issued them:
 
 The hooks are installed on the lane, P2P and plan classes inside a forked rank only. Events from threads other
 than the host's (a helper thread launching off the host) are not the host's order and are left out.
+
+:func:`as_a_device_lane` makes a rank's CPU lanes the device-lane stand-in: they issue the program's ops in the order
+the CUDA lane issues them (``IssueOrder.DEVICE``), while their compute still runs on the host.
 """
 
 import functools
@@ -177,25 +180,90 @@ def engine_kwargs(options: dict) -> dict:
 TIMEOUT = timedelta(seconds=60)
 
 
-def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
-    """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, one step per option set."""
-    from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-    from megatron.bridge.utils.process_groups import init_ep_groups
+def as_a_device_lane() -> None:
+    """This process's CPU lanes issue the program's ops as the CUDA lane does (the device-lane stand-in)."""
+    from megatron.bridge.training.ep_overlap.engine import lanes
+    from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
 
-    install()
+    lanes.CpuLane.issue = IssueOrder.DEVICE
+
+
+def _reference_config(pp: int, **fields):
+    from megatron.bridge.models.moe_gpt import MoEGPTConfig
+
     freq = [1, 0, 1] if pp == 1 else [1, 0, 1, 1]
-    config = MoEGPTConfig(
+    return MoEGPTConfig(
         num_layers=len(freq), hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, num_moe_experts=4,
         moe_ffn_hidden_size=8, moe_router_topk=2, moe_layer_freq=freq, expert_model_parallel_size=2,
         seq_length=4, vocab_size=32, add_bias_linear=False, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=2 if pp > 1 else None, pipeline_dtype=torch.float32 if pp > 1 else None,
+        **fields,
     )  # fmt: skip
+
+
+def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
+    """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, one step per option set."""
+    from megatron.bridge.models.moe_gpt import MoEGPTModel, build_pipeline_chunks
+    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    install()
+    config = _reference_config(pp)
     groups = init_ep_groups(2, TIMEOUT, pipeline_size=pp)
 
     def build():
         return build_pipeline_chunks(config, groups, 1, groups.pp_rank) if pp > 1 else MoEGPTModel(config, groups, 1)
 
     return _engine_orders(groups, microbatch_counts, combinations, build, vocab=32, shape=(2, 4))
+
+
+def reference_on_both_lanes(rank: int, world: int, microbatches: int, combinations: list[dict]) -> dict:
+    """The reference MoE GPT at PP 1 (EP 2), one step per option set on the CPU lane as it is (a host lane), then on
+    the device-lane stand-in, each on a fresh model: the events of both, and whether the losses and every gradient
+    are bitwise the same. A combination's ``recompute`` (method, layers) turns full recompute on."""
+    from megatron.bridge.models.moe_gpt import MoEGPTModel
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.engine import lanes
+    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    install()
+    groups = init_ep_groups(2, TIMEOUT)
+    gen = torch.Generator().manual_seed(microbatches * 10 + groups.ep_rank)
+    data = [tuple(torch.randint(0, 32, (2, 2, 4), generator=gen)) for _ in range(microbatches)]
+    host = lanes.CpuLane.issue
+    out = {}
+    for options in combinations:
+        options = dict(options)
+        method, layers = options.pop("recompute", (None, None))
+        recompute = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
+        config = _reference_config(1, **(recompute if method else {}))
+        runs = {}
+        for lane in ("host", "device"):
+            if lane == "device":
+                as_a_device_lane()
+            model = MoEGPTModel(config, groups, 1)
+            engine = EPOverlapEngine(model, groups, **engine_kwargs(options))
+            take_events()
+            result = engine.step(data, forward_only=options["forward_only"])
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            runs[lane] = (take_events(), result.losses, grads)
+            lanes.CpuLane.issue = host
+        (host_events, host_losses, host_grads), (device_events, device_losses, device_grads) = runs.values()
+        same = len(host_grads) == len(device_grads) and all(
+            torch.equal(a, b) for a, b in zip(host_losses + host_grads, device_losses + device_grads)
+        )
+        out[key(options | ({"recompute": method} if method else {}))] = {
+            "host": host_events, "device": device_events, "bitwise": same, "grads": len(host_grads),
+        }  # fmt: skip
+    return out
+
+
+def mcore_driver_on_a_device_lane(rank: int, world: int, case) -> dict:
+    """``test_mcore_hook.train_with_mcore_driver`` (Megatron-Core's driver: the plain arm, then ours through the
+    hook) with this rank's CPU lanes the device-lane stand-in."""
+    from .test_mcore_hook import train_with_mcore_driver
+
+    as_a_device_lane()
+    return train_with_mcore_driver(rank, world, case)
 
 
 def _engine_orders(groups, microbatch_counts, combinations, build, *, vocab: int, shape: tuple) -> dict:
@@ -233,10 +301,16 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     return _engine_orders(groups, microbatch_counts, combinations, build, vocab=64, shape=(2, 8))
 
 
-def mcore_hook_orders(rank: int, world: int, pp: int, microbatches: int, vpp: int | None = 2) -> dict:
+def mcore_hook_orders(
+    rank: int, world: int, pp: int, microbatches: int, vpp: int | None = 2, device_lane: bool = False
+) -> dict:
     """Megatron-Core's own driver running the plan through the pre-wrap hook: PP 1, its interleaved schedule, or
-    (``vpp`` None) the plain 1F1B pipeline through this project's ``get_forward_backward_func``."""
+    (``vpp`` None) the plain 1F1B pipeline through this project's ``get_forward_backward_func``; with
+    ``device_lane`` on the device-lane stand-in."""
     from .mcore_cpu import init_megatron, install_cpu_stubs
+
+    if device_lane:
+        as_a_device_lane()
 
     install_cpu_stubs()
     init_megatron(2, pp, vpp if pp > 1 else None)

@@ -1,7 +1,8 @@
 """Test-only, no torch: the host events the engine issues for a program, derived from the program alone.
 
-The engine runs a program's ops in order (``program/interpreter.py``); each op on the host is at most a few events
-of ``launch_order.py``'s vocabulary (one line each):
+The engine runs a program's ops in the order its lane issues them (``program/interpreter.py``: program order on a
+host lane; ``order=IssueOrder.DEVICE`` gives the device lane's); each op on the host is at most a few events of
+``launch_order.py``'s vocabulary (one line each):
 
     ``compute <node> L<layer> m<unit> <phase>``  a compute op; a delayed wgrad is ``compute expert_wgrad`` /
                                                  ``compute attention_wgrad``. ``L`` is the global layer number, -1
@@ -22,7 +23,7 @@ import itertools
 from dataclasses import replace
 
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
+from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder, run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, windows_of
 from megatron.bridge.utils.pipeline_layout import chunk_layers
@@ -166,12 +167,19 @@ class EventRunner:
 
 
 def program_events(
-    steps, numbers: list[list[int]], moe: list[tuple[bool, ...]], *, dispatched: int = 1, plain_records: bool = True
+    steps,
+    numbers: list[list[int]],
+    moe: list[tuple[bool, ...]],
+    *,
+    dispatched: int = 1,
+    plain_records: bool = True,
+    order: IssueOrder = IssueOrder.HOST,
 ) -> list[str]:
     """The host events of a rank's ``steps`` over its chunks (global layer ``numbers`` and ``moe`` per chunk), for
     a model whose dispatch moves ``dispatched`` tensors (the reference model's tokens; Megatron-Core's tokens and
     probabilities) and whose plain path records its blocking all-to-alls (``plain_records``: the reference
-    model's does; a Megatron-Core model's plain path is its own forward and backward)."""
+    model's does; a Megatron-Core model's plain path is its own forward and backward), issued as a lane of kind
+    ``order`` issues them."""
     log = _Log(dispatched, plain_records)
 
     def post(transfers) -> None:
@@ -199,7 +207,7 @@ def program_events(
             bound[step.unit_for(t).unit].recv[t.kind] = t
         for t in step.send:
             bound[step.unit_for(t).unit].send[t.kind] = t
-        run_ops(step.ops, bound)
+        run_ops(step.ops, bound, order)
         for m in step.units:
             if m.done:
                 del runners[(m.unit, m.virtual)]
@@ -210,11 +218,20 @@ def program_events(
 
 
 def driver_call_events(
-    forward, backward, shapes: list, numbers: list[list[int]], *, delay_wgrad: bool, window: int, dispatched: int = 2
+    forward,
+    backward,
+    shapes: list,
+    numbers: list[list[int]],
+    *,
+    delay_wgrad: bool,
+    window: int,
+    dispatched: int = 2,
+    order: IssueOrder = IssueOrder.HOST,
 ) -> list[str]:
     """The host events of one call of Megatron-Core's driver into the plan (the hook): ``forward`` / ``backward``
     are (virtual stage, microbatch) or None, ``shapes`` and ``numbers`` the rank's chunks by virtual stage; the call
-    runs the program's step for them (``windows_of``), its units named by their microbatches."""
+    runs the program's step for them (``windows_of``), its units named by their microbatches, issued as a lane of
+    kind ``order`` issues them."""
     kind = "paired" if forward and backward else "forward" if forward else "backward"
     log = _Log(dispatched, plain_records=False)
     log.phase = {"paired": "paired", "forward": "warmup", "backward": "cooldown"}[kind]
@@ -227,7 +244,7 @@ def driver_call_events(
     fs = shapes[forward[0]] if forward else None
     bs = shapes[backward[0]] if backward else None
     windows = windows_of(kind, sides[0], sides[1], fs, bs, delay_wgrad=delay_wgrad, window=window)
-    run_ops([op for w in windows for op in w.ops], runners)
+    run_ops([op for w in windows for op in w.ops], runners, order)
     return log.events
 
 
@@ -253,9 +270,11 @@ def engine_step_events(
     pipeline_rank: int = 0,
     dispatched: int = 1,
     plain_records: bool = True,
+    order: IssueOrder = IssueOrder.HOST,
 ) -> list[str]:
     """The host events of one engine step with ``options`` (``EPOverlapEngine``'s keywords, plus ``forward_only``),
-    as ``launch_order.run_engine`` records it: with the auto attention-wgrad window, its first (plain) step."""
+    as ``launch_order.run_engine`` records it: with the auto attention-wgrad window, its first (plain) step; issued
+    as a lane of kind ``order`` issues them."""
     options = dict(options)
     forward_only = options.pop("forward_only")
     chosen = EPOverlapOptions(**options)
@@ -267,7 +286,9 @@ def engine_step_events(
         program(chosen, shapes, num_microbatches, pipeline_size=pipeline_size, rank=pipeline_rank,
                 forward_only=forward_only)
     )  # fmt: skip
-    return program_events(steps, numbers, [s.moe for s in shapes], dispatched=dispatched, plain_records=plain_records)
+    return program_events(
+        steps, numbers, [s.moe for s in shapes], dispatched=dispatched, plain_records=plain_records, order=order
+    )
 
 
 # ---- the option combinations the rules allow -------------------------------------------------------------------

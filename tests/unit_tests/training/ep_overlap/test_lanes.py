@@ -245,3 +245,19 @@ def test_the_cpu_lane_opens_no_range():
 
     assert CpuLane.nvtx is None
     assert range_name("p2p", "recv_gradient", -1, 4, role="B") == "ep_overlap/p2p/B.recv_gradient/mb4"
+
+
+def test_each_lane_says_how_it_issues_the_program_and_the_nodes_follow_it():
+    """The CPU lane's compute blocks the host: program order. The CUDA lane only queues work: its host syncs go after
+    what can be queued without them (``program.interpreter.issue_order``). The nodes run the ops as their lane says."""
+    from megatron.bridge.training.ep_overlap.engine.lanes import CpuLane, CudaLane
+    from megatron.bridge.training.ep_overlap.engine.nodes import MicrobatchNodes
+    from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
+
+    assert CpuLane.issue == IssueOrder.HOST and CudaLane.issue == IssueOrder.DEVICE
+    lane = make_lane(single_process_groups(), torch.device("cpu"), launch_off_host=True)
+    nodes = MicrobatchNodes.__new__(MicrobatchNodes)
+    nodes.lane = lane
+    assert nodes.issue == IssueOrder.HOST
+    lane.issue = IssueOrder.DEVICE  # the device-lane stand-in of test_launch_order.py, on one lane
+    assert nodes.issue == IssueOrder.DEVICE

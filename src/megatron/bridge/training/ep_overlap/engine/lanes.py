@@ -21,6 +21,12 @@ all-to-alls run.
   event when it ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's
   end event. Different microbatches share no event, so the host issue order is the schedule.
 
+Each lane says how it wants the program's ops issued (``issue``, read by ``program.interpreter.run_ops``): the CPU
+lane's compute blocks the host, so it takes them in program order (``IssueOrder.HOST``); the CUDA lane only queues
+work, and the one thing that blocks its host is a host sync (F's split sizes, the dispatcher's device-to-host
+sync), so it takes the order in which each host sync comes after the queued work that does not need it
+(``IssueOrder.DEVICE``): the device then has work while the host waits.
+
 Both lanes record every node and all-to-all in the step's :class:`StepRecorder`, and every wait runs under
 the process groups' timeout. The CUDA lane also opens an NVTX range around each (``torch.cuda.nvtx``), named by
 :func:`range_name` (``ep_overlap/comm/F.dispatch/L3/mb2``), so Nsight Systems shows which node each kernel
@@ -43,6 +49,7 @@ from megatron.bridge.training.ep_overlap.engine.records import (
     HostClock,
     StepRecorder,
 )
+from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.utils.multiprocess import heartbeat
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
@@ -105,6 +112,8 @@ def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | No
 
 
 class _Lane:
+    # The order the program's ops are issued in (program.interpreter.issue_order): compute blocks a CPU host
+    issue = IssueOrder.HOST
     launches_off_host = False
     # The step's count of what is saved for backward (engine/saved.py), where the engine keeps one: nodes free a
     # buffer early only when no saved tensor shares its storage.
@@ -280,6 +289,9 @@ class CpuLane(_Lane):
 
 class CudaLane(_Lane):
     """All-to-all on a dedicated comm stream, chained to compute by one event per microbatch."""
+
+    # Compute and all-to-alls are only queued: a host sync goes after the queued work that does not need it
+    issue = IssueOrder.DEVICE
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, high_priority: bool = False, nvtx=None):
         super().__init__(groups, recorder)

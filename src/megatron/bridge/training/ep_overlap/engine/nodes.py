@@ -15,9 +15,10 @@ dispatcher) gives ``dispatch_comm``/``combine_comm`` instead of split sizes. The
 comm lane, between detached inputs and outputs like any node, and their backward runs the functions' own autograd
 backward there (a fused dispatch's backward is a combine, and the other way round).
 
-Each op of the schedule program (``program/steps.py``, ``(kind, name)``) is the method ``<kind>_<name>``: a comm
-node is a ``launch_`` (issue the all-to-all) and a ``wait_`` (in front of its consumer), so the program can put
-the other microbatch's compute in between. Dense layers run the same ops with no communication.
+Each op of the schedule program (``program/steps.py``, ``(kind, name)``) is the method ``<kind>_<name>`` that
+``program.ops.OPS`` names for it: a comm node is a ``launch_`` (issue the all-to-all) and a ``wait_`` (in front of
+its consumer), so the program can put the other microbatch's compute in between. Dense layers run the same ops with
+no communication. The nodes run the ops in the order their lane issues them (``MicrobatchNodes.issue``).
 
 Bitwise equality with the plain path holds because every node runs exactly the ops of the layer's plain forward,
 and every tensor that crosses a node boundary and has two gradient contributions (the residual ``h``) gets them
@@ -391,6 +392,12 @@ class MicrobatchNodes:
         ]
         self.loss: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
+
+    @property
+    def issue(self):
+        """The order the lane wants the program's ops in (``program.interpreter.IssueOrder``): the CUDA lane's host
+        syncs after the work it can queue, the CPU lane's program order."""
+        return self.lane.issue
 
     def compute_embedding(self) -> torch.Tensor:
         with self.lane.compute("embedding", -1, self.mb), torch.set_grad_enabled(self.grad):

@@ -2,9 +2,16 @@
 one unit's layer goes through (which ``steps.py`` and ``replay.py`` lay out beside another unit's).
 
 Contract:
-    * An op is ``(kind, name)`` on one unit, at one layer of its chunk or at the chunk's ends (:data:`OPS`, with
-      what of its unit it reads and writes); a runner runs it as its method ``<kind>_<name>`` (``Op.method``).
-    * A :class:`Window` is ops in host order under a label (what ``--print_schedule`` prints).
+    * An op is ``(kind, name)`` on one unit, at one layer of its chunk or at the chunk's ends. :data:`OPS` declares
+      each once (:class:`OpSpec`): the runner method that runs it, named literally (``"launch_dispatch"``; every
+      method is ``<kind>_<name>``), what of its unit it reads and writes, which runner has the method, and whether
+      it is a host sync (the host blocks until a peer or the device answers, even on a device lane).
+    * A :class:`Window` is ops in program order under a label (what ``--print_schedule`` prints): the transfers of
+      one microbatch and the compute of the other that they overlap. What an op depends on: the earlier ops of its
+      own unit (its data flows through them), and the earlier ops of its lane (:attr:`Op.lane`): computations and
+      the waits among them keep one order (the numbers depend on it), launches another (peers pair collectives by
+      it). A host sync keeps only its unit's order. Which order a lane issues the ops in follows from these and the
+      host syncs, in one place (``interpreter.issue_order``).
     * The runners' typed protocols are generated from :data:`OPS`: :data:`LayerRunner` (an op at a layer),
       :data:`ChunkRunner` (at a chunk's ends) and :data:`PlainRunner` (a whole chunk, overlap off), one method each.
       Every runner (the engine's nodes and plain run, the simulator's and the memory count's charges) is checked
@@ -32,65 +39,89 @@ class OpKind(StrEnum):
 COMPUTE, LAUNCH, WAIT, WGRAD, PLAIN = OpKind
 
 
-# Every op, declared once: (kind, name) -> (what of its unit the op reads, what it writes): "x" the activation,
-# "g" the gradient, None nothing. The runner's method for it is ``<kind>_<name>`` (``Op.method``).
-OPS: dict[tuple[OpKind, str], tuple[str | None, str | None]] = {
-    (OpKind.COMPUTE, "embedding"): (None, "x"),
-    (OpKind.WAIT, "recv_activation"): (None, "x"),
-    (OpKind.COMPUTE, "pre_dispatch"): ("x", None),  # attention, pre-MLP norm, router, permute
-    (OpKind.LAUNCH, "split"): (None, None),  # the split sizes go out
-    (OpKind.WAIT, "split"): (None, None),  # ... and are known (the dispatch's host sync)
-    (OpKind.LAUNCH, "dispatch"): (None, None),
-    (OpKind.WAIT, "dispatch"): (None, None),
-    (OpKind.COMPUTE, "experts"): (None, None),
-    (OpKind.LAUNCH, "combine"): (None, None),
-    (OpKind.WAIT, "combine"): (None, None),
-    (OpKind.COMPUTE, "combine"): (None, "x"),  # unpermute, residual add: the layer's output
-    (OpKind.COMPUTE, "head"): ("x", None),
-    (OpKind.LAUNCH, "send_activation"): ("x", None),
-    (OpKind.COMPUTE, "head_bwd"): (None, "g"),
-    (OpKind.WAIT, "recv_grad"): (None, "g"),
-    (OpKind.COMPUTE, "combine_bwd"): ("g", None),
-    (OpKind.LAUNCH, "combine_bwd"): (None, None),
-    (OpKind.WAIT, "combine_bwd"): (None, None),
-    (OpKind.COMPUTE, "experts_bwd"): (None, None),  # dgrad, and wgrad unless delayed
-    (OpKind.LAUNCH, "dispatch_bwd"): (None, None),
-    (OpKind.WGRAD, "experts"): (None, None),
-    (OpKind.WAIT, "dispatch_bwd"): (None, None),
-    (OpKind.COMPUTE, "pre_dispatch_bwd"): (None, "g"),
-    # Full recompute: B's replay of a recomputed segment's forward, before the backward of its last layer; "r" is
-    # the replayed activation, from the segment's kept input through each layer's replayed combine
-    (OpKind.COMPUTE, "replay_input"): (None, "r"),
-    (OpKind.COMPUTE, "replay_pre_dispatch"): ("r", None),
-    (OpKind.LAUNCH, "replay_dispatch"): (None, None),
-    (OpKind.WAIT, "replay_dispatch"): (None, None),
-    (OpKind.COMPUTE, "replay_experts"): (None, None),
-    (OpKind.LAUNCH, "replay_combine"): (None, None),
-    (OpKind.WAIT, "replay_combine"): (None, None),
-    (OpKind.COMPUTE, "replay_combine"): (None, "r"),
-    (OpKind.WGRAD, "attention"): (None, None),
-    (OpKind.COMPUTE, "embedding_bwd"): ("g", None),
-    (OpKind.LAUNCH, "send_grad"): ("g", None),
-    (OpKind.PLAIN, "forward"): (None, None),
-    (OpKind.PLAIN, "backward"): (None, None),
+# Which runner of a unit runs an op: the runner of the op's layer, the unit's own at its chunk's ends, or the
+# unit's own for a whole chunk (overlap off). The interpreter picks the layer's runner for an op with a layer.
+LAYER, ENDS, WHOLE = "layer", "ends", "whole"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the vocabulary.
+
+    Attributes:
+        method: The runner method that runs it, named literally so that a search for it finds this table.
+        reads: What of its unit the op takes as its argument: ``"x"`` the activation, ``"g"`` the gradient, ``"r"``
+            full recompute's replayed activation; None: nothing.
+        writes: What of its unit the op returns for the next op that reads it (same letters); None: nothing.
+        at: Which runner has the method: ``LAYER`` (the unit's layer), ``ENDS`` (the unit's, at its chunk's ends),
+            ``WHOLE`` (the unit's, a whole chunk through ordinary autograd).
+        host_sync: The host blocks in it until a peer (or the device) has answered, even on a lane whose compute
+            is only queued (a device lane). There it is issued once nothing left can be queued without it
+            (``interpreter.issue_order``).
+    """
+
+    method: str
+    reads: str | None = None
+    writes: str | None = None
+    at: str = LAYER
+    host_sync: bool = False
+
+
+# Every op, declared once, with the method that runs it. Full recompute's ``replay_`` ops are B's replay of a
+# recomputed segment's forward, before the backward of its last layer.
+OPS: dict[tuple[OpKind, str], OpSpec] = {
+    (OpKind.COMPUTE, "embedding"): OpSpec("compute_embedding", writes="x", at=ENDS),
+    # the engine's pipeline P2P goes through host memory, so a receive blocks the host on any lane
+    (OpKind.WAIT, "recv_activation"): OpSpec("wait_recv_activation", writes="x", at=ENDS, host_sync=True),
+    # attention, pre-MLP norm, router, permute
+    (OpKind.COMPUTE, "pre_dispatch"): OpSpec("compute_pre_dispatch", reads="x"),
+    (OpKind.LAUNCH, "split"): OpSpec("launch_split"),  # the split sizes go out
+    # ... and are known: the dispatcher's device-to-host sync, which blocks the host on any lane
+    (OpKind.WAIT, "split"): OpSpec("wait_split", host_sync=True),
+    (OpKind.LAUNCH, "dispatch"): OpSpec("launch_dispatch"),
+    (OpKind.WAIT, "dispatch"): OpSpec("wait_dispatch"),
+    (OpKind.COMPUTE, "experts"): OpSpec("compute_experts"),
+    (OpKind.LAUNCH, "combine"): OpSpec("launch_combine"),
+    (OpKind.WAIT, "combine"): OpSpec("wait_combine"),
+    # unpermute, residual add: the layer's output
+    (OpKind.COMPUTE, "combine"): OpSpec("compute_combine", writes="x"),
+    (OpKind.COMPUTE, "head"): OpSpec("compute_head", reads="x", at=ENDS),
+    (OpKind.LAUNCH, "send_activation"): OpSpec("launch_send_activation", reads="x", at=ENDS),
+    (OpKind.COMPUTE, "head_bwd"): OpSpec("compute_head_bwd", writes="g", at=ENDS),
+    (OpKind.WAIT, "recv_grad"): OpSpec("wait_recv_grad", writes="g", at=ENDS, host_sync=True),
+    (OpKind.COMPUTE, "combine_bwd"): OpSpec("compute_combine_bwd", reads="g"),
+    (OpKind.LAUNCH, "combine_bwd"): OpSpec("launch_combine_bwd"),
+    (OpKind.WAIT, "combine_bwd"): OpSpec("wait_combine_bwd"),
+    (OpKind.COMPUTE, "experts_bwd"): OpSpec("compute_experts_bwd"),  # dgrad, and wgrad unless delayed
+    (OpKind.LAUNCH, "dispatch_bwd"): OpSpec("launch_dispatch_bwd"),
+    (OpKind.WGRAD, "experts"): OpSpec("wgrad_experts"),
+    (OpKind.WAIT, "dispatch_bwd"): OpSpec("wait_dispatch_bwd"),
+    (OpKind.COMPUTE, "pre_dispatch_bwd"): OpSpec("compute_pre_dispatch_bwd", writes="g"),
+    (OpKind.COMPUTE, "replay_input"): OpSpec("compute_replay_input", writes="r"),
+    (OpKind.COMPUTE, "replay_pre_dispatch"): OpSpec("compute_replay_pre_dispatch", reads="r"),
+    (OpKind.LAUNCH, "replay_dispatch"): OpSpec("launch_replay_dispatch"),
+    (OpKind.WAIT, "replay_dispatch"): OpSpec("wait_replay_dispatch"),
+    (OpKind.COMPUTE, "replay_experts"): OpSpec("compute_replay_experts"),
+    (OpKind.LAUNCH, "replay_combine"): OpSpec("launch_replay_combine"),
+    (OpKind.WAIT, "replay_combine"): OpSpec("wait_replay_combine"),
+    (OpKind.COMPUTE, "replay_combine"): OpSpec("compute_replay_combine", writes="r"),
+    (OpKind.WGRAD, "attention"): OpSpec("wgrad_attention"),
+    (OpKind.COMPUTE, "embedding_bwd"): OpSpec("compute_embedding_bwd", reads="g", at=ENDS),
+    (OpKind.LAUNCH, "send_grad"): OpSpec("launch_send_grad", reads="g", at=ENDS),
+    (OpKind.PLAIN, "forward"): OpSpec("plain_forward", at=WHOLE),
+    (OpKind.PLAIN, "backward"): OpSpec("plain_backward", at=WHOLE),
 }
-# The ops at a chunk's ends (run by the unit's runner, not one of its layers'), and a whole chunk's (overlap off).
-CHUNK_END_OPS = frozenset(
-    (kind, name)
-    for kind, name in OPS
-    if name in ("embedding", "recv_activation", "head", "send_activation", "head_bwd", "recv_grad", "embedding_bwd",
-                "send_grad")
-)  # fmt: skip
-PLAIN_OPS = frozenset((kind, name) for kind, name in OPS if kind == OpKind.PLAIN)
-LAYER_OPS = frozenset(OPS) - CHUNK_END_OPS - PLAIN_OPS
+LAYER_OPS = frozenset(op for op, spec in OPS.items() if spec.at == LAYER)
+CHUNK_END_OPS = frozenset(op for op, spec in OPS.items() if spec.at == ENDS)
+PLAIN_OPS = frozenset(op for op, spec in OPS.items() if spec.at == WHOLE)
 
 
 def runner_protocol(name: str, ops) -> type:
-    """A runtime-checkable protocol with one method ``<kind>_<name>`` per op of ``ops``."""
+    """A runtime-checkable protocol with the method of each op of ``ops`` (:attr:`OpSpec.method`)."""
 
     def method(self, *args: Any) -> Any: ...
 
-    namespace = {f"{kind}_{op}": method for kind, op in sorted(ops)}
+    namespace = {OPS[op].method: method for op in sorted(ops)}
     return runtime_checkable(type(name, (Protocol,), namespace))
 
 
@@ -114,9 +145,21 @@ class Op:
             raise ValueError(f"{self.kind} {self.name}: not an op of the program (program.ops.OPS)")
 
     @property
-    def method(self) -> str:
-        """The nodes' method that runs it."""
-        return f"{self.kind}_{self.name}"
+    def spec(self) -> OpSpec:
+        """Its entry in :data:`OPS`: the method that runs it, what it reads and writes, whether it syncs the host."""
+        return OPS[(self.kind, self.name)]
+
+    @property
+    def lane(self) -> str | None:
+        """Whose order the op keeps across units (within its unit it keeps program order: it must be issued after
+        the earlier ops of its unit and of its lane). ``"compute"``: computations (``compute``, ``wgrad``, ``plain``),
+        which accumulate into the same gradients and draw from the same RNG, so their order is the numbers, and the
+        waits for transfers, which a device lane queues among them on its compute stream. ``"comm"``: launches,
+        which share the comm lane, and peers pair collectives by the order they are issued. None: a host sync
+        (:attr:`OpSpec.host_sync`), which holds up only the host."""
+        if self.spec.host_sync:
+            return None
+        return "comm" if self.kind == OpKind.LAUNCH else "compute"
 
     def __str__(self) -> str:
         return f"{self.kind} {self.name} u{self.unit}" + ("" if self.layer is None else f" L{self.layer}")

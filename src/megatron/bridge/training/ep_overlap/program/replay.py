@@ -91,7 +91,9 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
                                                               backward
 
     B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
-    pre_dispatch more than replaying just in time.
+    pre_dispatch more than replaying just in time. F's dispatch goes out at the end of window 2 and B's expert
+    backward runs beside it in window 3 (what ``steps.f_dispatch_beside_b_experts_bwd`` lays out in one window
+    without a replay); on a device lane B's replay compute of window 2 is queued before F's split-size sync.
     """
     j, k, moe_f, delay_wgrad, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
     f = [out.unit for out in outs]

@@ -3,15 +3,17 @@
 Contract:
     * :func:`program` yields one rank's step as :class:`Step` s, in order. Each step has a kind (``forward``,
       ``backward``, ``paired``, ``forward_pair``, ``backward_pair``), the units it covers (a chunked microbatch's
-      halves are units like any other), its P2P transfers, and windows of :class:`Op` s in host order. Edge pairing,
-      chunking, forward-only steps and pipeline parallelism are inputs of the generator; nothing downstream
-      branches on them.
+      halves are units like any other), its P2P transfers, and windows of :class:`Op` s in program order: the ops
+      that may overlap one another. Edge pairing, chunking, forward-only steps and pipeline parallelism are inputs
+      of the generator; nothing downstream branches on them.
     * An op is ``(kind, name)`` on one unit, and on one layer of its chunk or on the chunk's ends (:data:`OPS`):
       ``compute`` runs a node, ``launch`` starts an all-to-all (or a split-size exchange, or a P2P send),
       ``wait`` blocks until one has arrived, ``wgrad`` runs a delayed weight gradient, and ``plain`` runs a whole
       chunk through ordinary autograd (overlap off). Every consumer runs the ops through one loop
-      (``interpreter.run_ops``, method ``<kind>_<name>`` of a runner): the engine's nodes, the planner's cost and
-      memory runners; Megatron-Core's driver runs :func:`windows_of`'s per-kind step.
+      (``interpreter.run_ops``, the method :data:`OPS` names for each op): the engine's nodes, the planner's cost and
+      memory runners; Megatron-Core's driver runs :func:`windows_of`'s per-kind step. The order a lane issues them
+      in follows from the lane, in one place (``interpreter.issue_order``): a host lane (CPU) issues program order,
+      a device lane (CUDA) moves each host sync after the queued work that does not need it.
     * The paired layer step (:func:`layer_step`, forward of layer j of F with backward of layer L-1-j of B) has
       four windows; each all-to-all of one microbatch is launched just before compute of the other and waited for
       only where its consumer runs:
@@ -21,8 +23,10 @@ Contract:
           3. B.dispatch backward (comm)  ||  B.experts wgrad (delayed), F.experts
           4. F.combine (comm)            ||  B.pre_dispatch backward (dgrad)
 
-      B's attention wgrad (delayed) fills window ``attention_wgrad_window`` (1 or 2) of the next layer step; with
-      window 1 and a dense F layer it runs before F.pre_dispatch (there are no split sizes to hide behind it).
+      Window 2 is :func:`f_dispatch_beside_b_experts_bwd`. B's attention wgrad (delayed) fills window
+      ``attention_wgrad_window`` (1 or 2) of the next layer step; with window 1 and a dense F layer it runs before
+      F.pre_dispatch (there are no split sizes to hide behind it). The window is resolved before the program is
+      asked for: a step that defers its wgrad with no window (None) is an error, never a default.
     * Full recompute (``ChunkShape.segments``): B replays a recomputed segment's forward before the backward of its
       last layer, with ``replay_`` ops laid out beside F's (``replay.py``); the words are in ``ops.py``.
 """
@@ -32,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS
 from megatron.bridge.training.ep_overlap.program.ops import (
     COMPUTE,
     LAUNCH,
@@ -202,14 +207,15 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay_wgrad: bool) -> list[Op
 @dataclass(frozen=True)
 class StepWork:
     """What one step lays out: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of one shaped
-    ``bs`` (either may be empty, and its shape None), whether wgrad is delayed, and the attention wgrad's window."""
+    ``bs`` (either may be empty, and its shape None), whether wgrad is delayed, and the attention wgrad's window
+    (None where there is none to place)."""
 
     f: tuple[int, ...]
     b: tuple[int, ...]
     fs: ChunkShape | None
     bs: ChunkShape | None
     delay_wgrad: bool
-    window: int
+    window: int | None
 
 
 def _alone(w: StepWork) -> list[Window]:
@@ -223,10 +229,10 @@ def _alone(w: StepWork) -> list[Window]:
 class LayerPair:
     """One paired layer step: forward of layer ``forward`` (0-based in F's chunk), backward of layer ``backward`` (in
     B's chunk), whether each is an MoE layer, B's layer whose attention wgrad is still to run (``pending``; None:
-    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in, and full recompute's part:
-    the recomputed segment B's layer ends (``replay``, replayed in this step; None: nothing to replay here),
-    whether B's layer was replayed a step ahead (``replayed``), and the layer whose replay this step starts
-    (``replay_next``)."""
+    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in (None: nothing is delayed),
+    and full recompute's part: the recomputed segment B's layer ends (``replay``, replayed in this step; None:
+    nothing to replay here), whether B's layer was replayed a step ahead (``replayed``), and the layer whose replay
+    this step starts (``replay_next``)."""
 
     forward: int
     backward: int
@@ -234,7 +240,7 @@ class LayerPair:
     backward_moe: bool
     pending: int | None
     delay_wgrad: bool
-    window: int
+    window: int | None
     replay: tuple[int, int] | None = None
     replayed: bool = False  # B's layer was replayed a step ahead: its replay's combine is in flight
     replay_next: int | None = None  # the layer below whose replay this step starts (one-layer segments)
@@ -261,9 +267,7 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
     w1 += [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
     w1 += [Op(LAUNCH, "split", u, j) for u in f] if moe_f else []
     w1 += wgrad if window == 1 and not early else []
-    w2 = [Op(WAIT, "split", u, j) for u in f] if moe_f else []
-    w2 += [Op(LAUNCH, "dispatch", u, j) for u in f] + (wgrad if window == 2 else [])
-    w2 += [op for u in b for op in _experts_dgrad(u, k)]
+    w2 = f_dispatch_beside_b_experts_bwd(f, b, pair, wgrad if window == 2 else [])
     w3 = [Op(LAUNCH, "dispatch_bwd", u, k) for u in b]
     w3 += [Op(WGRAD, "experts", u, k) for u in b] if delay_wgrad and moe_b else []
     w3 += [op for u in f for op in (Op(WAIT, "dispatch", u, j), Op(COMPUTE, "experts", u, j))]
@@ -272,6 +276,22 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
         out.pending = j
     label = f"F L{j} + B L{k}"
     return [Window(f"{label} {i}", tuple(ops)) for i, ops in enumerate((w1, w2, w3, w4), 1)]
+
+
+def f_dispatch_beside_b_experts_bwd(f: Sequence[int], b: Sequence[int], pair: LayerPair, wgrad: list[Op]) -> list[Op]:
+    """Window 2 of the paired layer step: microbatch i+1's (F's) dispatch is launched beside microbatch i's (B's)
+    expert backward (dgrad, and wgrad unless delayed), with B's previous attention wgrad when it goes here.
+
+    In program order F's split-size sync (``wait split``) and dispatch launch come first. That is the order a host
+    lane issues (compute blocks the host, so the dispatch must be on its way before it). On a device lane the sync
+    would stall the host with nothing new queued, so ``interpreter.issue_order`` issues B's expert backward (and
+    the wgrad) first and syncs after it: Megatron-Core's plan also queues ``b_layer.mlp.backward`` before
+    ``f_layer.moe_dispatch.forward``. Only the sync and what needs it move; the numbers are the same.
+    """
+    j, k = pair.forward, pair.backward
+    ops = [Op(WAIT, "split", u, j) for u in f] if pair.forward_moe else []
+    ops += [Op(LAUNCH, "dispatch", u, j) for u in f] + wgrad
+    return ops + [op for u in b for op in _experts_dgrad(u, k)]
 
 
 def _paired(w: StepWork) -> list[Window]:
@@ -360,11 +380,30 @@ def step_kind(forwards: int, backwards: int) -> StepKind:
 
 
 def windows_of(
-    kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int
+    kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int | None
 ) -> list[Window]:
     """The windows of one step of ``kind``: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of
-    one shaped ``bs`` (what Megatron-Core's driver runs per call, and what :func:`program` yields per step)."""
+    one shaped ``bs`` (what Megatron-Core's driver runs per call, and what :func:`program` yields per step).
+
+    Args:
+        delay_wgrad: Whether the backward defers its weight gradients to ``wgrad`` ops.
+        window: The window (1 or 2) of the next layer step that runs a layer's delayed attention wgrad; None only
+            where there is none to place (no backward, or nothing delayed).
+
+    Raises:
+        ValueError: When a backward defers its wgrad and ``window`` is not 1 or 2 (auto is resolved before).
+    """
+    if delay_wgrad and b:
+        _check_window(window)
     return _BUILD[kind](StepWork(tuple(f), tuple(b), fs, bs, delay_wgrad, window))
+
+
+def _check_window(window) -> None:
+    if window not in WGRAD_WINDOWS:
+        raise ValueError(
+            f"attention_wgrad_window={window!r}: the program puts each delayed attention wgrad in window 1 or 2 of "
+            "the next layer step; resolve the window (auto: EPOverlapEngine's placement) before asking for it"
+        )
 
 
 # ---- the generator -----------------------------------------------------------------------------------------
@@ -378,16 +417,31 @@ def program(
     pipeline_size: int = 1,
     rank: int = 0,
     forward_only: bool = False,
+    delay_wgrad: bool | None = None,
+    window: int | None = None,
 ) -> Iterator[Step]:
     """This rank's step: ``shapes`` are its chunks in virtual-stage order, ``options`` an ``EPOverlapOptions``.
 
     With overlap off every step runs a whole chunk through ordinary autograd (``plain``). A forward-only step
     overlaps at PP = 1 only (two forwards at a time); with PP > 1 it runs plain.
+
+    Args:
+        delay_wgrad: Whether overlapped steps defer weight gradients, as the settings resolved it
+            (``Settings.delay_wgrad``); None: the options' (``options.delay_wgrad``, for a caller with no settings,
+            the planner's).
+        window: The window (1 or 2) of the attention wgrad a step defers, as the settings resolved it
+            (``Settings.attention_wgrad_window``); None: the options' ``attention_wgrad_window``.
+
+    Raises:
+        ValueError: When an overlapped training step defers its wgrad and the window is not 1 or 2 (auto is resolved
+            before a step's program is asked for; never assumed here).
     """
     overlap = options.overlap and not (forward_only and pipeline_size > 1)
     chunks = options.moe_ep_overlap_chunks if overlap else 1
-    delay_wgrad = overlap and options.delay_wgrad
-    window = options.attention_wgrad_window or 1
+    delay_wgrad = overlap and (options.delay_wgrad if delay_wgrad is None else delay_wgrad)
+    window = options.attention_wgrad_window if window is None else window
+    if delay_wgrad and not forward_only:  # the only steps that read the window
+        _check_window(window)
     plan = units(num_microbatches, chunks, forward_only=forward_only)
     of: dict[int, list[tuple[int, Unit]]] = {}
     for u, unit in enumerate(plan):
