@@ -391,6 +391,86 @@ def test_a_microbatch_the_plan_cannot_run_is_refused_before_it_runs(argument, li
         assert "; fix: " in outcome.result
 
 
+def build_packed_like(rank: int, world: int) -> dict:
+    """One row whose position ids restart inside it (two documents), built as Megatron-Bridge 0.6.2's forward steps
+    build it (no ``packed_seq_params`` keyword), with the keyword given as None, and a padded row."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    model = build_gpt(McoreCase())
+    model.config.overlap_moe_expert_parallel_comm = True
+    use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+    tokens = torch.zeros(1, SEQ, dtype=torch.long)
+    packed, padded = torch.cat([torch.arange(5), torch.arange(SEQ - 5)])[None], torch.arange(SEQ)[None]
+    out = {}
+    for name, positions, keyword in (
+        ("dropped", packed, {}),
+        ("said_none", packed, {"packed_seq_params": None}),
+        ("padded", padded, {}),
+    ):
+        try:
+            model.build_schedule_plan(tokens, positions, None, labels=tokens, **keyword)
+            out[name] = "accepted"
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
+def test_a_packed_microbatch_built_without_its_parameters_is_refused_from_what_the_builder_is_given():
+    # No frame of Megatron-Bridge's is on the stack here: the builder decides from its arguments (packed_guard.py).
+    for outcome in run_local_ranks(build_packed_like, 2):
+        dropped = outcome.result["dropped"]
+        assert dropped.startswith("EP-overlap build_schedule_plan: packed_seq_params: this microbatch's position ids")
+        assert "Megatron-Bridge's gpt_step forward step (0.6.2, unpatched)" in dropped
+        assert outcome.result["said_none"] == "accepted" and outcome.result["padded"] == "accepted"
+
+
+def resolved_settings(rank: int, world: int) -> dict:
+    """What the hook and the engine read from ``Settings``: the window where the options say None, and the
+    dispatcher's kind (an allgather dispatcher's model is built; the rules refuse it where the overlap runs)."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
+
+    out = {}
+    for delay in (False, True):
+        model = build_gpt(McoreCase())
+        model.config.overlap_moe_expert_parallel_comm, model.config.delay_wgrad_compute = True, delay
+        try:
+            use_ep_overlap_schedule([model], timeout=timedelta(seconds=30), attention_wgrad_window=None)
+            out[f"window_none_delay_{delay}"] = model.build_schedule_plan.settings.attention_wgrad_window
+        except ValueError as error:
+            out[f"window_none_delay_{delay}"] = str(error)
+    groups = mcore_ep_groups(timedelta(seconds=30))
+    install_fake_deepep()
+    out["flex_owns_comm"] = [layer.owns_comm for layer in chunk_for(build_gpt(McoreCase(dispatcher="flex"))).layers]
+    allgather = chunk_for(build_gpt(McoreCase(dispatcher="allgather")))  # the plan no longer refuses it itself
+    out["allgather_owns_comm"] = [layer.owns_comm for layer in allgather.layers]
+    try:
+        EPOverlapEngine(allgather, groups, overlap=True)
+    except ValueError as error:
+        out["allgather_engine"] = str(error)
+    return out
+
+
+def test_the_hook_and_the_plan_read_the_window_and_the_dispatcher_from_settings():
+    for outcome in run_local_ranks(resolved_settings, 2):
+        result = outcome.result
+        # Without delayed wgrad there is no window to place: None is window 1 (as in EPOverlapEngine); the hook
+        # refused it before, though its reason (the planner cannot choose under Megatron-Core's driver) needs one.
+        assert result["window_none_delay_False"] == 1
+        assert result["window_none_delay_True"].startswith(
+            "attention_wgrad_window=None (auto): Megatron-Core's driver runs every step overlapped"
+        )
+        assert result["flex_owns_comm"] == [True, True] and result["allgather_owns_comm"] == [False, False]
+        # The one refusal of the dispatcher is the rules' line.
+        lines = result["allgather_engine"].splitlines()
+        assert lines[0] == "communication overlap config has 1 problem:", lines
+        assert lines[1].startswith("  - [token_dispatcher] model.moe_token_dispatcher_type='allgather'"), lines
+
+
 def _disagreeing_counts(rank: int, world: int, announced: bool = False) -> dict:
     import time
 

@@ -197,3 +197,51 @@ def _refused(rank: int, world: int, kind: str) -> str:
 def test_the_engine_refuses_a_packed_microbatch_it_cannot_run(kind, line):
     for outcome in run_local_ranks(_refused, 2, (kind,)):
         assert line in outcome.result, outcome.result
+
+
+def _params_of(documents: tuple[int, ...]):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.tensor(documents, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(documents[:-1], documents[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)  # fmt: skip
+
+
+def two_forwards_in_flight(rank: int, world: int) -> dict:
+    """Two packed microbatches whose rotary embeddings differ (documents of 5 and 3 tokens, and one of 8) through the
+    engine with edge pairing, whose warm-up runs both forwards at once: embed one, embed the other, then each one's
+    layers and head (MTP layer included), against the plain path."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
+
+    groups = mcore_ep_groups(timedelta(seconds=30))
+    gen = torch.Generator().manual_seed(rank)
+    data = [(*torch.randint(0, 64, (2, 1, SEQ), generator=gen), _params_of(d)) for d in (DOCUMENTS, (0, SEQ))]
+    out = {}
+    for arm in ("plain", "overlap"):
+        model = build_model(McoreCase(packed=True, rope=True, mtp=True, microbatches=2))
+        overlap = arm == "overlap"
+        engine = EPOverlapEngine(chunk_for(model), groups, overlap=overlap, edge_pairing=overlap)
+        result = engine.step(data)
+        out[arm] = {
+            "kinds": {str(step.kind) for step in engine.schedule(len(data))},
+            "losses": torch.stack(result.losses),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        }
+    return out
+
+
+def test_one_microbatchs_embed_does_not_change_what_another_forward_in_flight_reads():
+    """The chunk keeps no microbatch's rotary embedding: before, each embed wrote its own on the chunk, and the first
+    microbatch's MTP layer read the second's (a table as long as its row, which Megatron-Core's THD rotary reads as
+    positions counted across the row's documents), so its gradients differed from the plain path's."""
+    for rank in run_local_ranks(two_forwards_in_flight, 2, collective_timeout_s=60):
+        plain, overlap = rank.result["plain"], rank.result["overlap"]
+        assert "forward_pair" in overlap["kinds"]
+        assert_bitwise(plain["losses"], overlap["losses"], f"rank {rank.rank} losses")
+        assert plain["grads"].keys() == overlap["grads"].keys()
+        for param, grad in plain["grads"].items():
+            assert_bitwise(grad, overlap["grads"][param], f"rank {rank.rank} {param}")

@@ -8,6 +8,7 @@ import pytest
 from megatron.bridge.models.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
+from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
@@ -96,3 +97,51 @@ def test_a_chunk_without_the_declared_hooks_is_refused_naming_the_base_class():
 
     with pytest.raises(TypeError, match=r"SimpleNamespace: a layer the engine runs inherits .*LayerHooks"):
         EPOverlapEngine(Chunk(), None, overlap=True)
+
+
+@pytest.mark.parametrize(
+    "overlap, delay, window, resolved",
+    [
+        (True, True, 2, (True, False, 2)),
+        (True, True, None, (True, True, 1)),  # auto: the planner is still to choose (1 for the steps before it)
+        (True, False, None, (False, False, 1)),  # nothing delayed: nothing to place
+        (True, False, 2, (False, False, 2)),
+        (False, True, None, (False, False, 1)),  # delayed wgrad runs only in the overlapped schedule
+    ],
+)
+def test_settings_resolve_delayed_wgrad_and_the_window_once(overlap, delay, window, resolved):
+    options = EPOverlapOptions(overlap=overlap, delay_wgrad=delay, attention_wgrad_window=window)
+    settings = resolve(_chunk().config, options)
+    assert (settings.delay_wgrad, settings.wgrad_window_auto, settings.attention_wgrad_window) == resolved
+
+
+def test_the_planners_choice_is_where_auto_becomes_a_window():
+    settings = resolve(_chunk().config, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=None))
+    placed = settings.placed(2)
+    assert not placed.wgrad_window_auto and placed.attention_wgrad_window == placed.options.attention_wgrad_window == 2
+    assert placed.violations == settings.violations
+    plain = settings.plain()  # the measured step: nothing delayed, nothing to place
+    assert not plain.delay_wgrad and not plain.wgrad_window_auto
+    with pytest.raises(ValueError, match=r"the planner chose attention wgrad window 3, not one of \(1, 2\)"):
+        settings.placed(3)
+
+
+def _auto_in_the_base_engine(rank: int, world: int) -> str:
+    groups = init_ep_groups(2, timedelta(seconds=30))
+    case = Case(layer_freq=(1, 1))
+    model = MoEGPTModel(case.config(), groups, seed=7)
+    from megatron.bridge.training.ep_overlap.engine.driver import Engine
+
+    engine = Engine(model, groups, overlap=True, delay_wgrad=True, attention_wgrad_window=None)
+    assert engine.attention_wgrad_window is None  # still to choose
+    engine.step(batches(case, rank, 0), forward_only=True)  # a forward-only step places no attention wgrad
+    try:
+        engine.step(batches(case, rank, 0))
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_only_ep_overlap_engine_chooses_the_window():
+    for outcome in run_local_ranks(_auto_in_the_base_engine, 2):
+        assert outcome.result == "attention_wgrad_window=None (auto) is chosen by EPOverlapEngine; give 1 or 2 here"

@@ -2,7 +2,8 @@
 
 Every consumer takes the same object: the engine, the planner, the program, the harness and the Megatron-Core hook.
 What may not be combined is refused by the rules table: ``settings.resolve`` checks a model config with these options
-(one line per problem with its fix, the same line wherever it is checked).
+(one line per problem with its fix, the same line wherever it is checked). What they resolve to (delayed wgrad only
+with overlap, the attention wgrad's window where it is None) is ``settings.Settings``' to say, not a consumer's.
 """
 
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ class EPOverlapOptions:
             plain path (ordinary autograd, blocking all-to-alls), the reference every option is bitwise equal to.
         delay_wgrad: Defer expert and attention weight gradients into the windows that have comm to hide.
         attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
-            wgrad: 1 (beside B.combine backward) or 2 (beside F.dispatch). None (auto, PP = 1): the first training
-            step runs the plain path and the planner picks the window from its costs.
+            wgrad: 1 (beside B.combine backward) or 2 (beside F.dispatch). None (auto, PP = 1): ``EPOverlapEngine``'s
+            first training step runs the plain path and the planner picks the window from its costs (``Settings``
+            resolves what None means: ``wgrad_window_auto``, ``attention_wgrad_window``, ``placed``).
         edge_pairing: At PP = 1, pair the warm-up's two forwards and the cool-down's two backwards instead of
             running one microbatch alone at each end (bitwise; one more microbatch's activations alive).
         moe_ep_overlap_chunks: 2 splits each microbatch that would run alone in two halves along the batch and runs

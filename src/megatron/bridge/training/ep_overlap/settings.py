@@ -1,4 +1,5 @@
-"""A model's EP-overlap settings, resolved once: the schedule's options, full recompute's segments, the broken rules.
+"""A model's EP-overlap settings, resolved once: the schedule's options and what they resolve to, full recompute's
+segments, the token dispatcher's kind, the broken rules.
 
 Contract:
     * :func:`resolve` turns a model config (read by attribute name: a Megatron-Core ``TransformerConfig``, the
@@ -7,8 +8,15 @@ Contract:
       implies (``overlap_moe_expert_parallel_comm``, ``delay_wgrad_compute``), the layers full recompute replays,
       and which EP-overlap rules the pair breaks (``moe_overlap_rules``). The engine, the Megatron-Core hook and
       plans, the reference model, the planner, the harness and ``CommOverlapConfig.setup`` all read them here.
+    * What the options resolve to is read here, never re-derived by a consumer: :attr:`Settings.delay_wgrad`
+      (delayed wgrad runs only in the overlapped schedule: overlap and delay), :attr:`Settings.attention_wgrad_window`
+      (always 1 or 2, see there) with :attr:`Settings.wgrad_window_auto` (the planner is still to choose it: the
+      options' None with delayed wgrad) and :meth:`Settings.placed` (where an automatic window becomes the chosen
+      one, once: ``EPOverlapEngine``'s first training step), and :attr:`Settings.moe_layers_own_comm` (the flex
+      dispatcher: MoE layers move their own tokens; else the schedule's comm lane does).
     * An invalid setting is a violation (one line each, with its fix), never an empty result:
-      :meth:`Settings.segments` refuses to cut a chunk by a full-recompute setting the rules refuse.
+      :meth:`Settings.segments` refuses to cut a chunk by a full-recompute setting the rules refuse. Which values
+      are valid (the window's, the dispatcher's) is the rules' alone; the properties above assume valid settings.
     * Where a value is written: :func:`defer_overlap_flag` keeps the overlap flag (and delayed wgrad, which needs it)
       off a Megatron-Bridge model provider whose Megatron-Core checks would refuse it (the plain 1F1B pipeline:
       PP > 1 without virtual stages, under this project's schedule), noting them on the config.
@@ -19,10 +27,10 @@ Contract:
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
@@ -47,16 +55,59 @@ class Settings:
         options: The schedule's options.
         violations: Every broken rule, in the rules table's order.
         full_recompute: ``(recompute_method, recompute_num_layers)`` when the config asks for full recompute.
+        token_dispatcher: The model config's ``moe_token_dispatcher_type`` (the rules say which the overlap takes).
     """
 
     options: EPOverlapOptions
     violations: tuple[Violation, ...] = ()
     full_recompute: tuple[Any, Any] | None = None
+    token_dispatcher: str | None = None
 
     @property
     def delay_wgrad(self) -> bool:
         """Whether overlapped steps defer weight gradients (delayed wgrad runs only in the overlapped schedule)."""
         return self.options.overlap and self.options.delay_wgrad
+
+    @property
+    def wgrad_window_auto(self) -> bool:
+        """Whether the planner is still to choose the attention wgrad's window: delayed wgrad with the options'
+        ``attention_wgrad_window=None`` (auto). ``EPOverlapEngine`` measures its first training step on the plain
+        path, then :meth:`placed` fixes the window; an overlapped training step is refused until then. Without
+        delayed wgrad there is nothing to place, so None is not auto."""
+        return self.delay_wgrad and self.options.attention_wgrad_window is None
+
+    @property
+    def attention_wgrad_window(self) -> int:
+        """The window (1 or 2) of the next layer step that runs a layer's delayed attention wgrad: the options'
+        window where they give one. Where they give None: 1 without delayed wgrad (no step places an attention
+        wgrad), and 1 while the planner is still to choose (:attr:`wgrad_window_auto`), which only the steps that
+        place none run with (the measured plain step, forward-only steps)."""
+        window = self.options.attention_wgrad_window
+        return WGRAD_WINDOWS[0] if window is None else window
+
+    @property
+    def moe_layers_own_comm(self) -> bool:
+        """Whether MoE layers move their own tokens: the ``flex`` dispatcher, whose backend fuses permute and
+        all-to-all (a layer that ``owns_comm``). Otherwise (``alltoall``) the schedule's comm lane all-to-alls the
+        tokens the dispatcher permuted, with its split sizes."""
+        return self.token_dispatcher == "flex"
+
+    def placed(self, window: int) -> "Settings":
+        """These settings with the attention wgrad in ``window``, which the planner chose: where an automatic window
+        becomes a number (once, ``EPOverlapEngine``).
+
+        Raises:
+            ValueError: When ``window`` is not one of ``WGRAD_WINDOWS``.
+        """
+        if window not in WGRAD_WINDOWS:
+            raise ValueError(f"the planner chose attention wgrad window {window!r}, not one of {WGRAD_WINDOWS}")
+        return replace(self, options=replace(self.options, attention_wgrad_window=window))
+
+    def plain(self) -> "Settings":
+        """These settings for one step on the plain path (overlap off, so nothing is delayed and there is no window
+        to place): ``EPOverlapEngine``'s measured step. The violations stay these settings': the step belongs to
+        this configuration (a configuration asking for delayed wgrad with overlap off is another one, refused)."""
+        return replace(self, options=replace(self.options, overlap=False))
 
     def checked(self) -> "Settings":
         """These settings, when no rule is broken.
@@ -116,7 +167,8 @@ def resolve(
     full = None
     if getattr(model_config, "recompute_granularity", None) == "full":
         full = (getattr(model_config, "recompute_method", None), getattr(model_config, "recompute_num_layers", None))
-    return Settings(options, tuple(violations), full)
+    dispatcher = getattr(model_config, "moe_token_dispatcher_type", None)
+    return Settings(options, tuple(violations), full, dispatcher)
 
 
 def defer_overlap_flag(model_config: Any) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.utils import versions
 
 # Keys of the facts mapping. Prefixes say where a value comes from, and are what error messages print.
@@ -52,9 +53,11 @@ SPELLED = "check.spelled_as"
 # False while a recipe's config is set up (CommOverlapConfig.setup runs before Bridge builds the model config).
 MODEL_BUILT = "check.model_config_built"
 
-# Where Megatron-Core's own overlapped schedule stands on full recompute: what would allow it.
-MCORE_FULL_RECOMPUTE = "0.19; its dev line replays it (PRs #5869, #6311), main's PR #6429 is still open"
-_SCHEDULE_DEFAULTS = {CHUNKS: 1, EDGE_PAIRING: False, WGRAD_WINDOW: 1, OFF_HOST: None}
+# The Megatron-Core release line the full-recompute rules of its own overlapped schedule describe: the one this
+# project supports, whose TransformerConfig refuses full recompute with overlap_moe_expert_parallel_comm.
+MCORE_FULL_RECOMPUTE = "0.19"
+# The schedule options the rules read (an EPOverlapOptions' fields, read by attribute).
+_SCHEDULE_OPTIONS = (CHUNKS, EDGE_PAIRING, WGRAD_WINDOW, OFF_HOST)
 
 TE_GROUPED_GEMM = "transformer_engine"
 TORCH_GROUPED_GEMM = "torch"
@@ -269,8 +272,8 @@ def gather_facts(
     """Collects every value the rules read into one flat mapping keyed by where it comes from.
 
     ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions. ``options``
-    (an ``EPOverlapOptions``, read by attribute) adds the schedule's options; ``micro_batch_size`` what a launcher
-    knows of the data.
+    (an ``EPOverlapOptions``, read by attribute; None: its defaults) adds the schedule's options;
+    ``micro_batch_size`` what a launcher knows of the data.
     """
     facts: dict[str, Any] = {
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
@@ -289,8 +292,9 @@ def gather_facts(
     facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
     facts[TORCH_AT_LEAST] = torch_at_least or (lambda minimum: _at_least(facts[TORCH], minimum))
     facts[TE_AT_LEAST] = te_at_least or (lambda minimum: _at_least(facts[TE], minimum))
-    for key, default in _SCHEDULE_DEFAULTS.items():
-        facts[key] = getattr(options, key.split(".", 1)[1], default)
+    options = EPOverlapOptions() if options is None else options
+    for key in _SCHEDULE_OPTIONS:
+        facts[key] = getattr(options, key.split(".", 1)[1])
     facts[MICRO_BATCH] = micro_batch_size
     facts[MODEL_BUILT] = model_config_built
     return facts
@@ -344,12 +348,6 @@ def bridge_schedule(f: Mapping[str, Any]) -> bool:
 
 def full_recompute(f: Mapping[str, Any]) -> bool:
     return bridge_schedule(f) and f["model.recompute_granularity"] == "full"
-
-
-def plain_pipeline(f: Mapping[str, Any]) -> bool:
-    """Pipeline stages without virtual ones: the plain 1F1B pipeline."""
-    pipeline, virtual = f["model.pipeline_model_parallel_size"] or 1, f["model.virtual_pipeline_model_parallel_size"]
-    return pipeline > 1 and virtual is None
 
 
 def delay_wgrad_on(f: Mapping[str, Any]) -> bool:

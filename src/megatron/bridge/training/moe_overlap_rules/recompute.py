@@ -29,8 +29,8 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         mcore_schedule,
         lambda f: f["model.recompute_granularity"] != "full",
         "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation. "
-        f"Megatron-Core's own overlapped schedule refuses it up to its latest release ({MCORE_FULL_RECOMPUTE}); "
-        "this project's schedule replays it.",
+        f"Megatron-Core {MCORE_FULL_RECOMPUTE}'s own overlapped schedule refuses it (its TransformerConfig asserts "
+        "this); this project's schedule replays it.",
         "set recompute_granularity=None (or 'selective' without 'moe'), or run this project's schedule "
         "(EPOverlapEngine with the reference MoE GPT).",
     ),

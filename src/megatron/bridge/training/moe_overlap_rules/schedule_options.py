@@ -1,6 +1,7 @@
 """This project's schedule options (``EPOverlapOptions``): the attention-wgrad window, off-host launches,
 chunked unpaired phases."""
 
+from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS
 from megatron.bridge.training.moe_overlap_rules.facts import (
     CHUNKS,
     EDGE_PAIRING,
@@ -18,7 +19,7 @@ SCHEDULE_OPTION_RULES: tuple[Rule, ...] = (
         "attention_wgrad_window",
         (WGRAD_WINDOW,),
         lambda f: True,
-        lambda f: f[WGRAD_WINDOW] in (1, 2, None),
+        lambda f: f[WGRAD_WINDOW] in (*WGRAD_WINDOWS, None),
         "the delayed attention wgrad goes to window 1 (beside B.combine backward) or 2 (beside F.dispatch).",
         "set attention_wgrad_window to 1, 2, or None (auto: the planner chooses).",
     ),

@@ -10,24 +10,25 @@ Contract:
     * Gradients accumulate over microbatches as in the plain path; after the last microbatch, non-expert
       gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once. The
       step's synced gradient is then added to what ``.grad`` (or ``main_grad``) held before it, as autograd and
-      Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. A chunk that
-      offers ``update_router_biases(groups)`` gets it called once per training step after that sync (where
-      Megatron-Core's ``finalize_model_grads`` moves its routers' expert biases); one that offers
-      ``sync_pipeline_copies(groups)`` gets it called with the data-parallel sync (a weight held on two pipeline
-      stages, such as a tied or MTP embedding, gets its copies' gradients summed); one that offers
-      ``start_step(loss)`` gets it called before the step runs with the step's ``contract.StepLoss`` (its
-      loss-carrying units, data-parallel size and token count: what an auxiliary loss's backward scale is set
-      from, per step, so no state another driver left in the process changes a result), and ``finish_step()``
-      after it, done or failed.
+      Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. Every chunk's
+      hooks (``contract.ChunkHooks``, no-ops unless the chunk overrides them) are called: ``update_router_biases``
+      once per training step after that sync (where Megatron-Core's ``finalize_model_grads`` moves its routers'
+      expert biases); ``sync_pipeline_copies`` with the data-parallel sync (a weight held on two pipeline stages,
+      such as a tied or MTP embedding, gets its copies' gradients summed); ``start_step(loss)`` before the step
+      runs, with the step's ``contract.StepLoss`` (its loss-carrying units, data-parallel size and token count: what
+      an auxiliary loss's backward scale is set from, per step, so no state another driver left in the process
+      changes a result), and ``finish_step()`` after it, done or failed.
     * A training step under ``torch.no_grad()`` is refused, on every path, before it runs anything; a forward-only
       step (``forward_only=True``) runs without gradients whatever the grad mode.
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
       finite fails every rank at once, naming the rank and the microbatch (``inputs.check_finite``); the
       parameters' gradients are then as they were before the step.
-    * Options come in one :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, checked by the
-      rules table when the engine is built: what it refuses raises the same :class:`CommOverlapConfigError` that
-      ``CommOverlapConfig.setup``, the harness and the Megatron-Core hook raise. The attention-wgrad window is a
-      value here; ``EPOverlapEngine`` (``ep_overlap_engine.py``) lets the planner choose it.
+    * Options come in one :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, resolved and
+      checked by the rules table when the engine is built (``settings.resolve``, kept as ``engine.settings``): what
+      it refuses raises the same :class:`CommOverlapConfigError` that ``CommOverlapConfig.setup``, the harness and
+      the Megatron-Core hook raise. The program gets what the settings resolved (whether wgrad is delayed, the
+      attention wgrad's window); the engine derives neither. An automatic window is chosen by ``EPOverlapEngine``
+      (``ep_overlap_engine.py``); this class refuses an overlapped training step until it is chosen.
     * The loss of a step is the sum of token cross-entropies over every microbatch of every rank, divided by the
       number of tokens that count (``inputs.py``); only the last pipeline stage has losses.
     * With delayed wgrad every deferred weight gradient runs once, within its own microbatch's backward, where the
@@ -57,7 +58,7 @@ from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.settings import resolve
+from megatron.bridge.training.ep_overlap.settings import Settings, resolve
 from megatron.bridge.utils.process_groups import EPGroups
 
 
@@ -151,7 +152,7 @@ class Engine:
         problems = _layout_problems(self.chunks, config, groups)
         if problems:
             raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))
-        self.model, self.groups, self.options = model, groups, options
+        self.model, self.groups = model, groups
         self.shapes = [ChunkShape.of(chunk) for chunk in self.chunks]
         if options.launch_off_host:
             why = self._why_not_off_host(options, next(self.chunks[0].parameters()).device)
@@ -165,8 +166,15 @@ class Engine:
         return cls(model, groups, EPOverlapOptions.from_config(config, **fields))
 
     @property
+    def options(self) -> EPOverlapOptions:
+        """The schedule's options as the steps run them (with the window the planner chose, once it has)."""
+        return self.settings.options
+
+    @property
     def attention_wgrad_window(self) -> int | None:
-        return self.options.attention_wgrad_window
+        """The attention wgrad's window the overlapped steps run with; None while the planner is still to choose
+        it (``Settings.wgrad_window_auto``)."""
+        return None if self.settings.wgrad_window_auto else self.settings.attention_wgrad_window
 
     def _why_not_off_host(self, options: EPOverlapOptions, device: torch.device) -> str | None:
         if not options.overlap:
@@ -183,24 +191,30 @@ class Engine:
         wanted = options.launch_off_host is not False and self.groups.ep_size > 1
         return wanted and self._why_not_off_host(options, device) is None
 
-    def schedule(self, num_microbatches: int, *, forward_only: bool = False, options=None) -> list[Step]:
-        """This rank's program for a step of ``num_microbatches`` (what :meth:`step` executes)."""
+    def schedule(
+        self, num_microbatches: int, *, forward_only: bool = False, settings: Settings | None = None
+    ) -> list[Step]:
+        """This rank's program for a step of ``num_microbatches`` (what :meth:`step` executes), as ``settings``
+        (default: the engine's) resolved the options."""
+        settings = settings or self.settings
         return list(
             program(
-                options or self.options,
+                settings.options,
                 self.shapes,
                 num_microbatches,
                 pipeline_size=self.groups.pp_size,
                 rank=self.groups.pp_rank,
                 forward_only=forward_only,
+                delay_wgrad=settings.delay_wgrad,
+                window=settings.attention_wgrad_window,
             )
         )
 
     def step(self, microbatches: list[Microbatch], *, forward_only: bool = False) -> StepResult:
         """Forward (and unless ``forward_only``, backward and gradient sync) over ``microbatches``."""
-        return self._step(microbatches, self.options, forward_only)
+        return self._step(microbatches, self.settings, forward_only)
 
-    def _step(self, microbatches: list[Microbatch], options: EPOverlapOptions, forward_only: bool) -> StepResult:
+    def _step(self, microbatches: list[Microbatch], settings: Settings, forward_only: bool) -> StepResult:
         if not microbatches:
             raise ValueError("a step needs at least one microbatch")
         if not forward_only and not torch.is_grad_enabled():  # the nodes would train anyway; the plain path fails
@@ -208,8 +222,9 @@ class Engine:
                 "step() under torch.no_grad(): a training step needs autograd; call step(microbatches, "
                 "forward_only=True) for a forward-only step (it runs without gradients itself), or leave no_grad"
             )
-        if not forward_only and options.overlap and options.delay_wgrad and options.attention_wgrad_window is None:
+        if not forward_only and settings.wgrad_window_auto:
             raise ValueError("attention_wgrad_window=None (auto) is chosen by EPOverlapEngine; give 1 or 2 here")
+        options = settings.options
         device = next(self.chunks[0].parameters()).device
         lane = make_lane(
             self.groups,
@@ -217,7 +232,7 @@ class Engine:
             high_priority=options.high_priority_comm,
             launch_off_host=self.launches_off_host(device, options),
         )
-        steps = self.schedule(len(microbatches), forward_only=forward_only, options=options)
+        steps = self.schedule(len(microbatches), forward_only=forward_only, settings=settings)
         split = {member.microbatch for s in steps for member in s.units if member.half is not None}
         normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
         held = None if forward_only else HeldGradients(self._named_parameters())

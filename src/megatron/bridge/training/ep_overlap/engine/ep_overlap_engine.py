@@ -3,16 +3,17 @@ delayed attention wgrad.
 
 Contract:
     * ``EPOverlapEngine`` is :class:`~megatron.bridge.training.ep_overlap.engine.driver.Engine` plus one thing:
-      ``attention_wgrad_window=None`` (auto, PP = 1). Its first training step then runs the plain path (bitwise the
-      same step) and ``placement.choose_wgrad_window`` picks the window from that step's records; every later step
-      runs it. Without delayed wgrad there is nothing to place: window 1 at once.
+      ``attention_wgrad_window=None`` with delayed wgrad (auto, PP = 1; ``Settings.wgrad_window_auto``). Its first
+      training step then runs the plain path (bitwise the same step) and ``placement.choose_wgrad_window`` picks the
+      window from that step's records; ``Settings.placed`` makes it the engine's settings, and every later step runs
+      it. Without delayed wgrad there is nothing to place (``Settings`` resolves None to window 1).
 """
 
 import time
 from dataclasses import replace
 
 from megatron.bridge.training.ep_overlap.engine.driver import Engine, StepResult
-from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.placement import WgradPlacement, choose_wgrad_window
 from megatron.bridge.utils.process_groups import EPGroups
 
@@ -24,19 +25,17 @@ class EPOverlapEngine(Engine):
     def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
         super().__init__(model, groups, options, **fields)
         self.placement: WgradPlacement | None = None
-        if self.options.attention_wgrad_window is None and not self.settings.delay_wgrad:
-            self.options = replace(self.options, attention_wgrad_window=WGRAD_WINDOWS[0])
 
     def step(self, microbatches, *, forward_only: bool = False) -> StepResult:
-        if forward_only or self.options.attention_wgrad_window is not None:
+        if forward_only or not self.settings.wgrad_window_auto:
             return super().step(microbatches, forward_only=forward_only)
         start = time.perf_counter()
-        result = self._step(microbatches, replace(self.options, overlap=False), forward_only=False)
+        result = self._step(microbatches, self.settings.plain(), forward_only=False)
         device = next(self.chunks[0].parameters()).device
         overlapped = replace(self.options, launch_off_host=self.launches_off_host(device))
         self.placement = choose_wgrad_window(
             result.recorder, time.perf_counter() - start, len(microbatches), len(self.chunks[0].layers),
             self.groups, device, overlapped, self.shapes[0].segments,
         )  # fmt: skip
-        self.options = replace(self.options, attention_wgrad_window=self.placement.window)
+        self.settings = self.settings.placed(self.placement.window)
         return result

@@ -70,12 +70,21 @@ class TiedWeight:
 
 class McoreChunk(ChunkHooks):
     """A Megatron-Core language model (or a pipeline chunk) for the engine. Subclasses set ``layers`` (the
-    schedule's units) and ``layer_numbers`` in :meth:`_build_units`, and give :meth:`embed` and :meth:`_final_norm`.
+    schedule's units) and ``layer_numbers`` in :meth:`_build_units`, and give :meth:`embed_microbatch`,
+    :meth:`_rotary` and :meth:`_final_norm`.
+
+    The chunk's own state is the plan's: its attention mask and rotary embedding are those of a padded microbatch of
+    the plan's sequence length, computed once. What differs per microbatch (its position ids, attention mask,
+    packed-sequence parameters, and the rotary embedding its embed computes) is its :class:`MicrobatchView`'s, never
+    written here: two forwards of a chunk may be in flight at once (the program's ``forward_pair`` steps: edge
+    pairing, forward-only steps), and one's embed must not change what the other's layers and MTP layer read.
 
     Args:
         model: The model, or one pipeline chunk of it (built with its own ``pre_process``/``post_process`` and
             ``vp_stage``, as Megatron-Core builds one per virtual stage).
-        delay_wgrad: Whether the engine will run with delayed wgrad (for the one warning below).
+        delay_wgrad: Whether the plan runs with delayed wgrad (``Settings.delay_wgrad``): then a layer whose weight
+            gradients nothing would run is refused, and experts that delay nothing are warned about once
+            (``refusals.check_delayed_wgrad``).
     """
 
     multimodal_rotary = False  # whether the plan computes multimodal ('mrope') rotary positions (refusals.py)
@@ -105,16 +114,18 @@ class McoreChunk(ChunkHooks):
         seq = model.max_sequence_length
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        # Set by embed() (only one microbatch's forward runs at a time); a chunk without the embedding computes it
-        # once, for the plan's sequence length, as the model's forward does from the activation it receives.
-        self.rotary_pos_emb = None
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
-        if not self.pre_process:
-            self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
+        # For the plan's sequence length, as the model's forward computes it from hidden states of that length (the
+        # embedding's output on the first chunk, the received activation on the others): a microbatch's embed
+        # computes its own (MicrobatchView), and writes nothing here (see the class docstring).
+        self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
+        # What the model config resolves to (settings.py): the dispatcher's kind the layers read, full recompute's
+        # segments.
+        self.settings = resolve(config)
         self.layers, self.layer_numbers = self._build_units()
         # Full recompute: segments of units (a GPTModel's layers, a HybridModel's MoE groups); the MTP layer, one
         # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
-        self.recompute_segments = resolve(config).segments(len(self.layers))
+        self.recompute_segments = self.settings.segments(len(self.layers))
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
 
@@ -127,6 +138,15 @@ class McoreChunk(ChunkHooks):
     def embed(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> torch.Tensor:
+        """One microbatch's hidden states, as the model's forward embeds them (its rotary embedding:
+        :meth:`embed_microbatch`). Writes nothing on the chunk."""
+        return self.embed_microbatch(tokens_BS, position_ids_BS, packed_seq_params)[0]
+
+    def embed_microbatch(
+        self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden states, rotary embedding)`` of one microbatch, as the model's forward computes them before its
+        first layer (the rotary embedding None without one). Writes nothing on the chunk."""
         raise NotImplementedError
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
@@ -254,12 +274,17 @@ class McoreChunk(ChunkHooks):
         labels_BS: torch.Tensor,
         tokens_BS: torch.Tensor | None = None,
         loss_mask_BS: torch.Tensor | None = None,
-        position_ids_BS: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        packed_seq_params=None,
+        microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
         """Final norm, the MTP layer and its loss (given ``tokens_BS``), output layer and cross-entropy: what the
-        model's forward returns when given labels (and, for a packed microbatch, its packed-sequence parameters)."""
+        model's forward returns when given labels. The MTP layer reads ``microbatch``'s position ids, attention mask,
+        packed-sequence parameters and rotary embedding (None: the plan's own, for a padded microbatch of its
+        sequence length)."""
+        position_ids_BS = attention_mask = packed_seq_params = None
+        rotary_pos_emb = self.rotary_pos_emb
+        if microbatch is not None:
+            position_ids_BS, attention_mask = microbatch.position_ids, microbatch.attention_mask
+            packed_seq_params, rotary_pos_emb = microbatch.packed_seq_params, microbatch.rotary_pos_emb
         model = self.model
         aliases = {name: tied.alias() for name, tied in self._tied.items()}
         weight = None
@@ -275,7 +300,7 @@ class McoreChunk(ChunkHooks):
                 position_ids=positions,
                 hidden_states=x_SBH,
                 attention_mask=self.attention_mask if attention_mask is None else attention_mask,
-                rotary_pos_emb=self.rotary_pos_emb,
+                rotary_pos_emb=rotary_pos_emb,
                 packed_seq_params=packed_seq_params,
                 embedding=lambda **inputs: torch.func.functional_call(model.embedding, aliases, (), inputs),
             )
@@ -304,12 +329,12 @@ class McoreChunk(ChunkHooks):
         labels_BS: torch.Tensor,
         normalizer: float,
         tokens_BS: torch.Tensor | None = None,
-        packed_seq_params=None,
+        microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
+        """The engine's loss of one microbatch (``microbatch``: its view, None for a padded microbatch of the plan's
+        sequence length): masked per-token losses summed over ``normalizer``."""
         labels_BS, keep_BS = self._masked(labels_BS)
-        losses = self.per_token_losses(
-            x_SBH, labels_BS, tokens_BS, keep_BS.float(), packed_seq_params=packed_seq_params
-        )
+        losses = self.per_token_losses(x_SBH, labels_BS, tokens_BS, keep_BS.float(), microbatch)
         return (losses * keep_BS).sum() / normalizer
 
     def __call__(
@@ -374,30 +399,31 @@ class McoreChunk(ChunkHooks):
 
 class MicrobatchView:
     """One microbatch's view of a plan: its index in the step under Megatron-Core's driver (None under the engine),
-    its position ids (None: the plan's), attention mask, rotary embedding and, for
-    a packed (THD) microbatch, its packed-sequence parameters, which every attention, the rotary embedding and the
-    MTP layer read (the model's forward gives a packed microbatch no attention mask). The plan's layers are bound to
-    it; everything else is the plan's. Under the engine, ``head_loss`` and the plain ``__call__`` reduce the loss as
-    the plan's do."""
+    its position ids (None: the plan's), attention mask, rotary embedding (on the first chunk, what its embed
+    computed; on the others, the plan's, or its packed one) and, for a packed (THD) microbatch, its packed-sequence
+    parameters, which every attention, the rotary embedding and the MTP layer read (the model's forward gives a
+    packed microbatch no attention mask). The plan's layers are bound to it, and its MTP layer reads it; everything
+    else is the plan's. Under the engine, ``head_loss`` and the plain ``__call__`` reduce the loss as the plan's
+    do."""
 
     def __init__(
         self, chunk: McoreChunk, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
     ):
         self.chunk, self.position_ids, self.attention_mask = chunk, position_ids, attention_mask
         self.packed_seq_params, self.microbatch = packed_seq_params, microbatch
-        self.rotary_pos_emb = None if chunk.pre_process else chunk.rotary_for(packed_seq_params)  # first: embed()
+        self.rotary_pos_emb = None if chunk.pre_process else chunk.rotary_for(packed_seq_params)  # first: embed
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
     def __getattr__(self, name: str):
         return getattr(self.chunk, name)
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x_SBH = self.chunk.embed(tokens_BS, self.position_ids, self.packed_seq_params)
-        self.rotary_pos_emb = self.chunk.rotary_pos_emb
+        """This microbatch's hidden states; its rotary embedding is kept here, for its own layers and MTP layer."""
+        x_SBH, self.rotary_pos_emb = self.chunk.embed_microbatch(tokens_BS, self.position_ids, self.packed_seq_params)
         return x_SBH
 
     def head_loss(self, x_SBH, labels_BS, normalizer: float, tokens_BS=None) -> torch.Tensor:
-        return self.chunk.head_loss(x_SBH, labels_BS, normalizer, tokens_BS, self.packed_seq_params)
+        return self.chunk.head_loss(x_SBH, labels_BS, normalizer, tokens_BS, self)
 
     def __call__(self, tokens_BS, labels_BS, normalizer: float) -> torch.Tensor:
         return self.chunk(tokens_BS, labels_BS, normalizer, self.packed_seq_params)

@@ -20,7 +20,7 @@ class McoreGPTChunk(McoreChunk):
 
     Args:
         model: The GPTModel, or one pipeline chunk of it.
-        delay_wgrad: Whether the engine will run with delayed wgrad (for the one warning described above).
+        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
     """
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
@@ -47,15 +47,15 @@ class McoreGPTChunk(McoreChunk):
         norm = self.model.decoder.final_layernorm
         return x_SBH if norm is None or not self.post_process else norm(x_SBH)
 
-    def embed(
+    def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
-    ) -> torch.Tensor:
-        """``GPTModel._preprocess``: the embedding, and the rotary embedding the next forward's layers read."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``GPTModel._preprocess``: the embedding, and the rotary embedding this microbatch's layers read."""
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
-        x_SBH, self.rotary_pos_emb, *_ = self.model._preprocess(
+        x_SBH, rotary_pos_emb, *_ = self.model._preprocess(
             input_ids=tokens_BS, position_ids=positions, packed_seq_params=packed_seq_params
         )
-        return x_SBH
+        return x_SBH, rotary_pos_emb
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         """``GPTModel._preprocess`` given the hidden states: only its rotary embedding."""

@@ -49,6 +49,7 @@ from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
+    NOT_GIVEN,
     dropped_packed_sequence,
     packed_problems,
 )
@@ -56,7 +57,7 @@ from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlap
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
-from megatron.bridge.training.ep_overlap.settings import apply_deferred, resolve
+from megatron.bridge.training.ep_overlap.settings import Settings, apply_deferred, resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import refuse_together
@@ -107,9 +108,7 @@ class _MicrobatchModel(MicrobatchView):
         self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None, tokens_BS: torch.Tensor | None
     ) -> torch.Tensor:
         """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
-        return self.chunk.per_token_losses(
-            x_SBH, labels_BS, tokens_BS, self.loss_mask, self.position_ids, self.attention_mask, self.packed_seq_params
-        )
+        return self.chunk.per_token_losses(x_SBH, labels_BS, tokens_BS, self.loss_mask, self)
 
 
 class _RankSession:
@@ -169,8 +168,8 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
             [1] if b is not None else [],
             f_schedule_plan.builder.shape if f is not None else None,
             b_schedule_plan.builder.shape if b is not None else None,
-            delay_wgrad=either.builder.options.delay_wgrad,
-            window=either.builder.options.attention_wgrad_window,
+            delay_wgrad=either.builder.settings.delay_wgrad,
+            window=either.builder.settings.attention_wgrad_window,
         )
         run_ops([op for window in windows for op in window.ops], {0: f, 1: b})
         call.post_what_is_left()
@@ -256,13 +255,15 @@ class _DriverCall:
 
 
 def checked_chunk(
-    model: torch.nn.Module, attention_wgrad_window: int, high_priority: bool
-) -> tuple[EPOverlapOptions, McoreChunk]:
-    """The options and the plan the hook runs ``model`` with, after every check (no collective).
+    model: torch.nn.Module, attention_wgrad_window: int | None, high_priority: bool
+) -> tuple[Settings, McoreChunk]:
+    """The settings and the plan the hook runs ``model`` with, after every check (no collective).
 
     Raises:
-        CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the plan does not schedule the model (``chunk_for``) or the window is not 1 or 2.
+        CommOverlapConfigError: When the model config breaks an EP-overlap rule (a window other than 1, 2 or None
+            among them).
+        ValueError: When the plan does not schedule the model (``chunk_for``), or the window is left to the planner
+            (None with delayed wgrad).
     """
     config = model.config
     options = EPOverlapOptions(
@@ -271,20 +272,20 @@ def checked_chunk(
         high_priority_comm=high_priority,
     )
     use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
-    resolve(config, options).checked()
-    if attention_wgrad_window not in WGRAD_WINDOWS:  # auto needs the engine's first plain step
+    settings = resolve(config, options).checked()
+    if settings.wgrad_window_auto:  # the planner measures a plain step first, which this driver never runs
         raise ValueError(
-            f"attention_wgrad_window={attention_wgrad_window!r}: Megatron-Core's driver runs every step "
-            f"overlapped, so the hook cannot let the planner choose; give one of {WGRAD_WINDOWS}"
+            f"attention_wgrad_window=None (auto): Megatron-Core's driver runs every step overlapped, so the hook "
+            f"cannot let the planner choose; give one of {WGRAD_WINDOWS}"
         )
-    chunk = chunk_for(model, delay_wgrad=options.delay_wgrad)
+    chunk = chunk_for(model, delay_wgrad=settings.delay_wgrad)
     if not config.overlap_moe_expert_parallel_comm:
         warn_rank0(
             logger,
             "use_ep_overlap_schedule: overlap_moe_expert_parallel_comm is off, so Megatron-Core never asks for a "
             "schedule plan and this hook changes nothing. Set comm_overlap.overlap_moe_expert_parallel_comm=True.",
         )
-    return options, chunk
+    return settings, chunk
 
 
 class EPOverlapPlanBuilder:
@@ -293,13 +294,20 @@ class EPOverlapPlanBuilder:
     Args:
         model: A Megatron-Core ``GPTModel`` or ``HybridModel``: the whole model, or one pipeline chunk of it.
         session: What this rank's chunks share (one per rank; :func:`use_ep_overlap_schedule` makes it).
-        attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2).
+        attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2; None, the
+            planner's choice, is refused: see :func:`checked_chunk`).
+        checked: What :func:`checked_chunk` returned for ``model`` (the hook checks every chunk first).
     """
 
     def __init__(
-        self, model: torch.nn.Module, session: _RankSession, *, attention_wgrad_window: int = 1, checked=None
+        self,
+        model: torch.nn.Module,
+        session: _RankSession,
+        *,
+        attention_wgrad_window: int | None = 1,
+        checked: tuple[Settings, McoreChunk] | None = None,
     ):
-        self.options, self.chunk = checked or checked_chunk(model, attention_wgrad_window, session.high_priority)
+        self.settings, self.chunk = checked or checked_chunk(model, attention_wgrad_window, session.high_priority)
         self.session = session
         self.shape = ChunkShape.of(self.chunk)
         self._step, self._next_microbatch = 0, 0
@@ -317,7 +325,7 @@ class EPOverlapPlanBuilder:
         decoder_input: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
-        packed_seq_params=None,
+        packed_seq_params=NOT_GIVEN,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
@@ -325,7 +333,9 @@ class EPOverlapPlanBuilder:
         **unsupported,
     ) -> EPOverlapSchedulePlan:
         """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward (a
-        vision-language model's images and videos with their grids too, bound where the plan takes them)."""
+        vision-language model's images and videos with their grids too, bound where the plan takes them).
+        ``packed_seq_params`` not passed at all (as Megatron-Bridge 0.6.2's forward steps call this) is None, once
+        ``packed_guard.dropped_packed_sequence`` has looked whether a packed microbatch's parameters were dropped."""
         multimodal = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                           pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         inputs = {k: v for k, v in multimodal.items() if v is not None and k in self.chunk.bound_inputs}
@@ -333,8 +343,10 @@ class EPOverlapPlanBuilder:
         if decoder_input is not None:
             given.insert(0, "decoder_input")
         missing = []
-        if dropped_packed_sequence(packed_seq_params):
+        if dropped_packed_sequence(packed_seq_params, position_ids, attention_mask):
             missing.append(DROPPED)
+        if packed_seq_params is NOT_GIVEN:
+            packed_seq_params = None
         elif packed_seq_params is not None:
             missing += packed_problems(self.chunk, packed_seq_params, input_ids)
         if self.chunk.pre_process and input_ids is None:
@@ -376,19 +388,22 @@ def use_ep_overlap_schedule(
     models: list[torch.nn.Module],
     *,
     timeout: timedelta = DEFAULT_TIMEOUT,
-    attention_wgrad_window: int = 1,
+    attention_wgrad_window: int | None = 1,
     full_recompute: tuple[str, int] | None = None,
 ) -> list[torch.nn.Module]:
     """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B then runs this project's layer schedule.
 
     Use it as ``cfg.model.register_pre_wrap_hook(use_ep_overlap_schedule)`` (``functools.partial`` sets the
     keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
-    ``build_schedule_plan``. ``full_recompute=(method, layers)`` sets ``recompute_granularity="full"``,
-    ``recompute_method`` and ``recompute_num_layers`` on the built config first: Megatron-Core's config refuses them
-    with the overlap flag when Bridge builds it from the recipe. So it does the overlap and delayed-wgrad flags in
-    the plain 1F1B pipeline (PP > 1 without virtual stages), which the recipe's ``CommOverlapConfig.setup`` kept off
-    the config, unless the patched ``setup`` set them before the build; there Megatron-Bridge's ``train()`` must take
-    :func:`get_forward_backward_func` of this package (the patch makes it), else the hook refuses, naming the fix.
+    ``build_schedule_plan``. ``attention_wgrad_window``: with delayed wgrad, the window of the attention wgrad, 1
+    or 2 (None, the planner's choice, needs a plain step first, which Megatron-Core's driver never runs: refused;
+    without delayed wgrad there is nothing to place). ``full_recompute=(method, layers)`` sets
+    ``recompute_granularity="full"``, ``recompute_method`` and ``recompute_num_layers`` on the built config first:
+    Megatron-Core's config refuses them with the overlap flag when Bridge builds it from the recipe. So it does the
+    overlap and delayed-wgrad flags in the plain 1F1B pipeline (PP > 1 without virtual stages), which the recipe's
+    ``CommOverlapConfig.setup`` kept off the config, unless the patched ``setup`` set them before the build; there
+    Megatron-Bridge's ``train()`` must take :func:`get_forward_backward_func` of this package (the patch makes it),
+    else the hook refuses, naming the fix.
 
     Raises:
         CommOverlapConfigError: When the model config breaks an EP-overlap rule.
@@ -422,8 +437,8 @@ def use_ep_overlap_schedule(
     if torch.distributed.is_initialized() and groups.ep_size > 1:
         agreement = Agreement(gloo_group_like(groups.ep_group, timeout)[0])
     session = _RankSession(groups, high_priority, agreement)
-    for model, (options, plan) in zip(models, checked):
-        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, checked=(options, plan))
+    for model, (settings, plan) in zip(models, checked):
+        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, checked=(settings, plan))
     return models
 
 

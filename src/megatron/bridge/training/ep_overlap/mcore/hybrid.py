@@ -41,7 +41,7 @@ class McoreHybridChunk(McoreChunk):
 
     Args:
         model: The HybridModel, or one pipeline chunk of it.
-        delay_wgrad: Whether the engine will run with delayed wgrad (for the plan's one warning).
+        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
     """
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
@@ -75,16 +75,15 @@ class McoreHybridChunk(McoreChunk):
         decoder = self.model.decoder
         return decoder.final_norm(x_SBH) if decoder.post_layer_norm else x_SBH
 
-    def embed(
+    def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
-    ) -> torch.Tensor:
-        """What ``HybridModel.forward`` does before the stack: the embedding, and the rotary embedding the next
-        forward's layers read."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``HybridModel.forward`` does before the stack: the embedding, and the rotary embedding this
+        microbatch's layers read."""
         model = self.model
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
         x_SBH = model.embedding(input_ids=tokens_BS, position_ids=positions)
-        self.rotary_pos_emb = self._rotary(x_SBH, packed_seq_params)
-        return x_SBH
+        return x_SBH, self._rotary(x_SBH, packed_seq_params)
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         model, kind = self.model, self.model.position_embedding_type

@@ -13,7 +13,8 @@ Contract:
           combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
       These are exactly the ops of the stack's forward, so losses and gradients stay bitwise equal.
     * The ``flex`` dispatcher (DeepEP, HybridEP, NCCL EP) moves its own tokens: a fused permute and all-to-all whose
-      autograd backward is the reverse one. The layer then ``owns_comm``: ``preprocess`` gives the tokens and their
+      autograd backward is the reverse one. The layer then ``owns_comm`` (the chunk's ``Settings.moe_layers_own_comm``;
+      another dispatcher is refused by the rules, ``token_dispatcher``): ``preprocess`` gives the tokens and their
       top-k probabilities, ``dispatch_comm`` is the dispatcher's ``token_dispatch``, ``combine_comm`` its
       ``token_combine``, and the schedule's comm lane runs them and their backward (on GPU on its comm stream, where
       the backend's asynchronous kernels overlap the other microbatch's compute). The backend's manager reads the
@@ -55,6 +56,7 @@ from megatron.bridge.training.ep_overlap.mcore.graphs import (
     set_microbatch,
 )
 from megatron.bridge.training.ep_overlap.mcore.quantization import layer_context
+from megatron.bridge.training.ep_overlap.mcore.refusals import zero_copy_refusal
 
 
 def _as_list(splits) -> list[int]:
@@ -95,10 +97,6 @@ def _in_layer_context(node):
             return node(self, *args, **kwargs)
 
     return run
-
-
-def _uses_te(layers) -> bool:
-    return any(uses_transformer_engine(layer) for layer in layers)
 
 
 def whole_layer_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> None:
@@ -240,21 +238,15 @@ class McoreLayer(_Unit):
         self.name = f"layer{index}"
         self.is_moe = isinstance(layer.mlp, MoELayer)
         config = layer.config
-        if self.is_moe and config.moe_token_dispatcher_type not in ("alltoall", "flex"):
-            raise ValueError(
-                f"{self.name}: moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not supported by the "
-                "Megatron-Core plan; use 'alltoall' or 'flex'"
-            )
-        self.owns_comm = self.is_moe and config.moe_token_dispatcher_type == "flex"
+        # The dispatcher's kind is the chunk's settings' (which dispatchers the overlap takes: the rules', checked
+        # before any overlapped step runs these nodes).
+        self.owns_comm = self.is_moe and chunk.settings.moe_layers_own_comm
         # The state the last combine left (at first, the dispatcher as built): where a new microbatch starts. One
         # list that the per-microbatch copies (bound_to) share.
         self._combined = [McoreRouting.of(layer.mlp.token_dispatcher, StepWritten())] if self.is_moe else None
-        if self.owns_comm and config.moe_flex_dispatcher_backend == "ncclep" and config.moe_ncclep_zero_copy:
-            raise ValueError(
-                f"{self.name}: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer shared by "
-                "every microbatch, and the EP-overlap schedule keeps two microbatches' tokens in flight; fix: set "
-                "moe_ncclep_zero_copy=False, or turn overlap_moe_expert_parallel_comm off for this model"
-            )
+        zero_copy = zero_copy_refusal(config) if self.is_moe else None
+        if zero_copy is not None:
+            raise ValueError(f"{self.name}: {zero_copy}")
         self.expert_wgrad_delayable = self.is_moe and uses_transformer_engine(layer.mlp.experts)
         self.undelayable = _undelayable(self.before)
 

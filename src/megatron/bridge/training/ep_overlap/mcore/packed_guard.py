@@ -1,43 +1,74 @@
 """A packed microbatch must not train unpacked: stock Megatron-Bridge 0.6.2's forward step drops its parameters.
 
-Megatron-Bridge 0.6.2's ``gpt_step._forward_step_common`` reads a microbatch's packed-sequence metadata (the document
-boundaries, ``cu_seqlens``) into its local ``packed_seq_metadata`` and hands the parameters built from it to the plain
-forward only; ``model.build_schedule_plan`` gets none of it. A plan built from such a microbatch would run one causal
-mask over the whole packed row, so every document would attend to the ones packed before it, silently.
+Megatron-Bridge 0.6.2's ``gpt_step._forward_step_common`` builds a packed microbatch's packed-sequence parameters (the
+document boundaries, ``cu_seqlens``) for the plain forward only: it calls ``model.build_schedule_plan(tokens,
+position_ids, attention_mask, labels=..., loss_mask=...)``, without them. A plan built from such a microbatch would run
+one causal mask over the whole packed row, so every document would attend to the ones packed before it, silently.
 
-:func:`dropped_packed_sequence` looks at the frame that called the plan builder: when it is Megatron-Bridge's
-``_forward_step_common`` and that call holds packed metadata while the builder got no ``packed_seq_params``, the
-parameters were dropped. It reads what Bridge read from the batch, so a padded microbatch (no metadata), data with
-reset position ids, a forward step of the recipe's own, or a patched ``gpt_step`` (which passes the parameters) can
-never raise it.
+Contract:
+    * :func:`dropped_packed_sequence` decides from what the plan builder was given, and reads no other function's
+      state. A microbatch's parameters were dropped when all three hold:
+
+          - the caller did not pass ``packed_seq_params`` at all (:data:`NOT_GIVEN`): stock 0.6.2's call. This
+            project's patched ``gpt_step`` always passes it (None for a padded microbatch), and so may a forward step
+            of the recipe's own;
+          - no attention mask (a mask, where one is given, says what attends to what);
+          - position ids that restart inside a row: some id is not greater than the one before it. A packed
+            dataset numbers each document's tokens from 0; a padded row counts up, and so do a context-parallel
+            rank's load-balanced slices of one. A row whose ids count up is not refused, a packed row holding one
+            document among them (no document is packed before it).
+
+    * So padded data, the patched ``gpt_step`` and a forward step that passes the keyword never trip it, whatever
+      their position ids; any forward step that drops a packed microbatch's parameters does, where its position ids
+      are ``[batch, sequence]`` (0.6.2's ``vlm_step`` and ``llava_step`` call the builder as its ``gpt_step`` does).
+    * The trade-offs, which the refusal names (``docs/training/install.md``): data with reset position ids and no
+      attention mask (``reset_position_ids`` without ``reset_attention_mask``) looks the same, and is refused where
+      the keyword is missing: its forward step passes ``packed_seq_params=None`` (or the mask), or the patch is
+      applied. A stage given no position ids (Bridge gives a pipeline's last stage only labels and the loss mask,
+      without MTP) cannot tell: the first stage refuses, and the launcher ends the run. Reading the
+      position ids costs one device-to-host copy of one flag per microbatch, on the stages given them, and only
+      where the keyword is missing; none while a CUDA graph is being captured (a copy to the host is not allowed
+      there; the eager steps before the capture were checked).
 """
 
-import sys
+import torch
 
-_FORWARD_STEP = "_forward_step_common"
-_FRAMES_UP = 4  # the builder's caller, and a few frames above it for wrappers in between
+
+class _NotGiven:
+    """The plan builder's ``packed_seq_params`` when its caller did not pass the keyword."""
+
+    def __repr__(self) -> str:
+        return "<packed_seq_params not given>"
+
+
+NOT_GIVEN = _NotGiven()
 
 DROPPED = (
-    "packed_seq_params: Megatron-Bridge's gpt_step forward step (0.6.2, unpatched) passes this packed microbatch's "
-    "document boundaries to the plain forward but not to build_schedule_plan, so with overlap each document would "
-    "attend to the documents packed before it; fix: apply this project's patch (tools/upstream.py patch: its gpt_step "
-    "hunk passes them), or turn overlap_moe_expert_parallel_comm off for packed data"
+    "packed_seq_params: this microbatch's position ids restart inside a row, as a packed microbatch's do, and "
+    "build_schedule_plan was not given its packed-sequence parameters: Megatron-Bridge's gpt_step forward step "
+    "(0.6.2, unpatched) passes a packed microbatch's document boundaries to the plain forward but not to "
+    "build_schedule_plan, so with overlap each document would attend to the documents packed before it; fix: apply "
+    "this project's patch (tools/upstream.py patch: its gpt_step hunk passes them), or turn "
+    "overlap_moe_expert_parallel_comm off for packed data (data with reset position ids and no attention mask is not "
+    "packed but looks the same: its forward step passes build_schedule_plan packed_seq_params=None, or the mask)"
 )
 
 
-def dropped_packed_sequence(packed_seq_params, *, depth: int = 2) -> bool:
-    """True when Megatron-Bridge's forward step, ``depth`` frames above this call or a few more, holds packed-sequence
-    metadata for this microbatch and the plan builder was given no ``packed_seq_params``."""
-    if packed_seq_params is not None:
+def restarts_inside_a_row(position_ids: torch.Tensor) -> bool:
+    """Whether some position id of a ``[B, S]`` tensor is not greater than the one before it in its row."""
+    return bool((position_ids[:, 1:] <= position_ids[:, :-1]).any())
+
+
+def dropped_packed_sequence(packed_seq_params, position_ids, attention_mask) -> bool:
+    """True when the plan builder's microbatch looks packed and its caller gave no ``packed_seq_params`` (see the
+    module docstring: ``packed_seq_params`` is :data:`NOT_GIVEN` when the keyword was not passed)."""
+    if packed_seq_params is not NOT_GIVEN or attention_mask is not None:
         return False
-    frame = sys._getframe(depth)
-    for _ in range(_FRAMES_UP):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == _FORWARD_STEP and frame.f_globals.get("__name__", "").startswith("megatron.bridge"):
-            return frame.f_locals.get("packed_seq_metadata") is not None
-        frame = frame.f_back
-    return False
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
+        return False
+    if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return restarts_inside_a_row(position_ids)
 
 
 def packed_problems(plan, packed_seq_params, input_ids) -> list[str]:

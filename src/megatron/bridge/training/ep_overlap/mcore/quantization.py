@@ -33,11 +33,6 @@ def delayed_scaling(config) -> bool:
     return bool(getattr(config, "fp8", None)) and _recipe(config) == "delayed"
 
 
-def quantized(config) -> bool:
-    """Whether ``config`` trains with fp8 or fp4 GEMMs at all."""
-    return bool(getattr(config, "fp8", None)) or bool(getattr(config, "fp4", None))
-
-
 def layer_context(config, layer: torch.nn.Module) -> AbstractContextManager:
     """The context Megatron-Core's stacks open around ``layer``'s forward (see the module docstring)."""
     number = layer.layer_number - 1  # Megatron-Core counts layers from 1

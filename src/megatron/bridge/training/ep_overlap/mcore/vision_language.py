@@ -126,7 +126,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
 
     Args:
         model: The ``Qwen3VLModel``, whole or one pipeline chunk (Bridge builds one per virtual stage).
-        delay_wgrad: Whether the engine will run with delayed wgrad (for the plan's one warning).
+        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
     """
 
     multimodal_rotary = True  # refusals: this plan computes 'mrope' positions
@@ -266,13 +266,13 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         x_BSH[mask_BS] = images
         return x_BSH.transpose(0, 1).contiguous(), mask_BS, list(features or [])
 
-    def embed(
+    def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A text-only microbatch's embedding and rotary embedding (a microbatch with images is embedded by its
         :class:`VisionLanguageMicrobatch`)."""
-        self.rotary_pos_emb = self.rotary_for_microbatch(tokens_BS, position_ids_BS, {})
-        return self.embed_images(tokens_BS, {})[0]
+        rotary_pos_emb = self.rotary_for_microbatch(tokens_BS, position_ids_BS, {})
+        return self.embed_images(tokens_BS, {})[0], rotary_pos_emb
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
         """None: the rotary embedding is each microbatch's (:meth:`rotary_for_microbatch`)."""
