@@ -78,15 +78,40 @@ class Trees:
         return json.loads(out.read_text())
 
 
-def cpu_run(trees: Trees, name: str, delay_wgrad: bool) -> dict:
-    """One recipe's CPU run: with the plugin, or with the patch where the plugin cannot run the layout."""
-    extra = [] if delay_wgrad else ["--no_delay_wgrad"]
-    row = trees.worker(trees.plugin, "--recipe", name, *extra)
-    if row.get("needs_patch"):
-        row = trees.worker(trees.patched, "--recipe", name, "--patched", *extra)
-    if row.get("verdict") == "failed":
-        row["gpu_only"] = next((piece for words, piece in GPU_ONLY.items() if words in row.get("why", "")), None)
-    return row
+def cpu_runs(trees: Trees, names: list[str], patched: bool, delay_wgrad: bool, report) -> dict[str, dict]:
+    """The CPU runs of ``names`` on one tree, in one worker process (its imports paid once); ``report(row)`` as each
+    ends. A worker that dies fails the run it was in; the others go on in a new one."""
+    results, remaining = {}, list(names)
+    tree = trees.patched if patched else trees.plugin
+    while remaining:
+        out, log = trees.scratch / "rows.jsonl", trees.scratch / "worker.log"
+        out.unlink(missing_ok=True)
+        args = ["--recipes", *remaining] + (["--patched"] if patched else []) + ([] if delay_wgrad else
+                                                                                  ["--no_delay_wgrad"])  # fmt: skip
+        worker = trees.stock_bridge.start(trees.python, tree, WORKER, str(out), *args, log=log)
+        seen = 0
+        while seen < len(remaining):
+            ended = worker.poll() is not None
+            lines = out.read_text().splitlines() if out.exists() else []
+            for line in lines[seen:]:
+                row = json.loads(line)
+                if row.get("verdict") == "failed":
+                    row["gpu_only"] = next((piece for words, piece in GPU_ONLY.items() if words in row["why"]), None)
+                results[row["recipe"]] = row
+                report(row)
+            seen = len(lines)
+            if ended:
+                break
+            time.sleep(1)
+        worker.wait()
+        remaining = [name for name in remaining if name not in results]
+        if remaining:  # the worker died in the run of remaining[0]
+            last = (log.read_text().strip().splitlines() or ["(no output)"])[-1]
+            why = f"the check could not finish its worker (exit {worker.returncode}): {last}"
+            results[remaining[0]] = {"recipe": remaining[0], "verdict": "not checked", "why": why}
+            report(results[remaining[0]])
+            remaining = remaining[1:]
+    return results
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -103,6 +128,18 @@ def table(rows: list[dict]) -> list[str]:
                  row.get("shape", "-"), "; ".join(row.get("substituted", [])) or "-",
                  "; ".join(row.get("config", [])) or "-", cpu]  # fmt: skip
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    return lines
+
+
+def not_built(universe: list[dict]) -> list[str]:
+    """What could not be built here (so is not known to be a MoE config), counted by why: the check's limits apart
+    from the recipes' own failures."""
+    lines = []
+    for limit, words in ((True, "the check's limit"), (False, "the recipe's own failure here")):
+        why = Counter(row["why"] for row in universe if not row["built"] and bool(row.get("limit")) == limit)
+        if why:
+            total = sum(why.values())
+            lines.append(f"not built ({words}): {total}: " + "; ".join(f"{n} x {w}" for w, n in why.most_common()))
     return lines
 
 
@@ -157,7 +194,7 @@ def chosen(args, universe: list[dict]) -> tuple[list[dict], list[str]]:
 
     by_name = {row["recipe"]: row for row in universe}
     if args.all:
-        return [row for row in universe if row.get("moe_ep") or row.get("limit")], []
+        return [row for row in universe if row.get("moe_ep")], []
     rows, errors = [], []
     for name in args.recipes:
         qualified, why = resolve_name(name, list(by_name))
@@ -169,21 +206,32 @@ def chosen(args, universe: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 def run_all(trees: Trees, rows: list[dict], delay_wgrad: bool) -> int:
-    """The CPU runs, one per key; each row gets its run's verdict. Returns the number of runs."""
+    """The CPU runs, one per key (with the plugin, or the patch where the run needs it); each row gets its run's
+    verdict. Returns the number of runs."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(row.get("key") or row["recipe"], []).append(row)
-    started = time.monotonic()
-    for done, members in enumerate(groups.values(), 1):
-        first = members[0]
-        if not first["built"] or "key" not in first:
-            result = {"verdict": "not checked" if first.get("limit") else "failed", "why": first["why"]}
-        else:
-            result = cpu_run(trees, first["recipe"], delay_wgrad)
+    firsts = {members[0]["recipe"]: members for members in groups.values()}
+    started, done = time.monotonic(), [0]
+
+    def report(result: dict) -> None:
+        done[0] += 1
+        members = firsts[result["recipe"]]
         for row in members:
-            row.update({k: v for k, v in result.items() if k not in ("recipe", "config")}, run=first["recipe"])
-        print(f"[{done}/{len(groups)}, {time.monotonic() - started:.0f} s] {first['recipe']} ({len(members)} configs):"
-              f" {result.get('verdict')}: {result.get('why', '')}", file=sys.stderr, flush=True)  # fmt: skip
+            row.update({k: v for k, v in result.items() if k not in ("recipe", "config", "substituted")},
+                       run=result["recipe"])  # fmt: skip
+        print(f"[{done[0]}/{len(groups)}, {time.monotonic() - started:.0f} s] {result['recipe']} ({len(members)} "
+              f"configs): {result.get('verdict')}: {result.get('why', '')}", file=sys.stderr, flush=True)  # fmt: skip
+
+    runnable = [name for name, members in firsts.items() if members[0]["built"] and "key" in members[0]]
+    for name, members in firsts.items():
+        if name not in runnable:
+            first = members[0]
+            report({"recipe": name, "verdict": "not checked" if first.get("limit") else "failed", "why": first["why"]})
+    for patched in (False, True):
+        names = [name for name in runnable if bool(firsts[name][0].get("needs_patch")) == patched]
+        if names:
+            cpu_runs(trees, names, patched, delay_wgrad, report)
     return len(groups)
 
 
@@ -203,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(errors), file=sys.stderr)
             return 2
         runs = run_all(trees, rows, not args.no_delay_wgrad)
-    lines = table(rows) + [""] + summary(rows, runs)
+    lines = table(rows) + [""] + (not_built(universe) if args.all else []) + summary(rows, runs)
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -116,10 +116,21 @@ def patched_tree(into: Path) -> Path:
     return root / "src"
 
 
+def _env(tree: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no hub here: fail at once, never retry
+    return env | offline | {"EP_OVERLAP_BRIDGE_TREE": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
+                            "HOME": tempfile.gettempdir()}  # fmt: skip
+
+
 def run(python: Path, tree: Path, script: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``script`` in the scratch interpreter, importing ``megatron.bridge`` from ``tree``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env |= {"EP_OVERLAP_BRIDGE_TREE": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "HOME": tempfile.gettempdir(),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no hub here: fail at once, never retry  # fmt: skip
     return subprocess.run([python, str(script), str(tree), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=tempfile.gettempdir())  # fmt: skip
+                          env=_env(tree), cwd=tempfile.gettempdir())  # fmt: skip
+
+
+def start(python: Path, tree: Path, script: Path, *args: str, log: Path) -> subprocess.Popen:
+    """``script`` as :func:`run` runs it, in the background, its output in ``log``."""
+    with log.open("w") as out:
+        return subprocess.Popen([python, str(script), str(tree), *args], stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=_env(tree), cwd=tempfile.gettempdir())  # fmt: skip

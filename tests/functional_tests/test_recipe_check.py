@@ -14,14 +14,14 @@ import pytest
 from . import stock_bridge
 
 TOOL = stock_bridge.ROOT / "tools" / "recipe_check.py"
-# What make test checks: a performance recipe with the overlap on by value (flex HybridEP, CUDA graphs, paged stash
-# on a GPU), Nemotron-3 Nano (Mamba), Qwen3-Next (gated delta net, MTP), Qwen3-VL 30B (vision tower, mrope,
-# deepstack, the patch).
+# What make test checks: a performance recipe with the overlap on by value (flex HybridEP, CUDA graphs on a GPU),
+# Nemotron-3 Nano (Mamba), Qwen3.5 35B-A3B (gated delta net), Qwen3-VL 30B (vision tower, mrope, deepstack, the
+# patch).
 ROWS = {
     "perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config": "dispatcher flex",
-    "perf_recipes.nemotron_3_nano_pretrain_16gpu_h100_bf16_config": "mamba-ssm kernels -> tests' torch stand-ins",
-    "recipes.qwen3_next_80b_a3b_pretrain_config": "gated delta net kernels -> tests' torch stand-ins",
-    "recipes.qwen3_vl_30b_a3b_sft_config": "specs -> local modules (vl_support)",
+    "perf_recipes.nemotron_3_nano_pretrain_8gpu_b200_bf16_config": "mamba-ssm kernels -> tests' torch stand-ins",
+    "recipes.qwen35_text_35b_a3b_pretrain_8gpu_gb200_bf16_config": "gated delta net kernels -> tests' torch stand-ins",
+    "perf_recipes.qwen3_vl_30b_a3b_pretrain_8gpu_b200_bf16_config": "(vl_support)",
 }
 
 
@@ -47,9 +47,10 @@ def test_a_performance_recipe_and_each_stand_ins_row_train_bitwise_through_bridg
         row = rows[name]
         assert row["verdict"] == "bitwise", (name, row.get("why"))
         assert any(words in said for said in row["substituted"]), (name, row["substituted"])
-        assert row["gpu"]["verdict"] in ("runs", "refused") and row["config"], row
+        assert row["gpu"]["verdict"] in ("runs", "refused") and "precision" not in " ".join(row["substituted"]), row
     perf = rows["perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"]
     assert perf["setting"] == "on" and perf["gpu"]["verdict"] == "runs", perf
+    assert perf["config"] == ["Qwen/Qwen3-30B-A3B: published config.json as Qwen3MoeConfig"], perf["config"]
     assert "[" in run.stderr and f"/{len(ROWS)}" in run.stderr  # a progress line per run
     lines = run.stdout.strip().splitlines()
     assert lines[-1] == f"recipes: {len(ROWS)} bitwise, 0 refused, 0 differ, 0 failed, 0 not checked of {len(ROWS)}"

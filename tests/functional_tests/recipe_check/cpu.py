@@ -17,20 +17,28 @@ import dataclasses
 
 _FUSIONS = ("moe_grouped_gemm", "moe_permute_fusion", "moe_router_fusion", "gradient_accumulation_fusion",
             "persist_layer_norm", "masked_softmax_fusion", "apply_rope_fusion", "bias_dropout_fusion",
-            "bias_activation_fusion", "cross_entropy_loss_fusion", "use_transformer_engine_op_fuser")  # fmt: skip
+            "bias_activation_fusion", "cross_entropy_loss_fusion", "use_transformer_engine_op_fuser",
+            "fused_single_qkv_rope")  # fmt: skip
 # Read by GPU kernels and launchers only, never by a CPU step: back to their defaults.
 _GPU_ONLY = ("moe_hybridep_num_sms", "moe_hybridep_num_sms_preprocessing", "moe_deepep_num_sms",
              "moe_flex_dispatcher_num_sms", "cuda_graph_warmup_steps", "cuda_graph_scope", "cuda_graph_modules",
              "cuda_graph_use_single_mempool", "external_cuda_graph", "enable_cuda_graph",
              "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_buffer_size_factor_cpu",
              "moe_pad_experts_for_cuda_graph_inference", "hf_model_id", "hf_model_revision", "use_te_rng_tracker",
-             "high_priority_a2a_comm_stream", "hetereogenous_dist_checkpoint")  # fmt: skip
+             "high_priority_a2a_comm_stream", "hetereogenous_dist_checkpoint",
+             # read by fused or fp8 kernels only, which the CPU run has none of
+             "attention_backend", "cross_entropy_fusion_impl", "fp8_output_proj", "fp8_param",
+             "keep_mtp_spec_in_bf16")  # fmt: skip
+# Read only with fine-grained activation offloading on (a rule refuses it with the overlap; the plain arm runs it).
+_OFFLOADING = ("offload_modules", "min_offloaded_tensor_size", "fine_grained_offloading_max_inflight_offloads")
 
 
 def family_of(model) -> str:
-    """How the CPU run builds the model: ``vision_language``, ``hybrid``, ``gdn`` or ``gpt``."""
-    name = type(model).__name__
-    if "VL" in name and hasattr(model, "vision_config"):
+    """How the CPU run builds the model: ``vision_language`` (the Qwen3-VL and Qwen3.5-VL providers, whose model the
+    plan runs), ``hybrid``, ``gdn`` or ``gpt``."""
+    from megatron.bridge.training.ep_overlap.mcore.refusals import _QWEN3_VL_PROVIDERS
+
+    if {cls.__name__ for cls in type(model).__mro__} & _QWEN3_VL_PROVIDERS:
         return "vision_language"
     if getattr(model, "hybrid_layer_pattern", None):
         return "hybrid"
@@ -39,15 +47,36 @@ def family_of(model) -> str:
     return "gpt"
 
 
+def _precision_name(mixed, model) -> str:
+    """The recipe's precision in a few words: its preset's name, or what its ``MixedPrecisionConfig`` turns on."""
+    if isinstance(mixed, str) or mixed is None:
+        return mixed or ("bf16" if model.bf16 else "fp32")
+    words = [getattr(mixed, "name", None)] if getattr(mixed, "name", None) else []
+    if not words:
+        words = ["bf16" if mixed.bf16 else "fp16" if mixed.fp16 else "fp32"]
+        words += [
+            f"{kind} {getattr(mixed, kind + '_recipe', '')}".strip()
+            for kind in ("fp8", "fp4")
+            if getattr(mixed, kind, None)
+        ]
+    return " ".join(words)
+
+
 def on_cpu(cfg) -> list[str]:
     """The CPU substitutions, in place; returns them as the row's words."""
     import torch
 
     model, said = cfg.model, []
-    precision = getattr(cfg.mixed_precision, "name", cfg.mixed_precision) or ("bf16" if model.bf16 else "fp32")
-    if model.fp8 or getattr(model, "fp4", None) or "bf16" not in str(precision):
+    precision = _precision_name(cfg.mixed_precision, model)
+    low = bool(model.fp8 or getattr(model, "fp4", None)) or "fp8" in str(precision) or "fp4" in str(precision)
+    if low or "bf16" not in str(precision):
         said.append(f"precision {precision} -> bf16")
     cfg.mixed_precision = None
+    if low:  # what only fp8/fp4 takes (Megatron-Core asserts it without them)
+        for name in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
+            if getattr(model, name, False):
+                setattr(model, name, False)
+                said.append(f"{name} -> False (fp8/fp4 only)")
     model.fp8 = model.fp4 = None
     model.bf16, model.fp16, model.params_dtype = True, False, torch.bfloat16
     model.pipeline_dtype = torch.bfloat16 if model.pipeline_model_parallel_size > 1 else None
@@ -69,9 +98,12 @@ def on_cpu(cfg) -> list[str]:
         said.append(f"CUDA graphs {model.cuda_graph_impl} -> none")
     model.cuda_graph_impl = "none"
     defaults = {f.name: f for f in dataclasses.fields(model)}
-    for name in _GPU_ONLY:
-        if name in defaults and defaults[name].default is not dataclasses.MISSING:
-            setattr(model, name, defaults[name].default)
+    for name in _GPU_ONLY + (() if getattr(model, "fine_grained_activation_offloading", False) else _OFFLOADING):
+        field = defaults.get(name)
+        if field is not None and field.default is not dataclasses.MISSING:
+            setattr(model, name, field.default)
+        elif field is not None and field.default_factory is not dataclasses.MISSING:
+            setattr(model, name, field.default_factory())
     model.use_cpu_initialization, model.batch_p2p_comm = True, False
     model.attention_dropout = model.hidden_dropout = 0.0
     return said

@@ -4,6 +4,7 @@ scratch interpreter; test-only stand-ins, never product).
 
     python worker.py TREE OUT.json --universe                       every config function, built and judged
     python worker.py TREE OUT.json --recipe QNAME [--patched]       one CPU run: shape, substitutions, verdict
+    python worker.py TREE OUT.jsonl --recipes QNAME ... [--patched]  several, one JSON line each, as each ends
 
 What runs, in order:
 
@@ -245,6 +246,12 @@ def check(name: str, patched: bool, configs, delay_wgrad: bool = True) -> dict:
                       "trace": traceback.format_exc()[-2000:], "config": list(configs.used)}  # fmt: skip
     row |= {"shape": describe(cfg.model), "ranks": run["shape"]["world"], "config": list(configs.used),
             "substituted": run["substituted"]}  # fmt: skip
+    from megatron.bridge.training.ep_overlap.mcore.refusals import config_refusals
+
+    refusals = config_refusals(cfg.model)
+    if refusals:  # the plan refuses it when built, on every rank, before any step: decided from the config alone
+        names = ", ".join(sorted({name for name, _ in refusals}))
+        return row | {"verdict": "refused", "why": f"{names} (the plan's, decided from the config; not run)"}
     if run["patched"] and not patched:
         return row | {"needs_patch": True}
     if not delay_wgrad:
@@ -264,12 +271,21 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--universe", action="store_true")
     parser.add_argument("--recipe")
+    parser.add_argument("--recipes", nargs="+", help="several CPU runs in this process, one JSON line each in OUT")
     parser.add_argument("--patched", action="store_true", help="TREE is Bridge 0.6.2 with this project's patch")
     parser.add_argument("--no_delay_wgrad", action="store_true", help="the overlap without delayed wgrad")
     args = parser.parse_args()
     from tests.functional_tests.recipe_check.offline import install
 
     configs = install(args.tree)
+    if args.recipes:  # the imports paid once; each row written as it is done (a crash loses only the one running)
+        with args.out.open("a") as out:
+            for name in args.recipes:
+                configs.clear()
+                row = check(name, args.patched, configs, not args.no_delay_wgrad)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+        return
     if args.universe:
         result = universe_rows(configs)
     else:

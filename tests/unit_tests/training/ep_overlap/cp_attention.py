@@ -42,7 +42,8 @@ class ContextParallelAttention(torch.nn.Module):
     """Causal softmax attention over a sequence split across the context-parallel group (``pg_collection.cp``)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None,
+                 v_channels=None):  # fmt: skip  (MLA gives its key and value widths; the tensors carry them)
         super().__init__()
         from megatron.core import parallel_state
 
