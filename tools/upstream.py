@@ -5,12 +5,16 @@
     python tools/upstream.py patch --against DIR  # a patch for the upstream source tree DIR (e.g. a checkout of
                                                   # main), and which hunks of the 0.6.2 patch need a rebase there
 
-The patch holds this project's new modules, its changes to upstream's ``training/comm_overlap.py`` and
-``training/flex_dispatcher_backend.py`` (whole files here, supersets of upstream's), and the hunks for upstream
+The patch holds the payload, what a Bridge training step calls: this project's modules under ``src/megatron/bridge``
+(but ``training/ep_overlap_config.py``, the plugin's entry point, which the patched ``CommOverlapConfig`` makes
+needless), its changes to upstream's ``training/comm_overlap.py`` and ``training/flex_dispatcher_backend.py`` (whole
+files here, supersets of upstream's), its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in
+upstream's layout, the lab's launcher in ``local_ranks.py``'s place), and the hunks for upstream
 files this project does not ship, stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped
 path gets the packed-sequence parameters, the plain path the loss mask when the model has MTP layers;
 ``qwen3_vl_step.diff``: the overlapped path gets the plain forward's arguments, images and their grids included;
-``setup.diff``, ``train.diff``: the plain 1F1B pipeline). It is made by
+``setup.diff``, ``train.diff``: the plain 1F1B pipeline). The lab (``src/ep_overlap_lab``: the reference engine and
+model, the planner, the launcher) stays out. ``make patch`` prints the added lines by directory. It is made by
 default against the 0.6.2 sources (the registry's sdist, fetched here into build/, never committed), and checked
 with ``git apply --check`` on a fresh copy of the tree it is made for before it is written. It passes upstream's
 repository checks: every new Python file starts with the license header upstream's copyright check expects (added
@@ -18,6 +22,8 @@ here, so the project's own files stay as they are), and upstream's two files kee
 """
 
 import argparse
+import ast
+import collections
 import difflib
 import shutil
 import subprocess
@@ -32,6 +38,12 @@ VERSION = "0.6.2"
 CACHE = ROOT / "build" / f"megatron-bridge-{VERSION}"
 PATCH = ROOT / "dist" / "megatron-bridge-ep-overlap.patch"
 PACKAGE = Path("src/megatron/bridge")
+PLUGIN_ONLY = {PACKAGE / "training/ep_overlap_config.py"}
+TESTS = Path("tests/unit_tests/training/ep_overlap")
+# Upstream has no lab: the patch ships the lab's launcher as the tests' own (the file here only re-exports it).
+TEST_SUPPORT = {TESTS / "local_ranks.py": Path("src/ep_overlap_lab/multiprocess.py")}
+# Checks of this repository's own layout, the lab's included: nothing upstream's tree could answer.
+PROJECT_ONLY_TESTS = {TESTS / "test_layout.py"}
 HUNKS = ROOT / "tools" / "upstream_hunks"
 LICENSE_HEADER = f"""# Copyright (c) {date.today().year}, NVIDIA CORPORATION.  All rights reserved.
 #
@@ -102,7 +114,7 @@ def _leading_comments(lines: list[str]) -> list[str]:
 def as_shipped(relative: Path, upstream_root: Path) -> list[str]:
     """Our file as the patch ships it: with upstream's own header where upstream has the file, else with the license
     header upstream's copyright check expects (a Python file already starting with one is left as it is)."""
-    ours = (ROOT / relative).read_text().splitlines(keepends=True)
+    ours = (ROOT / TEST_SUPPORT.get(relative, relative)).read_text().splitlines(keepends=True)
     if ours and ours[0].startswith("# Copyright"):
         return ours
     theirs = upstream_root / relative
@@ -124,11 +136,73 @@ def _diff(relative: Path, upstream_root: Path) -> str:
     return header + text
 
 
+def _module_level_imports(path: Path) -> list[tuple[str, int]]:
+    """(module, level) of the imports a module runs when it is imported (not those inside its functions)."""
+    found, todo = [], list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.module or "", node.level)] + [
+                (f"{node.module}.{a.name}" if node.module else a.name, node.level) for a in node.names
+            ]
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            todo += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+    return found
+
+
+def patch_tests() -> list[Path]:
+    """The test files the patch carries: each file of :data:`TESTS` that, imported, imports only what upstream's tree
+    with the patch has (Megatron-Bridge, Megatron-Core, torch, third-party packages, and the directory's own modules
+    that do the same); the launcher counts as the lab's source it ships as. A test that reaches the lab only inside
+    its functions is marked ``lab`` (the directory's conftest skips it where the lab is not installed)."""
+    folder = ROOT / TESTS
+    ours = {p.stem for p in folder.glob("*.py")}
+
+    def local(name: str, level: int) -> str | None:
+        first = name.split(".")[0]
+        return first if level == 1 and first in ours else None
+
+    def foreign(name: str, level: int) -> bool:
+        return (level == 0 and name.split(".")[0] in ("ep_overlap_lab", "tests", "scripts", "utils")) or level > 1
+
+    shipped: dict[str, bool] = {}
+
+    def ships(stem: str, seen: frozenset = frozenset()) -> bool:
+        if stem not in shipped:
+            path = folder / f"{stem}.py"
+            if TESTS / path.name in TEST_SUPPORT:
+                shipped[stem] = True
+            else:
+                imports = _module_level_imports(path)
+                shipped[stem] = not any(foreign(n, lv) for n, lv in imports) and all(
+                    ships(m, seen | {stem}) for n, lv in imports if (m := local(n, lv)) and m not in seen | {stem}
+                )
+        return shipped[stem]
+
+    return sorted({TESTS / f"{stem}.py" for stem in ours if ships(stem)} - PROJECT_ONLY_TESTS)
+
+
+def added_lines(patch: str) -> dict[str, int]:
+    """The lines a patch adds, by the directory of the file it adds them to (``src/`` without its package prefix)."""
+    counts: collections.Counter = collections.Counter()
+    target = None
+    for line in patch.splitlines():
+        if line.startswith("+++ "):
+            target = Path(line[6:].strip())
+        elif line.startswith("+") and target is not None:
+            folder = target.parent
+            counts[str(folder.relative_to(PACKAGE) if folder.is_relative_to(PACKAGE) else folder)] += 1
+    return dict(sorted(counts.items()))
+
+
 def make_patch(upstream_root: Path) -> str:
-    """The patch of every Python file of this project's package against the tree ``upstream_root``, then the stored
-    hunks (:data:`HUNKS`) that apply there (:func:`hunks_that_do_not_apply` names the others)."""
-    files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
-    ours = "".join(_diff(relative, upstream_root) for relative in files)
+    """The patch of every Python file of this project's package (but :data:`PLUGIN_ONLY`) and of its tests
+    (:func:`patch_tests`) against the tree ``upstream_root``, then the stored hunks (:data:`HUNKS`) that apply there
+    (:func:`hunks_that_do_not_apply` names the others)."""
+    files = sorted({p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py")} - PLUGIN_ONLY)
+    ours = "".join(_diff(relative, upstream_root) for relative in [*files, *patch_tests()])
     skipped = set(hunks_that_do_not_apply(upstream_root))
     return ours + "".join(h.read_text() for h in stored_hunks() if h.name not in skipped)
 
@@ -205,7 +279,13 @@ def main(argv: list[str]) -> int:
     if args.what == "plugin":
         print(f"plugin wheel: {build_plugin()}")
     elif args.against is None:
-        print(f"patch against megatron-bridge {VERSION} (applies cleanly): {build_patch()}")
+        path = build_patch()
+        print(f"patch against megatron-bridge {VERSION} (applies cleanly): {path}")
+        counts = added_lines(path.read_text())
+        for folder, lines in counts.items():
+            print(f"  {lines:6d}  {folder}")
+        source = sum(n for folder, n in counts.items() if not folder.startswith("tests"))
+        print(f"  {source:6d}  added lines in src/ (and stored hunks); {sum(counts.values()) - source} in tests/")
     else:
         if not (args.against / PACKAGE).is_dir():
             print(f"error: --against {args.against}: no {PACKAGE} there; give a Megatron-Bridge source tree",

@@ -19,8 +19,12 @@ What it does:
       ``peft/lora_layers.py`` imports ``transformer_engine.pytorch`` and the package ``__init__`` imports it; the
       stand-in makes every name importable and unusable). Each run writes junit XML.
     * Compares the outcomes test by test and prints the counts of both runs, every test that passes as it is and
-      not with the patch (a regression), and every one that only passes with it. Exit status: 1 when there is a
-      regression, else 0.
+      not with the patch (a regression), and every one that only passes with it.
+    * Runs the patch's own tests (``tests/unit_tests/training/ep_overlap/``, :func:`upstream.patch_tests`) in the
+      patched copy, the same way, and prints their counts and every failure. Where the interpreter has no lab
+      (``ep_overlap_lab``), those marked ``lab`` skip, as in upstream's CI.
+
+Exit status: 1 when there is a regression or one of the patch's own tests fails, else 0.
 """
 
 import argparse
@@ -186,6 +190,31 @@ def run_all(python: str, copies: dict[str, Path], tests: list[str], timeout: int
     return runs
 
 
+def own_tests() -> list[str]:
+    """The patch's own test files, relative to ``tests/unit_tests``."""
+    root = Path("tests/unit_tests")
+    return [str(p.relative_to(root)) for p in upstream.patch_tests() if p.name.startswith("test_")]
+
+
+def run_own(python: str, copies: dict[str, Path], timeout: int, jobs: int) -> dict[str, str]:
+    results = copies["patched"].parent / "junit-own"
+    results.mkdir(exist_ok=True)
+    one = functools.partial(run_file, python, copies["patched"], copies["stand-ins"], timeout=timeout, results=results)
+    with ThreadPoolExecutor(jobs) as pool:
+        return {test: state for xml in pool.map(one, own_tests()) for test, state in outcomes(xml).items()}
+
+
+def report_own(states: dict[str, str]) -> int:
+    counts = {state: sum(1 for s in states.values() if s == state) for state in ("passed", "failed", "skipped")}
+    print(
+        f"the patch's own tests, patched: {len(own_tests())} files, "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+    )
+    failed = sorted(t for t, s in states.items() if s == "failed")
+    print("".join(f"  failed: {t}\n" for t in failed), end="")
+    return 1 if failed else 0
+
+
 def report(runs: dict[str, dict[str, str]], files: int) -> int:
     before, after = runs["as-is"], runs["patched"]
     for name, states in runs.items():
@@ -223,7 +252,8 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         copies = prepare(args.tree, args.out or Path(scratch) / "upstream-ci")
         print(f"{len(tests)} test files; copies under {copies['as-is'].parent}", flush=True)
-        return report(run_all(args.python, copies, tests, args.timeout, args.jobs), len(tests))
+        regressed = report(run_all(args.python, copies, tests, args.timeout, args.jobs), len(tests))
+        return report_own(run_own(args.python, copies, args.timeout, args.jobs)) or regressed
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
     # pipelines: the plain 1F1B one and, with --vpp, the interleaved one
     python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --gpus 32 --ep 8 --pp 4 --vpp 2
 
-It prices the engine's own schedule program (``megatron.bridge.training.ep_overlap.planner``); nothing runs on a
+It prices the engine's own schedule program (``ep_overlap_lab.planner``); nothing runs on a
 GPU, and it needs no torch.
 """
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from utils.quiet import quiet_third_party_imports
 
     with quiet_third_party_imports():
-        from megatron.bridge.training.ep_overlap import planner
+        from ep_overlap_lab import planner
 
     problems, run = _measured_inputs(args)
     if problems:
@@ -91,8 +91,8 @@ def _measured_inputs(args) -> tuple[list[str], tuple | None]:
     """The flags' problems and, with --from_json, the measured run's (costs, link, microbatches, heading)."""
     from utils.plan_inputs import PlanInputError, flag_problems, read_measured
 
-    from megatron.bridge.training.ep_overlap import planner
-    from megatron.bridge.training.ep_overlap.planner import cost_model
+    from ep_overlap_lab import planner
+    from ep_overlap_lab.planner import cost_model
 
     problems = flag_problems(args, cost_model.SHAPES[args.model].num_experts if args.model else None)
     if problems or not args.from_json:
@@ -115,7 +115,7 @@ def _model_inputs(args) -> tuple:
     from utils.plan_inputs import model_layout
     from utils.plan_table import activation_peaks_gib
 
-    from megatron.bridge.training.ep_overlap.planner import cost_model
+    from ep_overlap_lab.planner import cost_model
 
     layout = cost_model.Layout(*model_layout(args))
     recompute = frozenset(args.recompute_modules or ())
@@ -138,7 +138,7 @@ def _print_pipelines(args, measured) -> int:
     from utils.plan_inputs import model_layout
     from utils.plan_pipeline import measured_pipeline_lines, pipeline_lines
 
-    from megatron.bridge.training.ep_overlap.planner import cost_model
+    from ep_overlap_lab.planner import cost_model
 
     try:
         if measured is not None:

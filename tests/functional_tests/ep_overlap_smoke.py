@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 

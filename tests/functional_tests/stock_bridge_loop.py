@@ -366,7 +366,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism")
     parser.add_argument("--model", choices=["olmoe", "gpt_oss"], default="olmoe")
     args = parser.parse_args()
-    from megatron.bridge.utils.multiprocess import run_local_ranks
+    from ep_overlap_lab.multiprocess import run_local_ranks
 
     arguments = (args.arms.split(","), args.mtp, args.steps, args.mask_every, args.packed, args.full_recompute,
                  args.pp, args.tp, args.model)  # fmt: skip

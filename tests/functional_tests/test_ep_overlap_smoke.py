@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.multiprocess import run_local_ranks
 
 from .ep_overlap_smoke import SmokeSettings, check, smoke
 

@@ -318,7 +318,7 @@ def _arms_on_cpu(rank: int, world: int) -> dict:
 
 
 def test_the_arms_run_on_cpu_through_the_wrappers_static_buffers_bitwise_equal():
-    from megatron.bridge.utils.multiprocess import run_local_ranks
+    from ep_overlap_lab.multiprocess import run_local_ranks
 
     for outcome in run_local_ranks(_arms_on_cpu, 2):
         result = outcome.result

@@ -98,10 +98,10 @@ def _run_there(python: Path, site: Path, body: str) -> str:
 def test_our_modules_import_from_the_installed_tree(scratch):
     python, site = scratch
     out = _run_there(python, site, """
-        import megatron.bridge.training.ep_overlap.engine.driver as engine
-        import megatron.bridge.training.ep_overlap.planner as planner
+        import ep_overlap_lab.engine.driver as engine
+        import ep_overlap_lab.planner as planner
         import megatron.bridge.training.moe_overlap_rules as rules
-        import megatron.bridge.models.moe_gpt.model as model
+        import ep_overlap_lab.moe_gpt.model as model
         import megatron.bridge.training.ep_overlap.mcore.hook as hook  # the pre-wrap hook a recipe registers
         for module in (engine, planner, rules, model, hook):
             assert str(site) in module.__file__, module.__file__
@@ -151,9 +151,10 @@ def test_a_recipe_gets_the_single_error_on_upstreams_own_comm_overlap(scratch):
 def test_the_patch_applies_to_a_fresh_unpack(wheels, tmp_path):
     patch = upstream.build_patch(tmp_path / "ep-overlap.patch").read_text()  # checks `git apply --check` itself
     assert "diff --git a/src/megatron/bridge/training/comm_overlap.py" in patch
-    assert (
-        "new file mode 100644\n--- /dev/null\n+++ b/src/megatron/bridge/training/ep_overlap/engine/driver.py" in patch
-    )
+    new = "new file mode 100644\n--- /dev/null\n+++ b/"
+    assert new + "src/megatron/bridge/training/ep_overlap/runtime/lanes.py" in patch
+    assert new + "tests/unit_tests/training/ep_overlap/test_comm_overlap_rules.py" in patch  # its tests travel with it
+    assert "+++ b/src/ep_overlap_lab/" not in patch  # the lab stays in this project
     assert "a/src/megatron/bridge/__init__.py" not in patch
 
 

@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--arms", default="plain,hook")
     parser.add_argument("--models", default="qwen3_vl", help="comma-separated: qwen3_vl, qwen35_vl")
     args = parser.parse_args()
-    from megatron.bridge.utils.multiprocess import run_local_ranks
+    from ep_overlap_lab.multiprocess import run_local_ranks
 
     arguments = (args.models.split(","), args.arms.split(","), args.steps)
     outcomes = run_local_ranks(rank_main, 2, arguments, collective_timeout_s=120)

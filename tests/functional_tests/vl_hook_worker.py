@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3_vl", help="comma-separated: qwen3_vl, qwen35_vl")
     parser.add_argument("--full_recompute", action="store_true", help="uniform, 1 layer (the hook's keyword)")
     args = parser.parse_args()
-    from megatron.bridge.utils.multiprocess import run_local_ranks
+    from ep_overlap_lab.multiprocess import run_local_ranks
 
     arguments = (args.pp, args.steps, args.mutate, args.models.split(","), args.full_recompute)
     outcomes = run_local_ranks(rank_main, 2 * args.pp, arguments, collective_timeout_s=120)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import RankFailure, report_progress, run_local_ranks
+from ep_overlap_lab.multiprocess import RankFailure, report_progress, run_local_ranks
 
 
 def _steady_progress(rank: int, world: int, steps: int, pause: float) -> int:
@@ -68,7 +68,7 @@ def test_ranks_die_with_their_parent():
         f"""
         import os, sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from megatron.bridge.utils.multiprocess import run_local_ranks
+        from ep_overlap_lab.multiprocess import run_local_ranks
 
         def linger(rank, world):
             os.write(1, f"{{os.getpid()}}\\n".encode())  # one atomic write per rank
@@ -168,7 +168,7 @@ def test_a_stopped_rank_ends_quietly_whatever_sigterm_handler_the_parent_has():
         f"""
         import signal, sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from megatron.bridge.utils.multiprocess import run_local_ranks
+        from ep_overlap_lab.multiprocess import run_local_ranks
 
         class SlowToCollect:
             def __del__(self):

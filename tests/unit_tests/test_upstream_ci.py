@@ -1,6 +1,6 @@
 """The upstream-CI routine's own logic (tools/upstream_ci.py): which tests it picks, how it reads their outcomes and
-reports regressions, and the Transformer Engine stand-in. The routine itself needs upstream's sources and is not
-part of ``make test``."""
+reports regressions and the patch's own tests, and the Transformer Engine stand-in. The routine itself needs
+upstream's sources and is not part of ``make test``."""
 
 import subprocess
 import sys
@@ -47,6 +47,19 @@ def test_outcomes_and_the_regression_report(tmp_path, capsys):
     assert "regressions (pass as it is, not with the patch): 1\n  t::y (failed)" in out
     assert "pass only with the patch: 1\n  t::z" in out
     assert upstream_ci.report({"as-is": before, "patched": before}, files=1) == 0
+
+
+def test_the_patchs_own_tests_and_their_report(tmp_path, capsys):
+    own = upstream_ci.own_tests()
+    assert "training/ep_overlap/test_mcore_hook.py" in own and "training/ep_overlap/test_comm_overlap_rules.py" in own
+    assert "training/ep_overlap/test_planner.py" not in own  # the lab's: not in the patch
+    assert "training/ep_overlap/test_layout.py" not in own  # this repository's layout
+    states = upstream_ci.outcomes(_junit(tmp_path / "own.xml", {"x": "passed", "y": "skipped", "z": "failed"}))
+    assert upstream_ci.report_own(states) == 1
+    out = capsys.readouterr().out
+    assert f"the patch's own tests, patched: {len(own)} files, 1 passed, 1 failed, 1 skipped" in out
+    assert "  failed: t::z" in out
+    assert upstream_ci.report_own({"t::x": "passed", "t::y": "skipped"}) == 0
 
 
 def test_transformer_engine_imports_for_megatron_bridge_only(tmp_path):

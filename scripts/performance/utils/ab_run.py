@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron.bridge.utils.multiprocess import (
+from ep_overlap_lab.multiprocess import (
     RankFailure,
     launched_by_torchrun,
 )

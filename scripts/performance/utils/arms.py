@@ -15,9 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
-from megatron.bridge.utils.multiprocess import report_progress
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
+from ep_overlap_lab.multiprocess import report_progress
+from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 

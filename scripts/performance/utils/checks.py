@@ -8,8 +8,8 @@ from typing import Any
 
 from argument_parser import MODEL_INT_FLAGS
 
-from megatron.bridge.models.moe_gpt.config import model_feature_problems, router_problems
-from megatron.bridge.utils.pipeline_layout import chunk_layers_of
+from ep_overlap_lab.moe_gpt.config import model_feature_problems, router_problems
+from ep_overlap_lab.pipeline_layout import chunk_layers_of
 
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from argument_parser import MODEL_INT_FLAGS, PIPELINE_FLAGS
 
-from megatron.bridge.utils.multiprocess import (
+from ep_overlap_lab.multiprocess import (
     run_local_ranks,
 )
 from utils.arms import ArmSpec, run_arms, step_line

@@ -279,7 +279,7 @@ def record_problems(records: list, times: list, warmup: int, num_layers: int) ->
     """What is wrong with the steady steps' numbers: every time finite and not negative, every duration and byte count
     not negative, every layer inside the model (``num_layers``, which the planner prices), some all-to-all time to
     hide, and no more layers than the planner prices in bounded time."""
-    from megatron.bridge.training.ep_overlap.planner.simulate import MAX_LAYERS
+    from ep_overlap_lab.planner.simulate import MAX_LAYERS
 
     if num_layers > MAX_LAYERS:
         return [f"config.model.num_layers={num_layers}: the planner prices up to {MAX_LAYERS} layers"]

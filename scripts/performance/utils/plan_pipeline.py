@@ -1,15 +1,15 @@
 """The planner CLI's pipeline prices (``--pp``, ``--vpp``): the plain 1F1B pipeline and the interleaved one, each
 plain and overlapped, with the microbatches and activations each stage holds."""
 
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import in_flight, simulate_pipeline
-from megatron.bridge.training.ep_overlap.planner.cost_model import (
+from ep_overlap_lab.planner import in_flight, simulate_pipeline
+from ep_overlap_lab.planner.cost_model import (
     BYTES_PER_ELEMENT,
     Layout,
     activation_shape,
     costs_from_model,
 )
-from megatron.bridge.training.ep_overlap.planner.memory import pipeline_peaks
+from ep_overlap_lab.planner.memory import pipeline_peaks
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 
 GIB = 2**30
 PLAIN, OVERLAP = EPOverlapOptions(overlap=False), EPOverlapOptions(overlap=True)

@@ -1,8 +1,7 @@
 """The planner's cluster-scale table: published MoE shapes on H100 clusters of 8 to 1,024 GPUs."""
 
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import predict
-from megatron.bridge.training.ep_overlap.planner.cost_model import (
+from ep_overlap_lab.planner import predict
+from ep_overlap_lab.planner.cost_model import (
     DEEPSEEK_V3,
     MIXTRAL_8X7B,
     PROFILES,
@@ -12,7 +11,8 @@ from megatron.bridge.training.ep_overlap.planner.cost_model import (
     activation_shape,
     costs_from_model,
 )
-from megatron.bridge.training.ep_overlap.planner.memory import predicted_peak
+from ep_overlap_lab.planner.memory import predicted_peak
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 
 # (shape, global batch in sequences, [(GPUs, EP)]); TP = PP = 1, micro-batch 1, sequence length 4096.
 SWEEPS = [

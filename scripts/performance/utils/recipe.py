@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig
+from ep_overlap_lab.moe_gpt import MoEGPTConfig
 from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
 
 

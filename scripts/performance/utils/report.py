@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from megatron.bridge.training.ep_overlap.planner import exposed_by_phase_and_kind
+from ep_overlap_lab.planner import exposed_by_phase_and_kind
 from utils.stats import describe_matched
 
 

@@ -100,10 +100,11 @@ def _pipeline(model, sizes: dict, vpp: int | None, said: list[str]) -> int:
             model.num_layers_in_last_pipeline_stage = new_last if last is not None else None
             middle = 2 * (sizes["pipeline"] - (first is not None) - (last is not None))
             return (new_first if first is not None else 0) + (new_last if last is not None else 0) + middle
-    # Where the split counts the embedding and the loss as layers, they take a decoder layer's place each
+    # Where the split counts the embedding and the loss as layers, they take a decoder layer's place each: two
+    # places a stage, one of them the embedding's or the loss's at either end; a lone stage keeps two decoder layers
     counted = bool(getattr(model, "account_for_embedding_in_pipeline_split", False))
     counted += bool(getattr(model, "account_for_loss_in_pipeline_split", False))
-    return 2 * stages - counted
+    return 2 * stages - counted if stages > 1 else 2
 
 
 def _hybrid(model, pattern: str, stages: int, said: list[str]) -> None:

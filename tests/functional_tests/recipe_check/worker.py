@@ -232,7 +232,7 @@ def rank_main(rank: int, world: int, model, keywords: dict, data: int, delay_wgr
 
 def check(name: str, patched: bool, configs, delay_wgrad: bool = True) -> dict:
     """One recipe's CPU run: its row."""
-    from megatron.bridge.utils.multiprocess import run_local_ranks
+    from ep_overlap_lab.multiprocess import run_local_ranks
     from tests.functional_tests.recipe_check.universe import config_functions
     from tests.functional_tests.recipe_check.verdicts import verdict
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, grouped_matmul
+from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear, grouped_matmul
 from megatron.bridge.training.ep_overlap.contract import check_no_pending_wgrads
 
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.models.moe_gpt.config import DERIVED, ELSEWHERE, READ, MoEGPTConfig, model_feature_problems
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.moe_gpt.config import DERIVED, ELSEWHERE, READ, MoEGPTConfig, model_feature_problems
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4, add_bias_linear=False)
 
@@ -47,7 +47,7 @@ def test_a_field_the_reference_model_would_ignore_is_refused_by_name(fields):
 def test_grouped_query_attention_and_head_width_compute_as_defined(groups, width):
     # H = 4 query heads; G key/value heads, each shared by H / G consecutive query heads; d = kv_channels wide;
     # softmax scale 1 / sqrt(d) (Megatron-Core's definitions), checked against attention written out head by head.
-    from megatron.bridge.models.moe_gpt.attention import Attention
+    from ep_overlap_lab.moe_gpt.attention import Attention
 
     config = MoEGPTConfig(**BASE, num_query_groups=groups, kv_channels=width, seq_length=6)
     assert model_feature_problems(config) == []
@@ -76,7 +76,7 @@ def test_grouped_query_attention_and_head_width_compute_as_defined(groups, width
 
 
 def test_fewer_key_value_heads_change_the_loss():
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
 
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     losses = []
@@ -87,7 +87,7 @@ def test_fewer_key_value_heads_change_the_loss():
 
 
 def test_rmsnorm_normalizes_as_defined_and_changes_the_loss():
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
 
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     losses = {}

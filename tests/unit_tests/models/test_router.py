@@ -4,8 +4,8 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.models.moe_gpt.config import router_problems
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
+from ep_overlap_lab.moe_gpt.config import router_problems
 from megatron.bridge.utils.process_groups import single_process_groups
 
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.models.moe_gpt.config import model_feature_problems
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
+from ep_overlap_lab.moe_gpt.config import model_feature_problems
 
 S, B, E, K = 8, 3, 4, 2
 BASE = dict(

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import grouped_linear as gl
+from ep_overlap_lab.moe_gpt import grouped_linear as gl
 
 
 class _DelayedFn(torch.autograd.Function):

@@ -25,7 +25,7 @@ from utils.overrides import (
 from utils.recipe import small_moe_recipe
 from utils.stats import describe_matched, matched_ab
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.multiprocess import run_local_ranks
 
 TINY = [
     "--num_layers", "2", "--hidden_size", "32", "--num_attention_heads", "2", "--ffn_hidden_size", "64",
@@ -216,7 +216,7 @@ def test_mcore_model_impl_needs_cuda(monkeypatch, capsys):
 def _train_the_harness_mcore_model(rank: int, world: int, config) -> dict:
     from datetime import timedelta
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     from ..training.ep_overlap.fake_deepep import dispatcher_names, install_fake_deepep

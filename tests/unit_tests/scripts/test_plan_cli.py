@@ -209,7 +209,7 @@ def test_more_layers_than_the_planner_prices_in_bounded_time_are_refused_at_once
 
 
 def test_the_library_refuses_what_the_cli_refuses():
-    from megatron.bridge.training.ep_overlap.planner.simulate import MAX_LAYERS, LayerCosts, Link, StepCosts, simulate
+    from ep_overlap_lab.planner.simulate import MAX_LAYERS, LayerCosts, Link, StepCosts, simulate
 
     for bad in (0, -1e9, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="bandwidth_Bps"):

@@ -12,9 +12,12 @@ Contract:
     * Every wait goes through :func:`wait_work`, under the groups' timeout. A failure or timeout raises
       :class:`CollectiveError` naming this rank and the op, so a rank whose peer died or raised stops instead
       of hanging.
+    * Each finished wait, and each compute node the runtime finishes, calls :func:`tell_alive`: a no-op unless a
+      launcher watching for stalled ranks installed its listener with :func:`set_alive_listener`.
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,7 +25,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.utils.multiprocess import heartbeat
+_alive_listener: Callable[..., None] | None = None
+
+
+def set_alive_listener(listener: Callable[..., None] | None) -> None:
+    """Installs (None: removes) the function :func:`tell_alive` calls in this process."""
+    global _alive_listener
+    _alive_listener = listener
+
+
+def tell_alive(what: str, *args) -> None:
+    """This process just finished ``what % args`` (formatted by the listener, only when it needs the text)."""
+    if _alive_listener is not None:
+        _alive_listener(what, *args)
 
 
 class CollectiveError(RuntimeError):
@@ -104,7 +119,7 @@ def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
         raise wait_error(op, timeout, exc) from exc
     if completed is False:
         raise wait_error(op, timeout, None)
-    heartbeat(op)
+    tell_alive(op)
 
 
 def wait_error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:

@@ -41,9 +41,19 @@ def zigzag_positions(local_len: int, cp: int, rank: int) -> torch.Tensor:
 class ContextParallelAttention(torch.nn.Module):
     """Causal softmax attention over a sequence split across the context-parallel group (``pg_collection.cp``)."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None,
-                 v_channels=None):  # fmt: skip  (MLA gives its key and value widths; the tensors carry them)
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        k_channels=None,
+        v_channels=None,
+    ):  # fmt: skip  (MLA gives its key and value widths; the tensors carry them)
         super().__init__()
         from megatron.core import parallel_state
 

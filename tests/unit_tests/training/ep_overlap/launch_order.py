@@ -58,9 +58,10 @@ def _tag(pending, label: str):
 
 
 def install() -> None:
-    """Hooks the lane, P2P and Megatron-Core plan classes of this process (a forked rank)."""
-    from megatron.bridge.training.ep_overlap.engine import lanes, p2p
+    """Hooks the lane, P2P (the lab engine's, where the lab is installed) and Megatron-Core plan classes of this
+    process (a forked rank)."""
     from megatron.bridge.training.ep_overlap.mcore import hook as mcore_hook
+    from megatron.bridge.training.ep_overlap.runtime import lanes
 
     compute = lanes._Lane.compute
 
@@ -112,26 +113,7 @@ def install() -> None:
     def transfer(t) -> str:
         return f"{t.kind}m{t.microbatch}c{t.chunk}r{t.peer}"
 
-    post, take, send, finish = (p2p.PipelineP2P.__dict__[n] for n in ("post", "take", "send", "finish"))
-
-    def hooked_post(self, transfers, *args, **kwargs):
-        EVENTS.extend(f"p2p post {transfer(t)}" for t in transfers if t not in self._recvs)
-        return post(self, transfers, *args, **kwargs)
-
-    def hooked_take(self, t):
-        EVENTS.append(f"p2p take {transfer(t)}")
-        return _tag(take(self, t), f"p2p {transfer(t)}")
-
-    def hooked_send(self, t, tensor):
-        EVENTS.append(f"p2p send {transfer(t)}")
-        return send(self, t, tensor)
-
-    def hooked_finish(self):
-        EVENTS.append("p2p finish")
-        return finish(self)
-
-    p2p.PipelineP2P.post, p2p.PipelineP2P.take = hooked_post, hooked_take
-    p2p.PipelineP2P.send, p2p.PipelineP2P.finish = hooked_send, hooked_finish
+    _hook_engine_p2p(transfer)
 
     run = mcore_hook.EPOverlapSchedulePlan.run
 
@@ -155,6 +137,35 @@ def install() -> None:
         )  # fmt: skip
 
     mcore_hook.EPOverlapSchedulePlan.run = staticmethod(hooked_run)
+
+
+def _hook_engine_p2p(transfer) -> None:
+    """The lab engine's pipeline P2P, recorded (Megatron-Core's driver does its own P2P; the hook records none)."""
+    try:
+        from ep_overlap_lab.engine import p2p
+    except ModuleNotFoundError:  # upstream's tree: no lab, no engine to record
+        return
+
+    post, take, send, finish = (p2p.PipelineP2P.__dict__[n] for n in ("post", "take", "send", "finish"))
+
+    def hooked_post(self, transfers, *args, **kwargs):
+        EVENTS.extend(f"p2p post {transfer(t)}" for t in transfers if t not in self._recvs)
+        return post(self, transfers, *args, **kwargs)
+
+    def hooked_take(self, t):
+        EVENTS.append(f"p2p take {transfer(t)}")
+        return _tag(take(self, t), f"p2p {transfer(t)}")
+
+    def hooked_send(self, t, tensor):
+        EVENTS.append(f"p2p send {transfer(t)}")
+        return send(self, t, tensor)
+
+    def hooked_finish(self):
+        EVENTS.append("p2p finish")
+        return finish(self)
+
+    p2p.PipelineP2P.post, p2p.PipelineP2P.take = hooked_post, hooked_take
+    p2p.PipelineP2P.send, p2p.PipelineP2P.finish = hooked_send, hooked_finish
 
 
 def take_events() -> list[str]:
@@ -182,14 +193,14 @@ TIMEOUT = timedelta(seconds=60)
 
 def as_a_device_lane() -> None:
     """This process's CPU lanes issue the program's ops as the CUDA lane does (the device-lane stand-in)."""
-    from megatron.bridge.training.ep_overlap.engine import lanes
     from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
+    from megatron.bridge.training.ep_overlap.runtime import lanes
 
     lanes.CpuLane.issue = IssueOrder.DEVICE
 
 
 def _reference_config(pp: int, **fields):
-    from megatron.bridge.models.moe_gpt import MoEGPTConfig
+    from ep_overlap_lab.moe_gpt import MoEGPTConfig
 
     freq = [1, 0, 1] if pp == 1 else [1, 0, 1, 1]
     return MoEGPTConfig(
@@ -203,7 +214,7 @@ def _reference_config(pp: int, **fields):
 
 def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
     """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, one step per option set."""
-    from megatron.bridge.models.moe_gpt import MoEGPTModel, build_pipeline_chunks
+    from ep_overlap_lab.moe_gpt import MoEGPTModel, build_pipeline_chunks
     from megatron.bridge.utils.process_groups import init_ep_groups
 
     install()
@@ -220,9 +231,9 @@ def reference_on_both_lanes(rank: int, world: int, microbatches: int, combinatio
     """The reference MoE GPT at PP 1 (EP 2), one step per option set on the CPU lane as it is (a host lane), then on
     the device-lane stand-in, each on a fresh model: the events of both, and whether the losses and every gradient
     are bitwise the same. A combination's ``recompute`` (method, layers) turns full recompute on."""
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
-    from megatron.bridge.training.ep_overlap.engine import lanes
+    from ep_overlap_lab.engine import EPOverlapEngine
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
+    from megatron.bridge.training.ep_overlap.runtime import lanes
     from megatron.bridge.utils.process_groups import init_ep_groups
 
     install()
@@ -268,7 +279,7 @@ def mcore_driver_on_a_device_lane(rank: int, world: int, case) -> dict:
 
 def _engine_orders(groups, microbatch_counts, combinations, build, *, vocab: int, shape: tuple) -> dict:
     """One step per option combination on a fresh model from ``build()``, for each microbatch count."""
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
 
     out = {}
     for n in microbatch_counts:
@@ -289,7 +300,7 @@ def mcore_engine_orders(rank: int, world: int, pp: int, microbatch_counts: tuple
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTChunk, mcore_ep_groups
 
     from .mcore_models import McoreCase, build_gpt
-    from .test_mcore_pipeline import build_plans
+    from .mcore_stages import build_plans
 
     install()
     groups = mcore_ep_groups(TIMEOUT)
@@ -320,8 +331,8 @@ def mcore_hook_orders(
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
     from .mcore_models import McoreCase, build_gpt
+    from .mcore_stages import build_plans
     from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
-    from .test_mcore_pipeline import build_plans
 
     install()
     case = McoreCase(layer_freq=(1, 0, 1) if pp == 1 else (1, 0, 1, 1))

@@ -21,8 +21,9 @@ from functools import partial
 
 import torch
 
-from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations, _Held
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine.saved import SavedActivations, _Held
+
+from .local_ranks import run_local_ranks
 
 ARMS = ("plain-off", "plain", "hook-off", "hook", "mcore-off", "mcore")
 

@@ -26,7 +26,6 @@ from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder, run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, windows_of
-from megatron.bridge.utils.pipeline_layout import chunk_layers
 
 _WGRAD_NODE = {"experts": "expert_wgrad", "attention": "attention_wgrad"}
 
@@ -254,7 +253,9 @@ def rank_chunks(
     """The shapes and global layer numbers of a pipeline rank's chunks (``virtual`` stages; default 2 with pipeline
     stages)."""
     virtual = virtual or (2 if pipeline_size > 1 else 1)
-    layers = chunk_layers(len(layer_freq), pipeline_size, virtual)
+    per_chunk, left = divmod(len(layer_freq), pipeline_size * virtual)  # Megatron-Core's even split, chunk v * P + r
+    assert not left, f"{len(layer_freq)} layers do not split evenly over {pipeline_size} x {virtual} chunks"
+    layers = [range(c * per_chunk, (c + 1) * per_chunk) for c in range(pipeline_size * virtual)]
     mine = list(range(pipeline_rank, len(layers), pipeline_size))
     last = len(layers) - 1
     shapes = [ChunkShape(c == 0, c == last, tuple(bool(layer_freq[n]) for n in layers[c])) for c in mine]

@@ -6,14 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.multiprocess import RankFailure, run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .test_numerics import EXPERT_BIAS, assert_bitwise
+from .bitwise import assert_bitwise
+from .local_ranks import RankFailure, run_local_ranks
+from .test_numerics import EXPERT_BIAS
 from .workers import Case, batches, train_arms
 
 

@@ -1,5 +1,5 @@
 """The field audit: every ``TransformerConfig`` field Megatron-Core reads in a training step is read by this project's
-plan too, or ``ep_overlap/mcore/fields.py`` says why it need not be, or the plan refuses it by name.
+plan too, or ``unread_fields.py`` says why it need not be, or the plan refuses it by name.
 
 ``config_reads.py`` records the fields each path reads in one step (``mcore_arms.py``): the plain path, Megatron-Core's
 own plan (``GPTModel``), the hook and the engine. Each case also runs bitwise against the plain path through the hook.
@@ -14,17 +14,16 @@ from datetime import timedelta
 
 import pytest
 
-from megatron.bridge.training.ep_overlap.mcore.fields import NOT_READ_BY_THE_ENGINE, NOT_READ_BY_THE_PLAN
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
-from . import mcore_arms
+from . import lab, mcore_arms
+from .bitwise import assert_bitwise
 from .config_reads import ConfigReads
 from .family_models import DSA_FIELDS, build_dsa_gpt, build_minimax_like, install_latent_projections, minimax_fields
+from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_model, install_kernels_for
 from .test_new_families import K_EXAONE, NEMOTRON3
-from .test_numerics import assert_bitwise
+from .unread_fields import NOT_READ_BY_THE_ENGINE, NOT_READ_BY_THE_PLAN
 
 MXFP8 = (("fp8", "e4m3"), ("fp8_recipe", "mxfp8"))
 # name -> (case, fields set after the model is built)
@@ -98,7 +97,11 @@ def read_fields(rank: int, world: int, name: str) -> dict:
     if name in BUILDERS:  # this forked rank's arms build the case's model with its own builder
         mcore_arms.build_model = BUILDERS[name]
     init_megatron(world)
-    arms = ("plain", "hook", "engine") if isinstance(case, HybridCase) else ("plain", "mcore", "hook", "engine")
+    arms = (
+        lab.arms("plain", "hook", "engine")
+        if isinstance(case, HybridCase)
+        else lab.arms("plain", "mcore", "hook", "engine")
+    )
     arms = tuple(arm for arm in arms if not (arm == "engine" and name in ENGINE_REFUSES))
     out = {}
     for arm in arms:
@@ -199,7 +202,7 @@ RECOMPUTED = {
 def _activation_peaks(rank: int, world: int, module: str) -> dict:
     from dataclasses import replace
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     from .mcore_arms import _data
@@ -216,6 +219,7 @@ def _activation_peaks(rank: int, world: int, module: str) -> dict:
     return peaks
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("module", sorted(RECOMPUTED))
 def test_selective_recompute_holds_less_in_the_overlapped_schedule_as_in_the_plain_path(module):
     for outcome in run_local_ranks(_activation_peaks, 2, (module,)):

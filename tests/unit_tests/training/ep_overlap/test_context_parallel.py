@@ -16,14 +16,13 @@ from functools import partial
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
 from .cp_attention import ContextParallelAttention, with_context_parallel_attention, zigzag_positions
+from .local_ranks import run_local_ranks
 from .mcore_arms import train_plain_and_hook
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, gpt_config
 from .test_mcore_hook import SEQ, masked_token_loss
-from .test_numerics import assert_steps_bitwise
 
 CP = 2
 

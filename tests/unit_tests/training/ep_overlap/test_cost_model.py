@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.bridge.training.ep_overlap.planner.cost_model import (
+from ep_overlap_lab.planner.cost_model import (
     PROFILES,
     QWEN3_30B_A3B,
     SHAPES,

@@ -9,12 +9,11 @@ inputs the same number of times, with losses and gradients bitwise equal. With d
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
-from .test_numerics import assert_bitwise
 
 ROUTER = ["attn", "moe_router", "moe_preprocess"]
 # name -> (case, cuda_graph_modules, arms)
@@ -106,6 +105,7 @@ def _engine_with_graphs(rank: int, world: int) -> str:
     return "accepted"
 
 
+@pytest.mark.lab
 def test_the_engine_refuses_graphed_layers_before_its_first_op():
     for outcome in run_local_ranks(_engine_with_graphs, 2):
         assert "replay Transformer Engine CUDA graphs" in outcome.result, outcome.result

@@ -6,13 +6,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap.program.pipeline import pipeline_schedule
-from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .test_numerics import assert_bitwise
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 

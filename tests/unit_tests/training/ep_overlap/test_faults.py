@@ -6,12 +6,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.comm_overlap import CommOverlapConfig, CommOverlapConfigError
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 

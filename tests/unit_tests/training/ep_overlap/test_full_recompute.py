@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.models.moe_gpt.token_dispatcher import Routing, replay_splits
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.moe_gpt.token_dispatcher import Routing, replay_splits
 
-from .test_numerics import EXPERT_BIAS, ROUTER_LOSSES_AND_SHARED, assert_bitwise, assert_same_training
+from .bitwise import assert_bitwise, assert_same_training
+from .local_ranks import run_local_ranks
+from .test_numerics import EXPERT_BIAS, ROUTER_LOSSES_AND_SHARED
 from .test_pipeline import PIPELINE_ARMS, PipeCase, assert_matches_reference, train_layout
 from .test_saved_activations import OPTIONS, _config, _measured_and_planned
 from .workers import Case, train_arms
@@ -164,7 +165,7 @@ def test_a_replayed_router_that_routes_otherwise_is_caught_naming_the_layer():
 def test_measured_costs_take_the_plain_paths_replay_off_the_backward():
     """The plain path with full recompute replays layer 0's forward inside the backward from layer 1 down: its
     records name that replay (``plain replay_*``), and the planner counts it as forward, not as layer 1's backward."""
-    from megatron.bridge.training.ep_overlap.planner import costs_from_records
+    from ep_overlap_lab.planner import costs_from_records
 
     t = iter(range(100))
 
@@ -190,8 +191,8 @@ def test_measured_costs_take_the_plain_paths_replay_off_the_backward():
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_planner_charges_each_replay_its_forward_and_its_all_to_alls(overlap):
+    from ep_overlap_lab.planner.simulate import LayerCosts, Link, StepCosts, simulate
     from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-    from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts, simulate
 
     layer = LayerCosts(f_pre=1.0, f_exp=2.0, b_exp=4.0, b_pre=3.0, dispatch_bytes=5.0, combine_bytes=7.0)
     kept = StepCosts(layers=(layer, layer), f_tail=0.5, b_head=1.0)

@@ -13,12 +13,11 @@ from dataclasses import replace
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_models import HybridCase, McoreCase
 from .test_mcore_equivalence import check_equal, train_mcore
 from .test_mcore_hook import train_with_mcore_driver
-from .test_numerics import assert_steps_bitwise
 
 
 def gpt_oss_fields() -> tuple:
@@ -66,6 +65,7 @@ def test_gpt_oss_features_under_the_hook_are_bitwise_equal(name):
             assert any(part in n and g.abs().sum() > 0 for n, g in trained.items()), part
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", ["gpt", "hybrid-*E*E"])
 def test_gpt_oss_features_through_the_engine_are_bitwise_equal(name):
     case = replace(_cases()[name], steps=1)

@@ -7,14 +7,14 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_gpt
-from .test_numerics import assert_bitwise
 from .workers import Case, attach_main_grads, batches
 
 STEPS = 3

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import IGNORE_INDEX, EPOverlapEngine
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap import IGNORE_INDEX
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case
 
 CASE = Case(layer_freq=(1, 0), microbatches=3)

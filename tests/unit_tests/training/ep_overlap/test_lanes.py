@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, init_ep_groups, single_process_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case
 
 DELAY_S = 0.4
@@ -75,7 +75,7 @@ def test_a_launch_waiting_for_its_splits_leaves_the_host_free_and_keeps_the_orde
 
 
 def _who_launches(rank: int, world: int) -> dict:
-    from megatron.bridge.training.ep_overlap.engine import lanes
+    from megatron.bridge.training.ep_overlap.runtime import lanes
 
     groups = init_ep_groups(2, timedelta(seconds=20))
     lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
@@ -206,8 +206,8 @@ class _NvtxRecorder:
 
 
 def _cuda_lane_ranges(rank: int, world: int) -> dict:
-    from megatron.bridge.training.ep_overlap.engine.lanes import CudaLane
-    from megatron.bridge.training.ep_overlap.engine.records import HostClock, StepRecorder
+    from megatron.bridge.training.ep_overlap.runtime.lanes import CudaLane
+    from megatron.bridge.training.ep_overlap.runtime.records import HostClock, StepRecorder
 
     from .mcore_cpu import install_cpu_stubs
 
@@ -241,7 +241,7 @@ def test_the_cuda_lane_puts_every_node_in_a_named_nvtx_range():
 
 
 def test_the_cpu_lane_opens_no_range():
-    from megatron.bridge.training.ep_overlap.engine.lanes import CpuLane, range_name
+    from megatron.bridge.training.ep_overlap.runtime.lanes import CpuLane, range_name
 
     assert CpuLane.nvtx is None
     assert range_name("p2p", "recv_gradient", -1, 4, role="B") == "ep_overlap/p2p/B.recv_gradient/mb4"
@@ -250,9 +250,9 @@ def test_the_cpu_lane_opens_no_range():
 def test_each_lane_says_how_it_issues_the_program_and_the_nodes_follow_it():
     """The CPU lane's compute blocks the host: program order. The CUDA lane only queues work: its host syncs go after
     what can be queued without them (``program.interpreter.issue_order``). The nodes run the ops as their lane says."""
-    from megatron.bridge.training.ep_overlap.engine.lanes import CpuLane, CudaLane
-    from megatron.bridge.training.ep_overlap.engine.nodes import MicrobatchNodes
     from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
+    from megatron.bridge.training.ep_overlap.runtime.lanes import CpuLane, CudaLane
+    from megatron.bridge.training.ep_overlap.runtime.nodes import MicrobatchNodes
 
     assert CpuLane.issue == IssueOrder.HOST and CudaLane.issue == IssueOrder.DEVICE
     lane = make_lane(single_process_groups(), torch.device("cpu"), launch_off_host=True)

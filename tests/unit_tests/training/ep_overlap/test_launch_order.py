@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
-from megatron.bridge.utils.multiprocess import run_local_ranks
 
+from .bitwise import assert_steps_bitwise
 from .launch_order import (
     mcore_driver_on_a_device_lane,
     mcore_engine_orders,
@@ -33,9 +33,9 @@ from .launch_order import (
     reference_on_both_lanes,
     reference_orders,
 )
+from .local_ranks import run_local_ranks
 from .mcore_models import McoreCase
 from .program_events import driver_call_events, engine_step_events, key, rank_chunks
-from .test_numerics import assert_steps_bitwise
 
 CALLS = Path(__file__).parent / "golden" / "mcore_driver_calls.txt"
 FREQ = {1: [1, 0, 1], 2: [1, 0, 1, 1]}
@@ -168,6 +168,7 @@ def _run_from(events: list[str], written: list[str]) -> list[str]:
     return events[start : start + len(written)]
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_the_engines_launches_are_its_programs(group):
     worker, ranks, pp, counts, combos, mcore = GROUPS[group]
@@ -323,6 +324,7 @@ DEVICE_WRITTEN = {
 }
 
 
+@pytest.mark.lab
 def test_on_a_device_lane_the_engine_queues_b_expert_backward_before_f_split_sync():
     for outcome in run_local_ranks(reference_on_both_lanes, 2, (3, DEVICE)):
         for i, options in enumerate(DEVICE):

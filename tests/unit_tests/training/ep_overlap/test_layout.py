@@ -1,5 +1,6 @@
-"""The layout shows the roles: the program and the planner need no torch, the engine knows no model, the reference
-model knows only the contract, one program has three consumers, and no file grows past 500 lines."""
+"""The layout shows the roles: the payload (``megatron.bridge``) imports nothing of the lab (``ep_overlap_lab``), the
+program and the planner need no torch, the engine knows no model, the reference model knows only the contract, one
+program has three consumers, and no file grows past 500 lines."""
 
 import ast
 import io
@@ -11,12 +12,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
-EP_OVERLAP = ROOT / "src/megatron/bridge/training/ep_overlap"
-MODEL = ROOT / "src/megatron/bridge/models/moe_gpt"
+PAYLOAD = ROOT / "src/megatron/bridge"
+EP_OVERLAP = PAYLOAD / "training/ep_overlap"
+LAB = ROOT / "src/ep_overlap_lab"
+MODEL = LAB / "moe_gpt"
 # What needs no torch: the program, the planner, and what they import.
 TORCH_FREE = (
-    "program", "planner", "options.py", "contract.py", "intervals.py", "segments.py", "settings.py",
-    "storage_count.py",
+    EP_OVERLAP / "program", LAB / "planner", EP_OVERLAP / "options.py", EP_OVERLAP / "contract.py",
+    EP_OVERLAP / "intervals.py", EP_OVERLAP / "segments.py", EP_OVERLAP / "settings.py", LAB / "storage_count.py",
+    LAB / "pipeline_layout.py",
+)  # fmt: skip
+TORCH_FREE_MODULES = tuple(
+    ".".join(path.relative_to(ROOT / "src").with_suffix("").parts) if path.suffix else
+    ".".join(path.relative_to(ROOT / "src").parts)
+    for path in TORCH_FREE
 )  # fmt: skip
 
 
@@ -30,16 +39,26 @@ def _imports(path: Path) -> list[str]:
     ]
 
 
-def _files(*parts: str) -> list[Path]:
-    paths = [EP_OVERLAP / part for part in parts]
+def _files(*paths: Path) -> list[Path]:
     return sorted(p for path in paths for p in ([path] if path.is_file() else path.glob("*.py")))
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT / "src"))
+
+
+@pytest.mark.parametrize("path", sorted(PAYLOAD.rglob("*.py")), ids=_shown)
+def test_the_payload_imports_nothing_of_the_lab(path):
+    # What a Bridge training step calls is the patch; the lab stays out of it, so nothing of it may be reached.
+    lab = [m for m in _imports(path) if m and m.split(".")[0] == "ep_overlap_lab"]
+    assert not lab, f"{_shown(path)} imports {lab}"
 
 
 def test_the_planner_and_the_program_load_no_torch():
     code = (
         "import sys\n"
-        "import megatron.bridge.training.ep_overlap.planner, megatron.bridge.training.ep_overlap.program\n"
-        "import megatron.bridge.training.ep_overlap.planner.cost_model\n"
+        "import ep_overlap_lab.planner, megatron.bridge.training.ep_overlap.program\n"
+        "import ep_overlap_lab.planner.cost_model\n"
         "from megatron.bridge.training.ep_overlap import EPOverlapOptions\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "print(loaded or 'none')\n"
@@ -62,17 +81,20 @@ def test_the_planner_cli_runs_where_torch_cannot_be_imported():
     assert "speedup" in run.stdout and "best of" in run.stdout
 
 
-@pytest.mark.parametrize("path", _files(*TORCH_FREE), ids=lambda p: str(p.relative_to(EP_OVERLAP)))
+@pytest.mark.parametrize("path", _files(*TORCH_FREE), ids=_shown)
 def test_torch_free_modules_import_nothing_that_needs_torch(path):
-    ours = [m for m in _imports(path) if m and m.startswith("megatron.bridge.training.ep_overlap")]
-    allowed = tuple(f"megatron.bridge.training.ep_overlap.{part.removesuffix('.py')}" for part in TORCH_FREE)
+    ours = [m for m in _imports(path) if m and m.startswith(("megatron.bridge.training.ep_overlap", "ep_overlap_lab"))]
     assert not any(m == "torch" or m.startswith("torch.") for m in _imports(path))
-    assert all(m.startswith(allowed) for m in ours), ours
+    assert all(m.startswith(TORCH_FREE_MODULES) for m in ours), ours
 
 
-@pytest.mark.parametrize("path", _files("engine", "program", "contract.py", "options.py"), ids=lambda p: p.name)
+_ENGINE = (LAB / "engine", EP_OVERLAP / "runtime", EP_OVERLAP / "program", EP_OVERLAP / "contract.py",
+           EP_OVERLAP / "options.py")  # fmt: skip
+
+
+@pytest.mark.parametrize("path", _files(*_ENGINE), ids=_shown)
 def test_the_engine_imports_no_model_no_adapter_and_no_planner(path):
-    bad = [m for m in _imports(path) if m and (".models" in m or ".ep_overlap.mcore" in m or ".planner" in m)]
+    bad = [m for m in _imports(path) if m and (".moe_gpt" in m or ".ep_overlap.mcore" in m or ".planner" in m)]
     assert not bad, f"{path.name} imports {bad}"
 
 
@@ -94,13 +116,14 @@ def test_the_reference_model_imports_the_contract_not_the_engine(path):
 def test_building_and_running_the_reference_model_loads_no_engine_module():
     code = (
         "import sys, torch\n"
-        "from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel\n"
+        "from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel\n"
         "config = MoEGPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, seq_length=4,\n"
         "                      vocab_size=32, add_bias_linear=False, moe_z_loss_coeff=0.1)\n"
         "tokens = torch.zeros(1, 4, dtype=torch.long)\n"
         "MoEGPTModel(config)(tokens, tokens, 4.0).backward()\n"
-        "print(sorted(m for m in sys.modules if '.ep_overlap.' in m and m.split('.ep_overlap.')[1].split('.')[0]\n"
-        "             in ('engine', 'planner', 'program', 'mcore', 'placement')) or 'none')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('ep_overlap_lab.engine', 'ep_overlap_lab.planner',\n"
+        "             'ep_overlap_lab.placement')) or m.split('.ep_overlap.')[-1].split('.')[0] in\n"
+        "             ('program', 'mcore', 'runtime')) or 'none')\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -109,8 +132,8 @@ def test_building_and_running_the_reference_model_loads_no_engine_module():
 
 def test_no_function_of_the_program_engine_or_planner_is_over_60_lines():
     long = {
-        f"{path.relative_to(EP_OVERLAP)}:{node.name}": node.end_lineno - node.lineno + 1
-        for path in _files("program", "engine", "planner")
+        f"{_shown(path)}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in _files(EP_OVERLAP / "program", EP_OVERLAP / "runtime", LAB / "engine", LAB / "planner")
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60
     }
@@ -120,8 +143,8 @@ def test_no_function_of_the_program_engine_or_planner_is_over_60_lines():
 def test_the_roles_are_spelled_once():
     # Forward and backward are program.pipeline.Role members; a bare "F" or "B" would be a second spelling.
     literals = [
-        f"{path.relative_to(EP_OVERLAP)}:{node.lineno}"
-        for path in EP_OVERLAP.rglob("*.py")
+        f"{_shown(path)}:{node.lineno}"
+        for path in [*EP_OVERLAP.rglob("*.py"), *LAB.rglob("*.py")]
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Constant) and node.value in ("F", "B") and path.name != "pipeline.py"
     ]
@@ -129,7 +152,7 @@ def test_the_roles_are_spelled_once():
 
 
 def test_no_file_of_the_engine_planner_adapter_or_reference_model_is_over_500_lines():
-    paths = list(EP_OVERLAP.rglob("*.py")) + list(MODEL.glob("*.py"))
+    paths = list(EP_OVERLAP.rglob("*.py")) + list(LAB.rglob("*.py"))
     long = {str(p.relative_to(ROOT)): n for p in paths if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
 
@@ -144,9 +167,11 @@ def test_the_variants_are_inputs_of_the_generator_only():
     # Edge pairing and chunking live in the program (and the options object and the rules table): no consumer
     # branches on them, and the engine's driver dispatches on no node type.
     variants = {"edge_pairing", "moe_ep_overlap_chunks"}
-    users = {str(p.relative_to(EP_OVERLAP)) for p in EP_OVERLAP.rglob("*.py") if variants & _names(p)}
-    assert "program/steps.py" in users and {u for u in users if not u.startswith("program/")} == {"options.py"}, users
-    driver = ast.parse((EP_OVERLAP / "engine/driver.py").read_text())
+    users = {_shown(p) for p in [*EP_OVERLAP.rglob("*.py"), *LAB.rglob("*.py")] if variants & _names(p)}
+    program = "megatron/bridge/training/ep_overlap/program/"
+    assert f"{program}steps.py" in users, users
+    assert {u for u in users if not u.startswith(program)} == {"megatron/bridge/training/ep_overlap/options.py"}, users
+    driver = ast.parse((LAB / "engine/driver.py").read_text())
     checked = [
         ast.unparse(node.args[1])
         for node in ast.walk(driver)

@@ -16,11 +16,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_gpt
-from .test_numerics import assert_bitwise
 
 SEQ, BATCH, MICROBATCHES = 8, 2, 2
 
@@ -78,7 +77,7 @@ def _driver_then_ddp(case: McoreCase, rank: int) -> list[dict]:
 
 
 def _engine(case: McoreCase, rank: int) -> list[dict]:
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     model = build_gpt(case)
@@ -131,6 +130,7 @@ def _assert_grads(expected: list[dict], got: list[dict], where: str) -> None:
             assert_bitwise(grad, have[name], f"{where}, step {step}: {name}")
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_engine_gradients_equal_megatron_cores_driver_and_ddp_at_dp_2(name):
     for outcome in run_local_ranks(_both_orders, 2, (CASES[name],)):
@@ -150,6 +150,7 @@ def _weighted_names(rank: int, world: int, case: McoreCase) -> list[str]:
     return sorted(n for n, g in with_loss.items() if n in without and not torch.equal(g, without[n]))
 
 
+@pytest.mark.lab
 def test_each_auxiliary_loss_reaches_the_gradients_it_should():
     changed = {}
     for name in ("aux-loss", "z-loss"):

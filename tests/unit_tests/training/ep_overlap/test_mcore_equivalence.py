@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from megatron.bridge.training.ep_overlap.program.units import units
-from megatron.bridge.utils.multiprocess import run_local_ranks
 
+from .bitwise import assert_bitwise
 from .fake_deepep import CALLS as FUSED_CALLS
 from .fake_deepep import dispatcher_names, install_fake_deepep
+from .halves import as_units, summed_per_microbatch
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_gpt, build_model, expected_mlps
-from .test_numerics import assert_bitwise
-from .workers import as_units, summed_per_microbatch
 
 
 def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
@@ -37,7 +37,7 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
     backward = CheckpointFunction.backward
     CheckpointFunction.backward = staticmethod(lambda ctx, *grads: recomputed.append(1) or backward(ctx, *grads))
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     groups = mcore_ep_groups(timedelta(seconds=30))
@@ -218,6 +218,7 @@ def has_mtp(case: McoreCase) -> bool:
     return case.mtp or (isinstance(case, HybridCase) and "/" in case.pattern)
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mcore_overlap_is_bitwise_equal_to_mcore_plain(name):
     case = CASES[name]
@@ -281,6 +282,7 @@ def _doc_snippet(rank: int, world: int) -> list[float]:
     return [float(loss) for loss in namespace["result"].losses]
 
 
+@pytest.mark.lab
 def test_the_training_script_snippet_runs_as_written():
     for outcome in run_local_ranks(_doc_snippet, 2, ()):
         assert len(outcome.result) == 3 and all(torch.isfinite(torch.tensor(outcome.result)))

@@ -13,13 +13,12 @@ from functools import partial
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
 from .fake_deepep import CALLS as FUSED_CALLS
 from .fake_deepep import install_fake_deepep
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_gpt, build_model
-from .test_numerics import assert_steps_bitwise
 
 SEQ, MICRO_BATCH = 8, 2
 
@@ -262,7 +261,7 @@ def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: 
 
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
-    from .test_mcore_pipeline import build_plans
+    from .mcore_stages import build_plans
 
     out = {}
     for arm in ("plain", "overlap"):
@@ -431,7 +430,7 @@ def resolved_settings(rank: int, world: int) -> dict:
     dispatcher's kind (an allgather dispatcher's model is built; the rules refuse it where the overlap runs)."""
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
     out = {}
@@ -455,6 +454,7 @@ def resolved_settings(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.lab
 def test_the_hook_and_the_plan_read_the_window_and_the_dispatcher_from_settings():
     for outcome in run_local_ranks(resolved_settings, 2):
         result = outcome.result

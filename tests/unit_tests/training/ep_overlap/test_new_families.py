@@ -40,14 +40,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
 from .family_models import DSA_FIELDS, build_dsa_gpt, build_minimax_like, install_latent_projections, minimax_fields
+from .local_ranks import run_local_ranks
 from .mcore_arms import train_plain_and_hook
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, install_kernels_for
 from .test_mcore_hook import SEQ, bridge_style_forward_step, masked_token_loss, train_with_mcore_driver
-from .test_numerics import assert_steps_bitwise
 
 
 def unmasked_forward_step(data_iterator, model, return_schedule_plan: bool = False):

@@ -4,8 +4,7 @@ pairing, in the warm-up and cool-down steps too."""
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .local_ranks import run_local_ranks
 from .workers import Case, train_arms
 
 # all-to-all -> the other microbatch's compute node that the layer step issues while it is in flight

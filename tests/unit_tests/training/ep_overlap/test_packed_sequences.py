@@ -14,12 +14,11 @@ from functools import partial
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase, build_model
 from .test_mcore_hook import masked_token_loss
-from .test_numerics import assert_bitwise
 
 SEQ, DOCUMENTS = 8, (0, 5, 8)
 
@@ -125,7 +124,7 @@ def train_packed_engine(rank: int, world: int, case: McoreCase) -> dict:
     and the same rows unpacked."""
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     groups = mcore_ep_groups(timedelta(seconds=30))
@@ -146,6 +145,7 @@ def train_packed_engine(rank: int, world: int, case: McoreCase) -> dict:
     return out
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", ["gpt-rope", "hybrid-*E*E-rope"])
 def test_the_engine_runs_packed_microbatches_bitwise_equal(name):
     for rank in run_local_ranks(train_packed_engine, 2, (CASES[name],), collective_timeout_s=60):
@@ -158,8 +158,9 @@ def test_the_engine_runs_packed_microbatches_bitwise_equal(name):
         assert not torch.equal(plain["losses"][0], unpacked["losses"][0])
 
 
+@pytest.mark.lab
 def test_the_reference_model_refuses_packed_microbatches_naming_the_fix():
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
 
     from .workers import Case
 
@@ -173,7 +174,7 @@ def _refused(rank: int, world: int, kind: str) -> str:
     init_megatron(world)
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     rows, packed = (2, packed_params()) if kind == "rows" else (1, PackedSeqParams(qkv_format="sbhd"))
@@ -187,6 +188,7 @@ def _refused(rank: int, world: int, kind: str) -> str:
     return "accepted"
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize(
     "kind, line",
     [
@@ -214,7 +216,7 @@ def two_forwards_in_flight(rank: int, world: int) -> dict:
     layers and head (MTP layer included), against the plain path."""
     install_cpu_stubs()
     init_megatron(world)
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     groups = mcore_ep_groups(timedelta(seconds=30))
@@ -234,6 +236,7 @@ def two_forwards_in_flight(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.lab
 def test_one_microbatchs_embed_does_not_change_what_another_forward_in_flight_reads():
     """The chunk keeps no microbatch's rotary embedding: before, each embed wrote its own on the chunk, and the first
     microbatch's MTP layer read the second's (a table as long as its row, which Megatron-Core's THD rotary reads as

@@ -31,13 +31,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
 from .host_reads import spy
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase
 from .paged_stash_kernels import LAUNCHES, copy_kernel, install_paged_stash_kernels, pop_kernel
-from .test_numerics import assert_steps_bitwise
 
 HYBRIDEP = dict(dispatcher="flex", flex_backend="hybridep", topk=1, steps=3, microbatches=4)
 PP1 = McoreCase(**HYBRIDEP, config=(("num_moe_experts", 2),))  # one local expert per rank

@@ -12,8 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_model
 
@@ -22,7 +21,6 @@ def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
     install_cpu_stubs()
     sizes = {name: layout.get(name, 1) for name in ("tensor", "context", "expert_tensor")}
     init_megatron(2, **sizes)
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
     sizes = (
@@ -41,6 +39,8 @@ def _build(layout: dict, how: str, sequence_parallel: bool) -> str:
     model.config.overlap_moe_expert_parallel_comm = True
     try:
         if how == "engine":
+            from ep_overlap_lab.engine import EPOverlapEngine
+
             EPOverlapEngine(chunk_for(model), mcore_ep_groups(timedelta(seconds=30)), overlap=True)
         else:
             use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
@@ -53,6 +53,7 @@ def _engine(rank: int, world: int, layout: dict) -> str:
     return _build(layout, "engine", sequence_parallel=layout.get("tensor", 1) > 1)
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize(
     "layout, named",
     [
@@ -84,7 +85,7 @@ def _pipeline_with_mtp_uniform2(rank: int, world: int) -> str:
     init_megatron(2, 2, 2)
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
-    from .test_mcore_pipeline import build_plans
+    from .mcore_stages import build_plans
 
     case = McoreCase(layer_freq=(1, 0, 1, 1), mtp=True)
     models = [plan.model for plan in build_plans(case, 2, 2)]

@@ -14,8 +14,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
+from ep_overlap_lab.pipeline_layout import chunk_layers, chunk_layers_of
 from megatron.bridge.training.ep_overlap.program.pipeline import (
     Phase,
     pipeline_schedule,
@@ -23,11 +24,11 @@ from megatron.bridge.training.ep_overlap.program.pipeline import (
     virtual_order,
     warmup_count,
 )
-from megatron.bridge.utils.multiprocess import run_local_ranks
-from megatron.bridge.utils.pipeline_layout import chunk_layers, chunk_layers_of
 from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
 
-from .test_numerics import EXPERT_BIAS, assert_bitwise
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
+from .test_numerics import EXPERT_BIAS
 from .workers import Case, batches
 
 # ---- the schedule as data ---------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
+from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 
@@ -130,7 +131,7 @@ def _auto_in_the_base_engine(rank: int, world: int) -> str:
     groups = init_ep_groups(2, timedelta(seconds=30))
     case = Case(layer_freq=(1, 1))
     model = MoEGPTModel(case.config(), groups, seed=7)
-    from megatron.bridge.training.ep_overlap.engine.driver import Engine
+    from ep_overlap_lab.engine.driver import Engine
 
     engine = Engine(model, groups, overlap=True, delay_wgrad=True, attention_wgrad_window=None)
     assert engine.attention_wgrad_window is None  # still to choose

@@ -14,13 +14,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_bitwise
 from .fake_deepep import install_fake_deepep
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
 from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
-from .test_numerics import assert_bitwise
 
 PP = 2
 # DeepSeek-V3's recipe layout, shrunk: the embedding with the first layers; MTP and the loss on the last stage.
@@ -53,7 +52,7 @@ def train_plain_pipeline(rank: int, world: int, case, arms: tuple, pp: int = PP)
 
     from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func, use_ep_overlap_schedule
 
-    from .test_mcore_pipeline import build_plans
+    from .mcore_stages import build_plans
 
     out = {}
     for arm in arms:
@@ -169,7 +168,7 @@ def _hook_with_standalone_mtp(rank: int, world: int) -> str:
     init_megatron(2, PP, None)
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
-    from .test_mcore_pipeline import gpt_stage_models
+    from .mcore_stages import gpt_stage_models
 
     case = _with_layout(replace(GPT, mtp=True), STANDALONE_MTP_LAYOUT)
     model = gpt_stage_models(case, PP, None)[0]

@@ -4,9 +4,9 @@ from datetime import timedelta
 
 import pytest
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import (
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.planner import (
     LayerCosts,
     Link,
     StepCosts,
@@ -15,9 +15,10 @@ from megatron.bridge.training.ep_overlap.planner import (
     predict,
     simulate,
 )
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 
@@ -178,8 +179,8 @@ def test_published_shapes_activation_peak_is_reached_by_the_second_microbatch(mo
     # holds F's finished layers and B's unfinished ones, about one microbatch's stack, so overlap and delayed wgrad
     # add less than one layer's bytes to the plain path's peak (its first forward and head); edge pairing holds a
     # second forward.
-    from megatron.bridge.training.ep_overlap.planner.cost_model import SHAPES, Layout, activation_shape
-    from megatron.bridge.training.ep_overlap.planner.memory import predicted_peak
+    from ep_overlap_lab.planner.cost_model import SHAPES, Layout, activation_shape
+    from ep_overlap_lab.planner.memory import predicted_peak
 
     shape = activation_shape(SHAPES[model], Layout(gpus=8, ep=8, global_batch=1024))
     options = {
@@ -200,7 +201,7 @@ def test_published_shapes_activation_peak_is_reached_by_the_second_microbatch(mo
 def test_a_recomputed_forward_is_charged_to_its_backward_node_where_overlap_hides_it():
     # Qwen3 at EP 16 is comm-bound: the experts' recompute lands in their backward, beside F's dispatch, so the
     # overlapped step grows by less than the plain one; without recompute the costs are the same as before.
-    from megatron.bridge.training.ep_overlap.planner.cost_model import (
+    from ep_overlap_lab.planner.cost_model import (
         PROFILES,
         QWEN3_30B_A3B,
         Layout,
@@ -230,8 +231,8 @@ STEADY_OPTIONS = [
 
 @pytest.mark.parametrize("options", STEADY_OPTIONS, ids=str)
 def test_a_long_step_priced_from_its_steady_state_equals_simulating_every_op(options):
-    from megatron.bridge.training.ep_overlap.planner import cost_model
-    from megatron.bridge.training.ep_overlap.planner.simulate import STEADY_FROM, _simulate_ops
+    from ep_overlap_lab.planner import cost_model
+    from ep_overlap_lab.planner.simulate import STEADY_FROM, _simulate_ops
 
     costs, link = cost_model.costs_from_model(
         cost_model.DEEPSEEK_V3, cost_model.Layout(64, 64, 2560), cost_model.PROFILES["H100"]

@@ -3,8 +3,7 @@ microbatches in flight per stage, and the overlap's price in memory (the engine'
 
 import pytest
 
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import (
+from ep_overlap_lab.planner import (
     LayerCosts,
     Link,
     StepCosts,
@@ -12,6 +11,7 @@ from megatron.bridge.training.ep_overlap.planner import (
     simulate,
     simulate_pipeline,
 )
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 
 PLAIN, OVERLAP = EPOverlapOptions(overlap=False), EPOverlapOptions()
 LINK = Link(1e9, latency_s=1e-3)

@@ -10,8 +10,8 @@ fp8).
 
 import pytest
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from . import lab
+from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
@@ -104,6 +104,7 @@ def record_contexts(rank: int, world: int, name: str) -> dict:
     from . import quantization_spy
 
     case, fields, arms, pipeline = CASES[name]
+    arms = lab.arms(*arms)
     install_cpu_stubs()
     if pipeline:
         init_megatron(case.world, 2, 2)
@@ -131,6 +132,7 @@ def _layers(forwards: dict) -> dict:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_layer_module_runs_in_the_plain_paths_low_precision_context(name):
     case, fields, arms, pipeline = CASES[name]
+    arms = lab.arms(*arms)
     world = 4 if pipeline else case.world
     for outcome in run_local_ranks(record_contexts, world, (name,)):
         plain = outcome.result["plain"]["forwards"]
@@ -164,12 +166,13 @@ def test_each_module_casts_its_weights_once_per_step_and_delayed_wgrad_runs_as_m
     run the same ``backward_dw`` calls as Megatron-Core's own plan, outside any per-layer context."""
     for outcome in run_local_ranks(record_contexts, 2, ("gpt-mxfp8-delayed-wgrad",)):
         result = outcome.result
-        for arm in ("plain", "mcore", "hook", "engine"):
+        for arm in lab.arms("plain", "mcore", "hook", "engine"):
             for module, calls in _layers(result[arm]["forwards"]).items():
                 firsts = sum(n for (_, first), n in calls.items() if first)
                 assert firsts == 2, (arm, module, dict(calls))
-        mcore, hook, engine = (result[arm]["wgrads"] for arm in ("mcore", "hook", "engine"))
-        assert mcore and hook == mcore and engine == mcore, {"mcore": mcore, "hook": hook, "engine": engine}
+        mcore = result["mcore"]["wgrads"]
+        others = {arm: result[arm]["wgrads"] for arm in lab.arms("hook", "engine")}
+        assert mcore and all(wgrads == mcore for wgrads in others.values()), {"mcore": mcore, **others}
         assert all(contexts == () for calls in mcore.values() for contexts, _ in calls)
 
 
@@ -216,7 +219,7 @@ def _fp8_on_gpu(rank: int, world: int, recipe: str) -> dict:
 def test_fp8_overlap_is_bitwise_to_the_plain_path_on_gpu(recipe):
     """Transformer Engine's fp8 GEMMs (two gloo ranks on one GPU): the hook's plan against Megatron-Core's plain path,
     losses and gradients bitwise over 2 steps."""
-    from .test_numerics import assert_bitwise
+    from .bitwise import assert_bitwise
 
     for outcome in run_local_ranks(_fp8_on_gpu, 2, (recipe,)):
         plain, hook = outcome.result["plain"], outcome.result["hook"]

@@ -15,12 +15,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.utils.multiprocess import run_local_ranks
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .test_numerics import assert_same_training
+from .bitwise import assert_same_training
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 ARMS = {"plain": {}, "overlap": {"overlap": True}, "delayed": {"overlap": True, "delay_wgrad": True}}

@@ -13,8 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 FIELDS = {
@@ -37,8 +36,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _engine_and_reference(rank: int, world: int, case: Case) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
     from megatron.bridge.utils.process_groups import init_ep_groups
 
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
@@ -67,8 +66,8 @@ def _engine_and_reference(rank: int, world: int, case: Case) -> dict:
 
 
 def _without_losses(rank: int, world: int, case: Case) -> dict:
-    from megatron.bridge.models.moe_gpt import MoEGPTModel
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
+    from ep_overlap_lab.moe_gpt import MoEGPTModel
     from megatron.bridge.utils.process_groups import init_ep_groups
 
     groups = init_ep_groups(case.ep, timedelta(seconds=30))

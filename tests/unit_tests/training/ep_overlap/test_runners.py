@@ -15,8 +15,7 @@ import re
 
 import pytest
 
-from megatron.bridge.training.ep_overlap.engine.nodes import LayerNodes, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.engine.plain import PlainRun
+from ep_overlap_lab.engine.plain import PlainRun
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.ops import (
     CHUNK_END_OPS,
@@ -31,12 +30,13 @@ from megatron.bridge.training.ep_overlap.program.ops import (
     runner_protocol,
 )
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program
+from megatron.bridge.training.ep_overlap.runtime.nodes import LayerNodes, MicrobatchNodes
 
 from .program_events import rank_chunks
 
 # The planner package's names shadow its submodules (``planner.simulate`` is the function): import the modules.
-simulate = importlib.import_module("megatron.bridge.training.ep_overlap.planner.simulate")
-memory = importlib.import_module("megatron.bridge.training.ep_overlap.planner.memory")
+simulate = importlib.import_module("ep_overlap_lab.planner.simulate")
+memory = importlib.import_module("ep_overlap_lab.planner.memory")
 
 RUNNERS = {
     LayerNodes: (LAYER_OPS,),

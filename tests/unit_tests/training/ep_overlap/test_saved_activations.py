@@ -5,14 +5,15 @@ from datetime import timedelta
 import pytest
 import torch
 
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
-from megatron.bridge.models.moe_gpt.model import MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine, EPOverlapOptions
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.engine.saved import SavedActivations
+from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear
+from ep_overlap_lab.moe_gpt.model import MoEGPTModel
+from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.contract import DiscardedStorage
-from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
-from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case
 
 FP32 = 4
@@ -114,7 +115,7 @@ OPTIONS = {
 
 
 def _measured_and_planned(rank: int, world: int, config, microbatches: int, options_by_name=None) -> dict:
-    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, activation_peak
+    from ep_overlap_lab.planner.memory import ActivationShape, activation_peak
     from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 
     groups = init_ep_groups(world, timedelta(seconds=30))
@@ -142,7 +143,7 @@ def _measured_and_planned(rank: int, world: int, config, microbatches: int, opti
 
 
 def _config(**fields):
-    from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
+    from ep_overlap_lab.moe_gpt.config import MoEGPTConfig
 
     base = dict(
         num_layers=3, hidden_size=32, num_attention_heads=2, ffn_hidden_size=48, num_moe_experts=4,
@@ -215,7 +216,7 @@ def test_with_recompute_the_planner_gives_an_upper_bound_within_one_nodes_rebuil
     # Between nodes a recomputed part holds what the planner counts; inside a node's backward autograd rebuilds the
     # parts one at a time after letting some tensors go, and inside a forward an output is held until the linear
     # after it ran. The planner counts those on top of all the node holds: never under, over by at most that.
-    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
+    from ep_overlap_lab.planner.memory import ActivationShape
 
     shape, modules = RECOMPUTE_CASES[name]
     config = _recomputing(shape, modules)
@@ -232,7 +233,7 @@ def test_with_recompute_the_planner_gives_an_upper_bound_within_one_nodes_rebuil
 
 
 def _frees(rank: int, world: int, recompute_moe: bool) -> dict:
-    from megatron.bridge.training.ep_overlap.engine import nodes
+    from megatron.bridge.training.ep_overlap.runtime import nodes
 
     freed = []
     free = nodes._free
@@ -254,8 +255,8 @@ def test_the_all_to_alls_outputs_are_freed_once_used_unless_backward_reads_them(
 
 
 def _pipeline_measured_and_planned(rank: int, world: int, config, microbatches: int, virtual: int) -> dict:
-    from megatron.bridge.models.moe_gpt import build_pipeline_chunks
-    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape, pipeline_peaks
+    from ep_overlap_lab.moe_gpt import build_pipeline_chunks
+    from ep_overlap_lab.planner.memory import ActivationShape, pipeline_peaks
 
     groups = init_ep_groups(2, timedelta(seconds=30), pipeline_size=2)
     shape = ActivationShape.of_reference_model(config, micro_batch_size=2)

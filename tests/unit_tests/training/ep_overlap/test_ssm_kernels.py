@@ -14,9 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
 from . import ssm_kernels as kernels
+from .local_ranks import run_local_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

@@ -26,13 +26,12 @@ from functools import partial
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import QWEN3_NEXT_FIELDS, HybridCase, McoreCase, build_model, install_kernels_for
 from .test_mcore_equivalence import check_equal, train_mcore
 from .test_mcore_hook import masked_token_loss, train_interleaved, train_with_mcore_driver
-from .test_numerics import assert_steps_bitwise
 
 SHARED = ("moe_shared_expert_intermediate_size", 16)
 NANO = HybridCase(pattern="M*EME", config=(SHARED, ("normalization", "RMSNorm")), microbatches=3)
@@ -61,6 +60,7 @@ ENGINE = {
 }
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", sorted(ENGINE))
 def test_the_engine_runs_mamba_and_gdn_bitwise_equal(name):
     case = ENGINE[name]
@@ -139,7 +139,7 @@ def train_packed(rank: int, world: int, case: McoreCase) -> dict:
     init_megatron(world)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups, use_ep_overlap_schedule
 
     timeout = timedelta(seconds=60)
@@ -179,6 +179,7 @@ PACKED = {
 }
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("name", sorted(PACKED))
 def test_packed_microbatches_reach_mamba_and_gdn_bitwise_equal(name):
     case = PACKED[name]
@@ -200,7 +201,7 @@ def _gdn_wgrad_calls(rank: int, world: int, case: HybridCase) -> dict:
     init_megatron(world)
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, mcore_ep_groups
 
     model = build_model(case)
@@ -217,6 +218,7 @@ def _gdn_wgrad_calls(rank: int, world: int, case: HybridCase) -> dict:
     return calls
 
 
+@pytest.mark.lab
 def test_delayed_wgrad_runs_each_gdn_mixers_backward_dw_once_per_microbatch():
     case = HybridCase(pattern="M*EGE-G", microbatches=3)  # GDN layers in an MoE group and in the dense tail
     for outcome in run_local_ranks(_gdn_wgrad_calls, 2, (case,)):

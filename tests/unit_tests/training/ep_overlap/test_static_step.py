@@ -20,12 +20,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_bitwise
 from .host_reads import capturing, spy
+from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase
-from .test_numerics import assert_bitwise
 
 STATIC = McoreCase(dispatcher="flex", flex_backend="hybridep", topk=1, steps=3, config=(("num_moe_experts", 2),))
 ALLTOALL = replace(STATIC, dispatcher="alltoall")

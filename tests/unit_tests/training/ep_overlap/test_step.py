@@ -4,12 +4,12 @@ from datetime import timedelta
 
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTModel
+from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.step import MicrobatchPlan, forward_step, train_step
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
-from megatron.bridge.training.ep_overlap_step import MicrobatchPlan, forward_step, train_step
-from megatron.bridge.utils.multiprocess import run_local_ranks
 from megatron.bridge.utils.process_groups import init_ep_groups
 
+from .local_ranks import run_local_ranks
 from .workers import Case, batches
 
 
@@ -51,7 +51,7 @@ def test_plain_forward_step_returns_loss_and_loss_func():
 
 
 def _under_no_grad(rank: int, world: int) -> dict:
-    from megatron.bridge.training.ep_overlap import EPOverlapEngine
+    from ep_overlap_lab.engine import EPOverlapEngine
 
     case = Case()
     groups = init_ep_groups(2, timedelta(seconds=30))

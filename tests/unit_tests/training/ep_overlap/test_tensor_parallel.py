@@ -17,14 +17,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron.bridge.utils.multiprocess import run_local_ranks
-
+from .bitwise import assert_steps_bitwise
+from .local_ranks import run_local_ranks
 from .mcore_arms import train_plain_and_hook
 from .mcore_cpu import UNEVEN_GATHERS, init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, gpt_config
 from .sp_norm import with_sequence_parallel_norms
 from .test_mcore_hook import SEQ, bridge_style_forward_step
-from .test_numerics import assert_steps_bitwise
 
 TP = 2
 

@@ -5,10 +5,11 @@ from datetime import timedelta
 
 import torch
 
-from megatron.bridge.models.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.training.ep_overlap import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.program.units import Unit, units
+from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
 from megatron.bridge.utils.process_groups import init_ep_groups
+
+from .halves import as_units, summed_per_microbatch
 
 # overlap off; overlap on; overlap on with delayed wgrad; the same with edge pairing (and, where a case adds it,
 # the attention wgrad in window 2)
@@ -82,25 +83,6 @@ def attach_main_grads(model: torch.nn.Module) -> None:
 
 def _grad(param):
     return param.main_grad if hasattr(param, "main_grad") else param.grad
-
-
-def as_units(microbatches: list) -> tuple[list, list[Unit]]:
-    """The microbatches chunking splits, given as separate microbatches (its halves), and the units they are."""
-    plan = units(len(microbatches), 2)
-    split = []
-    for unit in plan:
-        tokens, labels = microbatches[unit.microbatch]
-        rows = unit.rows(tokens.shape[0])
-        split.append((tokens[rows], labels[rows]))
-    return split, plan
-
-
-def summed_per_microbatch(plan: list[Unit], losses: list[torch.Tensor]) -> torch.Tensor:
-    """Per-unit losses summed back per microbatch, first half first (as the engine sums a chunked microbatch's)."""
-    summed: dict[int, torch.Tensor] = {}
-    for unit, loss in zip(plan, losses):
-        summed[unit.microbatch] = loss if unit.microbatch not in summed else summed[unit.microbatch] + loss
-    return torch.stack([summed[m] for m in sorted(summed)])
 
 
 def train_arms(rank: int, world: int, case: Case) -> dict:

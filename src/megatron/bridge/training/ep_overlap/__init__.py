@@ -1,6 +1,7 @@
-"""EP overlap: a rank's training step as one schedule program, run three ways: ``program/`` (the schedule as data),
-``engine/`` (executes it), ``planner/`` (prices it) and ``mcore/`` (Megatron-Core models, and the hook that runs the
-program's steps inside Megatron-Core's driver). What each file holds: the README's Layout table.
+"""EP overlap: a rank's training step as one schedule program: ``program/`` (the schedule as data), ``runtime/``
+(its nodes and lanes, what executes it) and ``mcore/`` (Megatron-Core models, and the hook that runs the program's
+steps inside Megatron-Core's driver). What each file holds: the README's Layout table. The project's lab
+(``ep_overlap_lab``: the CPU reference engine and model, the planner, the rank launcher) is outside this package.
 
 Names are loaded on first use, so importing the planner or the program loads no torch.
 """
@@ -12,10 +13,8 @@ _NAMES = {
     "layer_step": "program.steps",
     "program": "program.steps",
     "EPOverlapOptions": "options",
-    "EPOverlapEngine": "engine.ep_overlap_engine",
-    "StepResult": "engine",
-    "StepRecorder": "engine",
-    "StepStats": "engine",
+    "StepRecorder": "runtime.records",
+    "StepStats": "runtime.records",
 }
 __all__ = sorted(_NAMES)
 

@@ -39,10 +39,6 @@ from datetime import timedelta
 import torch
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
-from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done, make_lane
-from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
 from megatron.bridge.training.ep_overlap.mcore.agreement import Agreement
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
@@ -57,6 +53,10 @@ from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlap
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
+from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
+from megatron.bridge.training.ep_overlap.runtime.lanes import Pending, done, make_lane
+from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.training.ep_overlap.settings import Settings, apply_deferred, resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
 from megatron.bridge.utils.logging import warn_rank0

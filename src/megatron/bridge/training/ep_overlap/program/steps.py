@@ -409,6 +409,20 @@ def _check_window(window) -> None:
 # ---- the generator -----------------------------------------------------------------------------------------
 
 
+def _members(s, of: dict[int, list[tuple[int, Unit]]], forward_only: bool) -> list[StepUnit]:
+    """The units pipeline step ``s`` runs (``of``: each microbatch's units with their numbers), each once."""
+    sides = [(FORWARD, s.forward), (BACKWARD, s.backward), (FORWARD if s.forward else BACKWARD, s.partner)]
+    members = [
+        StepUnit(role, u, unit.microbatch, unit.half, at[1], role == BACKWARD or forward_only)
+        for role, at in sides
+        if at is not None
+        for u, unit in of[at[0]]
+    ]
+    if len({m.unit for m in members}) != len(members):  # ops name their unit: a step holds each unit once
+        raise RuntimeError(f"pipeline step {s} runs a unit twice")
+    return members
+
+
 def program(
     options,
     shapes: Sequence[ChunkShape],
@@ -442,24 +456,15 @@ def program(
     window = options.attention_wgrad_window if window is None else window
     if delay_wgrad and not forward_only:  # the only steps that read the window
         _check_window(window)
-    plan = units(num_microbatches, chunks, forward_only=forward_only)
     of: dict[int, list[tuple[int, Unit]]] = {}
-    for u, unit in enumerate(plan):
+    for u, unit in enumerate(units(num_microbatches, chunks, forward_only=forward_only)):
         of.setdefault(unit.microbatch, []).append((u, unit))
     steps = pipeline_schedule(
         pipeline_size, len(shapes), num_microbatches, rank, overlap=overlap, forward_only=forward_only,
         edge_pairing=options.edge_pairing,
     )  # fmt: skip
     for s in steps:
-        sides = [(FORWARD, s.forward), (BACKWARD, s.backward), (FORWARD if s.forward else BACKWARD, s.partner)]
-        members = [
-            StepUnit(role, u, unit.microbatch, unit.half, at[1], role == BACKWARD or forward_only)
-            for role, at in sides
-            if at is not None
-            for u, unit in of[at[0]]
-        ]
-        if len({m.unit for m in members}) != len(members):  # ops name their unit: a step holds each unit once
-            raise RuntimeError(f"pipeline step {s} runs a unit twice")
+        members = _members(s, of, forward_only)
         f = [m.unit for m in members if m.role == FORWARD]
         b = [m.unit for m in members if m.role == BACKWARD]
         fs = shapes[s.forward[1]] if s.forward else None

@@ -2,7 +2,7 @@
 delayed attention wgrad.
 
 Contract:
-    * ``EPOverlapEngine`` is :class:`~megatron.bridge.training.ep_overlap.engine.driver.Engine` plus one thing:
+    * ``EPOverlapEngine`` is :class:`~ep_overlap_lab.engine.driver.Engine` plus one thing:
       ``attention_wgrad_window=None`` with delayed wgrad (auto, PP = 1; ``Settings.wgrad_window_auto``). Its first
       training step then runs the plain path (bitwise the same step) and ``placement.choose_wgrad_window`` picks the
       window from that step's records; ``Settings.placed`` makes it the engine's settings, and every later step runs
@@ -12,9 +12,9 @@ Contract:
 import time
 from dataclasses import replace
 
-from megatron.bridge.training.ep_overlap.engine.driver import Engine, StepResult
+from ep_overlap_lab.engine.driver import Engine, StepResult
+from ep_overlap_lab.placement import WgradPlacement, choose_wgrad_window
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.placement import WgradPlacement, choose_wgrad_window
 from megatron.bridge.utils.process_groups import EPGroups
 
 

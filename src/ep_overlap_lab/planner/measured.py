@@ -7,8 +7,8 @@ start); none needs torch.
 import statistics
 from collections import defaultdict
 
+from ep_overlap_lab.planner.simulate import LayerCosts, Link, StepCosts
 from megatron.bridge.training.ep_overlap.intervals import uncovered
-from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts
 
 
 def costs_from_records(

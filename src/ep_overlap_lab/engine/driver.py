@@ -44,20 +44,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ep_overlap_lab.engine.grads import HeldGradients, delayable_linears, sync_grads
+from ep_overlap_lab.engine.p2p import PipelineP2P
+from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
+from ep_overlap_lab.engine.saved import SavedActivations
 from megatron.bridge.training.ep_overlap.contract import StepLoss, check_contract, check_no_pending_wgrads
-from megatron.bridge.training.ep_overlap.engine.grads import HeldGradients, delayable_linears, sync_grads
-from megatron.bridge.training.ep_overlap.engine.inputs import Microbatch, UnitInput, check_finite, loss_token_count
-from megatron.bridge.training.ep_overlap.engine.lanes import make_lane
-from megatron.bridge.training.ep_overlap.engine.nodes import ChunkIO, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.engine.p2p import PipelineP2P
-from megatron.bridge.training.ep_overlap.engine.plain import PlainRun, PlainTimeline
-from megatron.bridge.training.ep_overlap.engine.records import StepRecorder, StepStats
-from megatron.bridge.training.ep_overlap.engine.saved import SavedActivations
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
+from megatron.bridge.training.ep_overlap.runtime.inputs import Microbatch, UnitInput, check_finite, loss_token_count
+from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
+from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder, StepStats
 from megatron.bridge.training.ep_overlap.settings import Settings, resolve
 from megatron.bridge.utils.process_groups import EPGroups
 

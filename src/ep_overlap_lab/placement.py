@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.bridge.training.ep_overlap.engine.records import StepRecorder
+from ep_overlap_lab.planner import costs_from_records, step_by_wgrad_window
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner import costs_from_records, step_by_wgrad_window
+from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ overlapped path is recorded, so both arms of an A/B draw and compare alike.
 
 import time
 
-from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
-from megatron.bridge.training.ep_overlap.engine.records import CommRecord, ComputeRecord
 from megatron.bridge.training.ep_overlap.program.pipeline import Phase
+from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
+from megatron.bridge.training.ep_overlap.runtime.records import CommRecord, ComputeRecord
 
 
 class PlainTimeline:

@@ -46,12 +46,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge.models.moe_gpt import recompute
-from megatron.bridge.models.moe_gpt.attention import Attention, Linear, activation, norm
-from megatron.bridge.models.moe_gpt.config import MoEGPTConfig, refuse_unbuildable, router_problems
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
-from megatron.bridge.models.moe_gpt.router_losses import RouterLosses
-from megatron.bridge.models.moe_gpt.token_dispatcher import (
+from ep_overlap_lab.moe_gpt import recompute
+from ep_overlap_lab.moe_gpt.attention import Attention, Linear, activation, norm
+from ep_overlap_lab.moe_gpt.config import MoEGPTConfig, refuse_unbuildable, router_problems
+from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear, make_expert_linear
+from ep_overlap_lab.moe_gpt.router_losses import RouterLosses
+from ep_overlap_lab.moe_gpt.token_dispatcher import (
     CommObserver,
     Routing,
     all_to_all_with_grad,
@@ -61,10 +61,10 @@ from megatron.bridge.models.moe_gpt.token_dispatcher import (
     start_split_exchange,
     unpermute,
 )
+from ep_overlap_lab.pipeline_layout import chunk_layers_of
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
 from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.pipeline_layout import chunk_layers_of
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
 

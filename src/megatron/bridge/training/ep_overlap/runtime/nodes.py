@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from megatron.bridge.training.ep_overlap.engine.inputs import UnitInput
-from megatron.bridge.training.ep_overlap.engine.lanes import Pending, done
+from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
+from megatron.bridge.training.ep_overlap.runtime.lanes import Pending, done
 from megatron.bridge.training.ep_overlap.segments import segment_of
 
 

@@ -1,8 +1,6 @@
 """Flex dispatcher activation: GPU gating, CPU-host safety, fallbacks, and the inactive-backend warning."""
 
 import logging
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +12,6 @@ from megatron.bridge.training.flex_dispatcher_backend import (
     apply_flex_dispatcher_backend,
     validate_flex_dispatcher_backend,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from scripts.performance.utils.utils import finalize_config_overrides  # noqa: E402
 
 A100 = SimpleNamespace(name="NVIDIA A100-SXM4-80GB", major=8)
 H100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9)
@@ -123,16 +118,6 @@ def test_non_moe_model_warns_and_leaves_the_dispatcher_alone(gpu, caplog, expert
     assert "only applicable to MoE models" in caplog.text
 
 
-def test_unsupported_gpu_fallback_survives_override_finalization(gpu):
-    """A recipe that asked for DeepEP on a GB200 stays on alltoall after the perf scripts' last pass."""
-    gpu(GB200)
-    config = SimpleNamespace(model=moe_model(moe_flex_dispatcher_backend="deepep"), ddp=SimpleNamespace(nccl_ub=False))
-    apply_flex_dispatcher_backend(config.model, "deepep")
-    finalize_config_overrides(config)
-    validate_flex_dispatcher_backend(config.model)
-    assert (config.model.moe_token_dispatcher_type, config.model.moe_flex_dispatcher_backend) == ("alltoall", None)
-
-
 def test_cleared_backend_restores_alltoall(gpu):
     gpu(H100)
     model = moe_model()
@@ -203,31 +188,3 @@ def test_validate_is_quiet_about_the_class_default_backend(caplog):
     with caplog.at_level(logging.WARNING):
         validate_flex_dispatcher_backend(model)
     assert caplog.text == ""
-
-
-@pytest.mark.parametrize(
-    "model, expected",
-    [
-        (moe_model(moe_flex_dispatcher_backend="hybridep"), ("flex", False)),
-        (moe_model(moe_flex_dispatcher_backend="hybridep", num_moe_experts=None), ("alltoall", True)),
-        (moe_model(moe_token_dispatcher_type="flex"), ("alltoall", True)),
-    ],
-)
-def test_finalize_config_overrides_settles_the_dispatcher(model, expected):
-    config = SimpleNamespace(model=model, ddp=SimpleNamespace())
-    assert finalize_config_overrides(config) is config
-    assert (model.moe_token_dispatcher_type, model.moe_shared_expert_overlap) == expected
-
-
-@pytest.mark.parametrize(
-    "ddp, expected",
-    [
-        (dict(nccl_ub=True, use_megatron_fsdp=True, fsdp_manual_registration=False), (False, True)),
-        (dict(nccl_ub=True, use_megatron_fsdp=False, fsdp_manual_registration=False), (False, False)),
-        (dict(nccl_ub=False, fsdp_manual_registration=True), (True, False)),
-    ],
-)
-def test_finalize_config_overrides_settles_nccl_userbuffers(ddp, expected):
-    config = SimpleNamespace(model=moe_model(), ddp=SimpleNamespace(average_in_collective=True, **ddp))
-    finalize_config_overrides(config)
-    assert (config.ddp.average_in_collective, config.ddp.fsdp_manual_registration) == expected

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from megatron.bridge.training.ep_overlap.engine import StepResult
-from megatron.bridge.training.ep_overlap.engine.ep_overlap_engine import EPOverlapEngine
+from ep_overlap_lab.engine import StepResult
+from ep_overlap_lab.engine.ep_overlap_engine import EPOverlapEngine
 from megatron.bridge.utils.process_groups import EPGroups
 
 

@@ -2,7 +2,7 @@
 ``memory.py``'s walk of a schedule program holds and releases, node by node.
 
 Contract:
-    * The bytes are counted in :class:`~megatron.bridge.training.ep_overlap.storage_count.Count`, as the engine
+    * The bytes are counted in :class:`~ep_overlap_lab.storage_count.Count`, as the engine
       counts a real step.
     * :class:`UnitHolds` holds what one unit's nodes save (the names and bytes its shape gives: ``saved``,
       ``freed_outputs``, ``rebuilt``, ``wgrad_held``), lets it go in their backward, and keeps what a delayed weight
@@ -12,10 +12,10 @@ Contract:
 
 from typing import TYPE_CHECKING
 
-from megatron.bridge.training.ep_overlap.storage_count import Count
+from ep_overlap_lab.storage_count import Count
 
 if TYPE_CHECKING:
-    from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
+    from ep_overlap_lab.planner.memory import ActivationShape
 # The experts' backward with delayed wgrad, in autograd's order, as the reference model's experts run it (unsort,
 # fc2, the activation, fc1, sort): each step lets go of a saved tensor the node holds ("release"; skipped where the
 # node has none of that name), hands one to the wgrad queue ("queue": held on, no new bytes), or holds an output

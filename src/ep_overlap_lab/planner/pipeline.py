@@ -17,8 +17,8 @@ Contract:
 
 from dataclasses import dataclass, replace
 
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.planner.simulate import (
+from ep_overlap_lab.pipeline_layout import chunk_layers
+from ep_overlap_lab.planner.simulate import (
     PHASES,
     Link,
     Prediction,
@@ -26,10 +26,10 @@ from megatron.bridge.training.ep_overlap.planner.simulate import (
     _Sim,
     _UnitCharge,
 )
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Transfer, pipeline_schedule
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
-from megatron.bridge.utils.pipeline_layout import chunk_layers
 
 _RECV, _SEND = "recv", "send"
 

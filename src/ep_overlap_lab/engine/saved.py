@@ -16,13 +16,13 @@ import threading
 
 import torch
 
+from ep_overlap_lab.storage_count import Count
 from megatron.bridge.training.ep_overlap.contract import DiscardedStorage, WeightGradStore
-from megatron.bridge.training.ep_overlap.storage_count import Count
 
 
 class SavedActivations:
     """Counts what is held for backward while active (a context manager around a step's ops), in the planner's
-    :class:`~megatron.bridge.training.ep_overlap.planner.holds.Count` (the one count of bytes held).
+    :class:`~ep_overlap_lab.planner.holds.Count` (the one count of bytes held).
 
     Args:
         parameters: The model's parameters, whose storages are never counted.

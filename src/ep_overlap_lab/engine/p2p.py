@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.ep_overlap.engine.lanes import Pending
 from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD, Transfer
+from megatron.bridge.training.ep_overlap.runtime.lanes import Pending
 from megatron.bridge.utils.process_groups import EPGroups, wait_work
 
 

@@ -5,14 +5,14 @@ stage of a pipelined step at once; ``measured`` reads costs from a recorded plai
 from a model shape and a hardware profile; ``memory`` counts the activations held.
 """
 
-from megatron.bridge.training.ep_overlap.planner.measured import (
+from ep_overlap_lab.planner.measured import (
     comm_kind,
     costs_from_records,
     exposed_by_phase,
     exposed_by_phase_and_kind,
 )
-from megatron.bridge.training.ep_overlap.planner.pipeline import PipelinePrediction, in_flight, simulate_pipeline
-from megatron.bridge.training.ep_overlap.planner.simulate import (
+from ep_overlap_lab.planner.pipeline import PipelinePrediction, in_flight, simulate_pipeline
+from ep_overlap_lab.planner.simulate import (
     Comparison,
     LayerCosts,
     Link,

@@ -16,8 +16,8 @@ Contract:
 
 from dataclasses import dataclass, field, replace
 
-from megatron.bridge.training.ep_overlap.planner.memory import ActivationShape
-from megatron.bridge.training.ep_overlap.planner.simulate import LayerCosts, Link, StepCosts
+from ep_overlap_lab.planner.memory import ActivationShape
+from ep_overlap_lab.planner.simulate import LayerCosts, Link, StepCosts
 
 BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
 

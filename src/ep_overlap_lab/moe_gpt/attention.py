@@ -7,9 +7,9 @@ Shape suffixes as in ``model.py``; Q is the fused query/key/value width, d one h
 import torch
 import torch.nn.functional as F
 
-from megatron.bridge.models.moe_gpt import recompute
-from megatron.bridge.models.moe_gpt.config import MoEGPTConfig
-from megatron.bridge.models.moe_gpt.grouped_linear import GroupedLinear
+from ep_overlap_lab.moe_gpt import recompute
+from ep_overlap_lab.moe_gpt.config import MoEGPTConfig
+from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear
 
 
 class Linear(GroupedLinear):

@@ -8,9 +8,10 @@
 Nothing waits forever, and nothing that makes progress is cut short:
     * A rank stuck in a collective fails itself at the process-group timeout (and reports it).
     * A rank reports progress with :func:`report_progress` (e.g. once per training step), and says it is alive
-      with :func:`heartbeat` whenever a collective or a compute node finishes (at most twice a second; the
-      collective waits of ``process_groups`` and the engine's nodes do). The parent stops the run only when no rank
-      has said anything for ``stall_timeout_s``, naming what each rank last finished. There is no wall-clock cap.
+      with :func:`heartbeat` whenever a collective or a compute node finishes (at most twice a second; each rank
+      installs it as ``process_groups``' alive listener, which its collective waits and the runtime's nodes call).
+      The parent stops the run only when no rank has said anything for ``stall_timeout_s``, naming what each rank
+      last finished. There is no wall-clock cap.
       Start-up is not silence: the stall clock runs once every rank has its process group up (it says so); a rank
       that never gets there fails itself at the rendezvous's timeout, the collective timeout.
     * A rank that dies is seen within a second, whatever else has happened (another rank's error included), and
@@ -39,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron.bridge.utils.process_groups import set_alive_listener
 
 
 @dataclass
@@ -138,6 +141,7 @@ def _worker(fn, rank, world, args, backend, init_method, timeout_s, threads, ran
     # raise wherever the rank is; inside a __del__ Python only prints that and the rank lives on until SIGKILL.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _PROGRESS = (results, rank)
+    set_alive_listener(heartbeat)
     try:
         if rank_setup is not None:
             rank_setup(rank)

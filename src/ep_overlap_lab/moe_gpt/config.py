@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.bridge.models.moe_gpt.recompute import RECOMPUTABLE
-from megatron.bridge.models.moe_gpt.router_losses import LOAD_BALANCING
+from ep_overlap_lab.moe_gpt.recompute import RECOMPUTABLE
+from ep_overlap_lab.moe_gpt.router_losses import LOAD_BALANCING
 
 
 @dataclass

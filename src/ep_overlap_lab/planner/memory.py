@@ -23,14 +23,14 @@ Shape suffixes as in ``models/moe_gpt``: T tokens of the unit, D hidden, P = T x
 
 from dataclasses import dataclass, replace
 
-from megatron.bridge.training.ep_overlap.planner.holds import UnitHolds
+from ep_overlap_lab.pipeline_layout import chunk_layers
+from ep_overlap_lab.planner.holds import UnitHolds
+from ep_overlap_lab.storage_count import Count
 from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
 from megatron.bridge.training.ep_overlap.segments import segment_of
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.training.ep_overlap.storage_count import Count
-from megatron.bridge.utils.pipeline_layout import chunk_layers
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
 FP32 = 4  # router scores and the loss's log-probabilities are kept in fp32

@@ -42,17 +42,23 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.ep_overlap.engine.records import (
+from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
+from megatron.bridge.training.ep_overlap.runtime.records import (
     CommRecord,
     ComputeRecord,
     CudaClock,
     HostClock,
     StepRecorder,
 )
-from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.utils.multiprocess import heartbeat
-from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, exchanged_bytes, wait_error, wait_work
+from megatron.bridge.utils.process_groups import (
+    CollectiveError,
+    EPGroups,
+    exchanged_bytes,
+    tell_alive,
+    wait_error,
+    wait_work,
+)
 
 Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits) of an all-to-all
 
@@ -149,7 +155,7 @@ class _Lane:
         record.end_host = time.perf_counter()
         self.recorder.compute.append(record)
         self._after_compute(microbatch)
-        heartbeat("%s (layer %d, microbatch %d)", node, layer, microbatch)
+        tell_alive("%s (layer %d, microbatch %d)", node, layer, microbatch)
 
     def _after_compute(self, microbatch: int) -> None:
         pass
