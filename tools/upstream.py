@@ -6,15 +6,15 @@
                                                   # main), and which hunks of the 0.6.2 patch need a rebase there
 
 The patch holds the payload, what a Bridge training step calls: this project's modules under ``src/megatron/bridge``
-(but ``training/ep_overlap_config.py``, the plugin's entry point, which the patched ``CommOverlapConfig`` makes
-needless), its changes to upstream's ``training/comm_overlap.py`` and ``training/flex_dispatcher_backend.py`` (whole
-files here, supersets of upstream's), its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in
-upstream's layout, the lab's launcher in ``local_ranks.py``'s place), and the hunks for upstream
-files this project does not ship, stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped
-path gets the packed-sequence parameters, the plain path the loss mask when the model has MTP layers;
-``qwen3_vl_step.diff``: the overlapped path gets the plain forward's arguments, images and their grids included;
-``setup.diff``, ``train.diff``: the plain 1F1B pipeline). The lab (``src/ep_overlap_lab``: the reference engine and
-model, the planner, the launcher) stays out. ``make patch`` prints the added lines by directory. It is made by
+(``training/ep_overlap_config.py`` included, so a recipe written for the plugin runs on the patched tree too), its
+changes to upstream's ``training/comm_overlap.py`` and ``training/flex_dispatcher_backend.py`` (whole files here,
+supersets of upstream's), its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in upstream's
+layout, the lab's launcher in ``local_ranks.py``'s place), and the hunks for upstream files this project does not ship,
+stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped path gets the packed-sequence
+parameters, the plain path the loss mask when the model has MTP layers; ``qwen3_vl_step.diff``: the overlapped path
+gets the plain forward's arguments, images and their grids included; ``setup.diff``, ``train.diff``: the plain 1F1B
+pipeline). The lab (``src/ep_overlap_lab``: the reference engine and model, the planner, the launcher) stays out.
+``make patch`` prints the added lines by directory. It is made by
 default against the 0.6.2 sources (the registry's sdist, fetched here into build/, never committed), and checked
 with ``git apply --check`` on a fresh copy of the tree it is made for before it is written. It passes upstream's
 repository checks: every new Python file starts with the license header upstream's copyright check expects (added
@@ -38,7 +38,6 @@ VERSION = "0.6.2"
 CACHE = ROOT / "build" / f"megatron-bridge-{VERSION}"
 PATCH = ROOT / "dist" / "megatron-bridge-ep-overlap.patch"
 PACKAGE = Path("src/megatron/bridge")
-PLUGIN_ONLY = {PACKAGE / "training/ep_overlap_config.py"}
 TESTS = Path("tests/unit_tests/training/ep_overlap")
 # Upstream has no lab: the patch ships the lab's launcher as the tests' own (the file here only re-exports it).
 TEST_SUPPORT = {TESTS / "local_ranks.py": Path("src/ep_overlap_lab/multiprocess.py")}
@@ -198,10 +197,10 @@ def added_lines(patch: str) -> dict[str, int]:
 
 
 def make_patch(upstream_root: Path) -> str:
-    """The patch of every Python file of this project's package (but :data:`PLUGIN_ONLY`) and of its tests
+    """The patch of every Python file of this project's package and of its tests
     (:func:`patch_tests`) against the tree ``upstream_root``, then the stored hunks (:data:`HUNKS`) that apply there
     (:func:`hunks_that_do_not_apply` names the others)."""
-    files = sorted({p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py")} - PLUGIN_ONLY)
+    files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
     ours = "".join(_diff(relative, upstream_root) for relative in [*files, *patch_tests()])
     skipped = set(hunks_that_do_not_apply(upstream_root))
     return ours + "".join(h.read_text() for h in stored_hunks() if h.name not in skipped)

@@ -116,8 +116,21 @@ def patched_tree(into: Path) -> Path:
     return root / "src"
 
 
+def _lab_alone() -> Path:
+    """A folder holding only this project's lab (``ep_overlap_lab``, a link): the rank launcher the loop scripts use.
+    The patched tree has no lab (upstream gets none), and ``src/`` would also hold our ``megatron.bridge``."""
+    folder = CACHE / "lab-alone"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "ep_overlap_lab"
+    if not link.exists():
+        link.symlink_to(ROOT / "src" / "ep_overlap_lab", target_is_directory=True)
+    return folder
+
+
 def _env(tree: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    if not (tree / "ep_overlap_lab").is_dir():  # the patched tree: the lab comes from this project
+        env["PYTHONPATH"] = str(_lab_alone())
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no hub here: fail at once, never retry
     return env | offline | {"EP_OVERLAP_BRIDGE_TREE": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
                             "HOME": tempfile.gettempdir()}  # fmt: skip

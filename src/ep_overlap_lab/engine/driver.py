@@ -11,13 +11,14 @@ Contract:
       gradients are summed over the data-parallel group and expert gradients over the expert-DP group, once. The
       step's synced gradient is then added to what ``.grad`` (or ``main_grad``) held before it, as autograd and
       Megatron-Core's buffers accumulate (``grads.HeldGradients``): no earlier step is summed again. Every chunk's
-      hooks (``contract.ChunkHooks``, no-ops unless the chunk overrides them) are called: ``update_router_biases``
-      once per training step after that sync (where Megatron-Core's ``finalize_model_grads`` moves its routers'
-      expert biases); ``sync_pipeline_copies`` with the data-parallel sync (a weight held on two pipeline stages,
-      such as a tied or MTP embedding, gets its copies' gradients summed); ``start_step(loss)`` before the step
-      runs, with the step's ``contract.StepLoss`` (its loss-carrying units, data-parallel size and token count: what
-      an auxiliary loss's backward scale is set from, per step, so no state another driver left in the process
-      changes a result), and ``finish_step()`` after it, done or failed.
+      step hooks (``step_hooks.py``: no-ops unless the chunk overrides them, Megatron-Core's for its plans) are
+      called: ``update_router_biases`` once per training step after that sync (where Megatron-Core's
+      ``finalize_model_grads`` moves its routers' expert biases); ``sync_pipeline_copies`` with the data-parallel
+      sync (a weight held on two pipeline stages, such as a tied or MTP embedding, gets its copies' gradients
+      summed); ``start_step(loss)`` before the step runs, with the step's ``step_loss.StepLoss`` (its
+      loss-carrying units, data-parallel size and token count: what an auxiliary loss's backward scale is set from,
+      per step, so no state another driver left in the process changes a result), and ``finish_step()`` after it,
+      done or failed.
     * A training step under ``torch.no_grad()`` is refused, on every path, before it runs anything; a forward-only
       step (``forward_only=True``) runs without gradients whatever the grad mode.
     * With ``check_for_nan_in_loss_and_grad`` (on by default, as in Megatron-Core) a loss or gradient that is not
@@ -45,16 +46,19 @@ from dataclasses import dataclass
 import torch
 
 from ep_overlap_lab.engine.grads import HeldGradients, delayable_linears, sync_grads
+from ep_overlap_lab.engine.inputs import Microbatch, check_finite, loss_token_count
 from ep_overlap_lab.engine.p2p import PipelineP2P
 from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
 from ep_overlap_lab.engine.saved import SavedActivations
-from megatron.bridge.training.ep_overlap.contract import StepLoss, check_contract, check_no_pending_wgrads
+from ep_overlap_lab.engine.step_hooks import step_hooks
+from ep_overlap_lab.step_loss import StepLoss
+from ep_overlap_lab.wgrad_store import check_contract, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.runtime.inputs import Microbatch, UnitInput, check_finite, loss_token_count
+from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
 from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder, StepStats
@@ -123,7 +127,7 @@ class Engine:
     Raises:
         CommOverlapConfigError: When the config and options break an EP-overlap rule (one line each, with its fix).
         ValueError: When the chunks do not match the pipeline layout, a chunk needs another driver
-            (``ChunkHooks.engine_problems``), or ``launch_off_host=True`` cannot apply.
+            (``StepHooks.engine_problems``), or ``launch_off_host=True`` cannot apply.
     """
 
     def __init__(self, model, groups: EPGroups, options: EPOverlapOptions | None = None, **fields):
@@ -134,7 +138,8 @@ class Engine:
         config = self.chunks[0].config
         self.settings = resolve(config, options).checked()  # the options first: they need only the config
         check_contract(self.chunks)
-        problems = [problem for chunk in self.chunks[:1] for problem in chunk.engine_problems()]
+        self.step_hooks = [step_hooks(chunk) for chunk in self.chunks]
+        problems = self.step_hooks[0].engine_problems()
         if problems:
             raise ValueError("the EP-overlap engine cannot run this model: " + "; ".join(problems))
         unreplayed = [
@@ -237,8 +242,8 @@ class Engine:
         normalizer = loss_token_count(microbatches, self.chunks, split, self.groups, device)
         held = None if forward_only else HeldGradients(self._named_parameters())
         loss = StepLoss(len(microbatches) + len(split), _group_size(self.groups.dp_group), normalizer)
-        for chunk in self.chunks:
-            chunk.start_step(loss)
+        for hooks in self.step_hooks:
+            hooks.start_step(loss)
         failed = True
         saved = SavedActivations(p for chunk in self.chunks for p in chunk.parameters())
         lane.saved = saved
@@ -248,20 +253,20 @@ class Engine:
             if options.check_for_nan_in_loss_and_grad:
                 check_finite(losses, held.contributions() if held else [], self.groups, device)
             if held is not None:
-                for chunk in self.chunks:
+                for chunk, hooks in zip(self.chunks, self.step_hooks):
                     sync_grads(chunk, self.groups)
-                    chunk.sync_pipeline_copies(self.groups)
+                    hooks.sync_pipeline_copies(self.groups)
                 held.restore(add=True)
             failed = False
         finally:
             lane.close(failed=failed)
             if failed and held is not None:
                 held.restore(add=False)
-            for chunk in reversed(self.chunks):  # last started, first finished: each puts back what it found
-                chunk.finish_step()
+            for hooks in reversed(self.step_hooks):  # last started, first finished: each puts back what it found
+                hooks.finish_step()
         if not forward_only:
-            for chunk in self.chunks:
-                chunk.update_router_biases(self.groups)
+            for hooks in self.step_hooks:
+                hooks.update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder, saved.peak_bytes)

@@ -6,7 +6,7 @@ from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 
 def delayable_linears(chunks) -> list:
-    """Modules whose wgrad the schedule may defer (``contract.DelayableLinear``), over all layers of all ``chunks``."""
+    """Modules whose wgrad the schedule may defer (``wgrad_store.DelayableLinear``), over every layer of ``chunks``."""
     return [linear for chunk in chunks for layer in chunk.layers for linear in layer.delayable_linears()]
 
 

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from ep_overlap_lab.storage_count import Count
-from megatron.bridge.training.ep_overlap.contract import DiscardedStorage, WeightGradStore
+from ep_overlap_lab.wgrad_store import DiscardedStorage, WeightGradStore
 
 
 class SavedActivations:

@@ -5,7 +5,7 @@ Contract:
       ordered by group; ``group_sizes`` (host ints) may contain zeros.
     * With ``delay_wgrad = False`` backward computes dgrad and wgrad as ordinary autograd does.
     * With ``delay_wgrad = True`` backward computes dgrad only and pushes what wgrad needs on a FIFO owned by the
-      module (a :class:`~megatron.bridge.training.ep_overlap.contract.WeightGradStore`: this module implements the
+      module (a :class:`~ep_overlap_lab.wgrad_store.WeightGradStore`: this module implements the
       engine contract's ``DelayableLinear``). ``backward_dw()`` pops one entry, computes the wgrad,
       accumulates it into ``weight.main_grad`` when the weight has one, else into ``weight.grad``, then runs the
       grad-ready hooks. Results are bitwise equal to
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron.bridge.training.ep_overlap.contract import WeightGradStore
+from ep_overlap_lab.wgrad_store import WeightGradStore
 
 logger = logging.getLogger(__name__)
 

@@ -62,8 +62,8 @@ from ep_overlap_lab.moe_gpt.token_dispatcher import (
     unpermute,
 )
 from ep_overlap_lab.pipeline_layout import chunk_layers_of
-from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch, StepLoss
-from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
+from ep_overlap_lab.step_loss import StepHooks, StepLoss, StepScales, backward_scales
+from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch
 from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
 
@@ -300,7 +300,7 @@ def _generator(seed: int, *key: int) -> torch.Generator:
 EMBEDDING_KEY, HEAD_KEY = -1, -2  # generator keys of the non-layer weights
 
 
-class MoEGPTModel(ChunkHooks, torch.nn.Module):
+class MoEGPTModel(ChunkHooks, StepHooks, torch.nn.Module):
     """Embedding, transformer layers, final norm, untied LM head and token-summed cross-entropy.
 
     Args:
@@ -377,7 +377,7 @@ class MoEGPTModel(ChunkHooks, torch.nn.Module):
 
     def start_step(self, loss: StepLoss) -> None:
         """An engine step starts: the router losses' backward scale is set as Megatron-Core's ``forward_step`` and its
-        DDP weigh them (``loss_scales.backward_scales``); :meth:`finish_step` puts back what it found."""
+        DDP weigh them (``step_loss.backward_scales``); :meth:`finish_step` puts back what it found."""
         if any(layer.router_losses is not None for layer in self.layers):
             mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss)
             self._scales.set(mtp, moe, next(self.parameters()).device)

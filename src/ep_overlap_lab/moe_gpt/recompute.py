@@ -13,7 +13,7 @@ Contract:
     * ``layernorm`` and ``moe_act`` also drop their output, which the next linear saves as its input (the router's
       for the MLP norm of an MoE layer; fc2's for the experts' activation): :class:`OutputRecompute` frees it once
       that linear ran and rebuilds it just before the linear's backward, as Megatron-Core's
-      ``CheckpointWithoutOutput`` does (``contract.DiscardedStorage`` keeps the activation count exact). A dense
+      ``CheckpointWithoutOutput`` does (``wgrad_store.DiscardedStorage`` keeps the activation count exact). A dense
       layer's MLP norm only drops its statistics (its output crosses to the experts node).
     * Numerics: the same ops on the same inputs, so losses and gradients are bitwise equal to keeping everything
       (CPU; on GPU, as far as the kernels are deterministic).
@@ -22,7 +22,7 @@ Contract:
 import torch
 import torch.utils.checkpoint
 
-from megatron.bridge.training.ep_overlap.contract import DiscardedStorage
+from ep_overlap_lab.wgrad_store import DiscardedStorage
 
 RECOMPUTABLE = ("layernorm", "core_attn", "moe_act", "mlp", "moe")
 

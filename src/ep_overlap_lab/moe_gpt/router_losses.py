@@ -11,7 +11,7 @@ Contract:
       list of types are refused by ``config.model_feature_problems``.
     * Both only in a training forward with gradients, and each through Megatron-Core's ``MoEAuxLossAutoScaler``:
       its backward gives the loss the gradient ``main_loss_backward_scale``, which the model sets per engine step
-      (``training/ep_overlap/loss_scales.py``). With ``calculate_per_token_loss`` each loss is first multiplied by
+      (``ep_overlap_lab/step_loss.py``). With ``calculate_per_token_loss`` each loss is first multiplied by
       the microbatch's token count, as the router does (the scale is then ``1 / tokens``).
     * Megatron-Core's own functions compute the values (``compute_routing_scores_for_aux_loss``,
       ``switch_load_balancing_loss_func``, ``z_loss_func``), unfused; one rank's tokens are the whole reduction

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear, grouped_matmul
-from megatron.bridge.training.ep_overlap.contract import check_no_pending_wgrads
+from ep_overlap_lab.wgrad_store import check_no_pending_wgrads
 
 
 def make(dtype, groups=3, k=16, n=8, seed=0):

@@ -74,7 +74,7 @@ CASES = {
 }
 # Cases whose model mcore_models does not build (Transformer Engine-only modules, with their local twins).
 BUILDERS = {"glm5-dsa": build_dsa_gpt, "minimax-m3": build_minimax_like}
-# The engine refuses DSA at a step's start (refusals.step_problems: Megatron-Core's driver scales its indexer loss).
+# The engine refuses DSA at a step's start (step_hooks.step_problems: Megatron-Core's driver scales its indexer loss).
 ENGINE_REFUSES = {"glm5-dsa"}
 # Fields of a family's own features that a step reads, in the plain path and in the plan (the audit sees them).
 FAMILY_FIELDS = {

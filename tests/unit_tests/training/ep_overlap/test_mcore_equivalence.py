@@ -48,12 +48,6 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
         model = build_model(case)
         overlap = not arm.startswith("plain")
         plan = chunk_for(model, delay_wgrad=case.delay_wgrad and overlap)
-        mtp_scales = []  # what the step ran with (finish_step puts back what it found)
-        start_step = plan.start_step
-        plan.start_step = lambda loss=None, start=start_step, seen=mtp_scales: (
-            start(loss),
-            seen.append(float(MTPLossAutoScaler.main_loss_backward_scale)),
-        )
         engine = EPOverlapEngine(
             plan,
             groups,
@@ -61,6 +55,13 @@ def train_mcore(rank: int, world: int, case: McoreCase) -> dict:
             delay_wgrad=case.delay_wgrad and overlap,
             edge_pairing=arm == "overlap_edges",
             moe_ep_overlap_chunks=2 if arm == "overlap_chunks" else 1,
+        )
+        mtp_scales = []  # what the step ran with (finish_step puts back what it found)
+        (hooks,) = engine.step_hooks  # the engine's hooks on the plan (step_hooks.McoreStepHooks)
+        start_step = hooks.start_step
+        hooks.start_step = lambda loss, start=start_step, seen=mtp_scales: (
+            start(loss),
+            seen.append(float(MTPLossAutoScaler.main_loss_backward_scale)),
         )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses, grads = [], []

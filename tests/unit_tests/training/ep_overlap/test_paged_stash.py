@@ -407,8 +407,9 @@ def test_an_overflowed_step_falls_back_alike_in_both_arms(scenario):
 # ---- the engine ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.lab
 def test_the_engine_refuses_paged_stash_naming_the_driver_that_runs_it():
-    from megatron.bridge.training.ep_overlap.mcore.refusals import step_problems
+    from ep_overlap_lab.engine.step_hooks import step_problems
 
     config = SimpleNamespace(
         moe_paged_stash=True, experimental_attention_variant=None, experimental_attention_variant_loss_scale_func=None

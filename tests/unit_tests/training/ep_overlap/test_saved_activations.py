@@ -9,8 +9,8 @@ from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.engine.saved import SavedActivations
 from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear
 from ep_overlap_lab.moe_gpt.model import MoEGPTModel
+from ep_overlap_lab.wgrad_store import DiscardedStorage
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.contract import DiscardedStorage
 from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .local_ranks import run_local_ranks

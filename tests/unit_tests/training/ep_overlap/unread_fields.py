@@ -32,12 +32,12 @@ NOT_READ_BY_THE_PLAN: dict[str, str] = {
 
 NOT_READ_BY_THE_ENGINE: dict[str, str] = {
     "finalize_model_grads_func": "the engine sums gradients itself (engine/grads.py) and moves router biases "
-    "(McoreChunk.update_router_biases) where Megatron-Core's finalize_model_grads would",
+    "(step_hooks.McoreStepHooks.update_router_biases) where Megatron-Core's finalize_model_grads would",
     "no_sync_func": "Megatron-Core's DDP defers its gradient reduction with it; the engine reduces once per step",
     "timers": "Megatron's timers; the engine records its own (engine/records.py)",
     "overlap_moe_expert_parallel_comm": "the engine takes overlap from its options (EPOverlapOptions.from_config "
     "reads it when the engine is built)",
     "fine_grained_activation_offloading": "refused when the engine is built (rule activation_offloading)",
-    "moe_paged_stash": "refused at each engine step (refusals.step_problems): the engine never starts a paged-stash "
+    "moe_paged_stash": "refused at each engine step (step_hooks.step_problems): the engine never starts a paged-stash "
     "step (paged_stash_reset); under Megatron-Core's driver the plan runs it",
 }

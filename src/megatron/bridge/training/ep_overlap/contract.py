@@ -1,22 +1,18 @@
-"""What a model offers the EP-overlap engine, and the queue it keeps delayed weight gradients in (no torch here).
+"""What a model offers the schedule's runtime (no torch here).
 
-A model never imports the engine: it implements these protocols, and the engine drives anything that does. The
-reference MoE GPT (``models/moe_gpt``) and the Megatron-Core adapter (``ep_overlap/mcore``) both do.
+A model never imports the runtime: it implements these protocols, and the runtime's nodes drive anything that does.
+The Megatron-Core adapter (``ep_overlap/mcore``) does, as does the lab's reference MoE GPT.
 
     :class:`LayerFunctions`  one transformer layer cut into the schedule's node functions
     :class:`ChunkModel`      a whole model or one pipeline chunk: its layers, its two ends, its loss
-    :class:`DelayableLinear` a module whose weight gradient the engine may defer (the role of TE's
-                             ``delay_wgrad_compute`` and DualPipe's WeightGradStore), with
-                             :class:`WeightGradStore` the FIFO such a module can keep its deferred work in
+    :class:`ChunkHooks`, :class:`LayerHooks`  what the runtime reads besides, with defaults
 
 Losses are token-summed cross-entropies divided by a normalizer the engine passes; labels equal to
 :data:`IGNORE_INDEX` count in neither.
 """
 
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from megatron.bridge.training.ep_overlap.segments import segment_of
@@ -65,7 +61,7 @@ class LayerFunctions(Protocol):
 
     def combine(self, back: Any, keep: Any, h: Any, routing: Any) -> Any: ...
 
-    def delayable_linears(self) -> list["DelayableLinear"]: ...
+    def delayable_linears(self) -> list: ...
 
     def expert_backward_dw(self) -> None: ...
 
@@ -97,18 +93,6 @@ class ChunkModel(Protocol):
     def head_loss(self, x: Any, labels: Any, normalizer: float | None, tokens: Any) -> Any: ...
 
 
-@dataclass(frozen=True)
-class StepLoss:
-    """How the engine normalizes one training step's loss, for a chunk whose auxiliary losses (multi-token
-    prediction, MoE load balancing, z-loss) scale their own gradient: the main loss is the token-summed
-    cross-entropy of ``units`` loss-carrying units divided by ``tokens``, and gradients are then summed (not
-    averaged) over the engine's ``data_parallel`` ranks."""
-
-    units: int  # microbatches that carry a loss (a chunked one's halves count two)
-    data_parallel: int  # ranks the engine sums non-expert gradients over
-    tokens: float  # tokens that count, over every microbatch of every rank
-
-
 class ChunkHooks:
     """The hooks the engine calls on every chunk besides :class:`ChunkModel`'s functions, declared once with no-op
     defaults; a chunk class inherits this and overrides what it needs."""
@@ -132,30 +116,10 @@ class ChunkHooks:
         them again there (a chunk with ``recompute_segments`` gives its checkpoint)."""
         raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
 
-    def engine_problems(self) -> list[str]:
-        """What the chunk needs that only another driver gives (one line each, with its fix), checked on every rank
-        when the engine is built: the engine refuses to run the chunk then."""
-        return []
-
     def step_context(self) -> Any:
         """A context the engine enters around each overlapped step of the program (the plain path's whole-chunk
         call enters its own): Megatron-Core's fp8 delayed scaling opens one around a whole stack."""
         return nullcontext()
-
-    def start_step(self, loss: StepLoss) -> None:
-        """Called before a step's first op with the step's :class:`StepLoss`: a chunk whose auxiliary losses set their
-        own backward scale sets it here, and drops what a failed step left."""
-
-    def finish_step(self) -> None:
-        """Called when the step ended (done or failed), last started first: puts back what :meth:`start_step`
-        changed outside the chunk."""
-
-    def sync_pipeline_copies(self, groups: Any) -> None:
-        """Called after the data-parallel gradient sum: sums the gradients of a weight this chunk shares with a
-        chunk on another pipeline stage."""
-
-    def update_router_biases(self, groups: Any) -> None:
-        """Called once per training step after the gradient sync: aux-loss-free load balancing moves its biases."""
 
     def with_packed_sequences(self, packed_seq_params: Any) -> "ChunkModel":
         """This chunk for one packed (THD) microbatch (the engine's ``(tokens, labels, packed_seq_params)``): a view
@@ -176,108 +140,3 @@ class LayerHooks:
     replays_forward: bool = False  # full recompute: the engine may replay the layer's forward in backward; then
     # ``replay_splits(routing, exchanged)`` completes a replayed routing with the split sizes its first forward
     # exchanged (``routing.exchanged``), without communicating
-
-
-def check_contract(chunks: list) -> None:
-    """Every chunk inherits :class:`ChunkHooks` and every layer :class:`LayerHooks` (the engine calls their hooks
-    without asking whether they are there).
-
-    Raises:
-        TypeError: Naming the class that does not, and the fix.
-    """
-    for chunk in chunks:
-        if not isinstance(chunk, ChunkHooks):
-            raise TypeError(
-                f"{type(chunk).__name__}: a model chunk the engine runs inherits "
-                "megatron.bridge.training.ep_overlap.contract.ChunkHooks (its hooks, with no-op defaults); fix: add "
-                "it to the class's bases"
-            )
-        for layer in chunk.layers:
-            if not isinstance(layer, LayerHooks):
-                raise TypeError(
-                    f"{type(layer).__name__}: a layer the engine runs inherits "
-                    "megatron.bridge.training.ep_overlap.contract.LayerHooks; fix: add it to the class's bases"
-                )
-
-
-class DelayableLinear(Protocol):
-    """``delay_wgrad`` is set by the engine for an overlapped step with delayed wgrad; ``backward_dw()`` computes
-    the oldest deferred wgrad (the layer's ``expert_backward_dw``/``attention_backward_dw`` call it where the
-    schedule puts it); ``reset_pending()`` drops the queue after a failed step."""
-
-    name: str
-    delay_wgrad: bool
-
-    @property
-    def pending_wgrads(self) -> int: ...
-
-    def backward_dw(self) -> None: ...
-
-    def reset_pending(self) -> None: ...
-
-
-class WeightGradStore:
-    """FIFO of deferred weight-gradient work: backward pushes, ``run_next`` computes the oldest.
-
-    ``held`` names the tensors a work keeps alive until it runs; every object in the class-level ``observers``
-    hears of them (``hold(held)`` on push, ``release(held)`` when the work ran or was dropped): the engine counts
-    them as memory the schedule holds for backward.
-    """
-
-    observers: list = []
-
-    def __init__(self, owner: str):
-        self.owner = owner
-        self._queue: deque[tuple[Callable[[], None], tuple]] = deque()
-
-    def push(self, work: Callable[[], None], held: tuple = ()) -> None:
-        self._queue.append((work, held))
-        for observer in WeightGradStore.observers:
-            observer.hold(held)
-
-    def run_next(self) -> None:
-        if not self._queue:
-            raise RuntimeError(f"{self.owner}: backward_dw() called with no delayed wgrad queued")
-        work, held = self._queue.popleft()
-        work()
-        self._released(held)
-
-    def _released(self, held: tuple) -> None:
-        for observer in WeightGradStore.observers:
-            observer.release(held)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def clear(self) -> None:
-        while self._queue:
-            self._released(self._queue.popleft()[1])
-
-
-class DiscardedStorage:
-    """A model may free the storage of a tensor some op saved for backward and rebuild it before that op's backward
-    (recompute without keeping the output, as Megatron-Core's ``CheckpointWithoutOutput``). It tells every object in
-    ``observers`` (the engine's activation count), so the bytes held stay exact: ``discard(tensor)`` before the
-    storage is freed returns a token; ``restore(token)`` once it holds data again."""
-
-    observers: list = []
-
-    @classmethod
-    def discard(cls, tensor: Any) -> list:
-        return [observer.discard(tensor) for observer in cls.observers]
-
-    @classmethod
-    def restore(cls, token: list) -> None:
-        for observer, key in zip(cls.observers, token):
-            observer.restore(key)
-
-
-def check_no_pending_wgrads(linears: Iterable[DelayableLinear]) -> None:
-    """Raises naming every module that still holds delayed wgrads (their gradients would be lost)."""
-    leftover = [f"{linear.name} ({linear.pending_wgrads} queued)" for linear in linears if linear.pending_wgrads]
-    if leftover:
-        raise RuntimeError(
-            "delayed weight gradients were queued but never computed, so these gradients would be lost: "
-            + ", ".join(leftover)
-            + ". Every backward with delay_wgrad on must be followed by backward_dw() on the module."
-        )

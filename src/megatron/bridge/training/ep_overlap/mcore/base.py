@@ -1,8 +1,8 @@
-"""What every Megatron-Core plan shares: the two ends, the loss, the router biases, the EP groups (its refusals:
-``refusals.py``).
+"""What every Megatron-Core plan shares: the two ends, the loss, the EP groups (its refusals: ``refusals.py``).
 
-A plan is a Megatron-Core language model (or one pipeline chunk of it) as
-:class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine` runs it (the ``ChunkModel`` contract). The model
+A plan is a Megatron-Core language model (or one pipeline chunk of it) cut into the schedule's node functions (the
+``ChunkModel`` contract), as Megatron-Core's driver runs it under the hook (``hook.py``). What a trainer does around
+a step (gradient sync, loss normalization, router-bias updates) stays Megatron-Core's. The model
 classes differ in their decoder stack and final norm; :class:`McoreChunk` holds the rest. Everything the plan does
 not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
 output layer gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`, PP = 1).
@@ -10,8 +10,8 @@ output layer gets its two gradients summed as plain autograd sums them (:class:`
 Multi-token prediction (one MTP layer, on the last pipeline stage) runs in the head, as the model's ``_postprocess``
 runs it: the MTP block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the
 model's embedding, so at PP = 1 those weights are :class:`TiedWeight` s too; with pipeline stages the last stage
-holds a copy, whose gradient is summed with the first stage's over Megatron-Core's embedding group after the step
-(:meth:`McoreChunk.sync_pipeline_copies`, what ``finalize_model_grads`` does), as is a tied output weight's. An MoE
+holds a copy, whose gradient ``finalize_model_grads`` sums with the first stage's over the embedding group after the
+step, as it does a tied output weight's. An MoE
 layer inside the MTP block runs its all-to-alls inside the head, not overlapped (Megatron-Core's own overlap gives
 the MTP layer its own nodes).
 """
@@ -24,18 +24,15 @@ import torch.utils.checkpoint
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
-from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks, StepLoss
-from megatron.bridge.training.ep_overlap.loss_scales import StepScales, backward_scales
+from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks
 from megatron.bridge.training.ep_overlap.mcore.quantization import step_context
 from megatron.bridge.training.ep_overlap.mcore.refusals import (
     check_delayed_wgrad,
-    layout_problems,
     refuse_unscheduled,
-    step_problems,
 )
 from megatron.bridge.training.ep_overlap.settings import resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 
 class TiedWeight:
@@ -99,14 +96,13 @@ class McoreChunk(ChunkHooks):
         # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
         # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order, where the
         # chunk also embeds. A pipeline's last stage holds its own copy (Megatron-Core sums the copies' gradients
-        # over its embedding group after the step; the engine does the same, see sync_pipeline_copies).
+        # over its embedding group after the step).
         shared = set()
         if self.pre_process and model.share_embeddings_and_output_weights and self.post_process:
             shared = {"word_embeddings.weight"}
         if self.pre_process and self.mtp:
             shared |= {name for name, _ in model.embedding.named_parameters()}
         self._tied = {name: TiedWeight(model.embedding.get_parameter(name)) for name in sorted(shared)}
-        self._scales = StepScales()  # the auxiliary-loss scales of an engine step, until finish_step
         self.model, self.config = model, config
         self.vocab_size = model.vocab_size
         self.sequence_length = model.max_sequence_length  # the plan's attention mask is built for it
@@ -153,59 +149,6 @@ class McoreChunk(ChunkHooks):
         """The rotary embedding the layers read for the hidden states ``x_SBH`` (None without one)."""
         raise NotImplementedError
 
-    def pipeline_copies(self) -> list[torch.nn.Parameter]:
-        """The weights this chunk holds a copy of on another pipeline stage: the word embedding of the first and the
-        last stage, when the output layer shares it or an MTP layer reads it (Megatron-Core's
-        ``_get_shared_word_embedding_weight``). Empty at PP = 1 and on middle stages."""
-        model = self.model
-        whole = self.pre_process and self.post_process
-        shares = model.share_embeddings_and_output_weights or bool(self.config.mtp_num_layers)
-        if whole or not shares or not (self.pre_process or self.post_process):
-            return []
-        weight = model.shared_embedding_or_output_weight()
-        return [] if weight is None else [weight]
-
-    def sync_pipeline_copies(self, groups: EPGroups) -> None:
-        """Sums the gradients of :meth:`pipeline_copies` over Megatron-Core's embedding group (the first and the last
-        pipeline stage), as its ``finalize_model_grads`` does, so the copies stay equal after the optimizer step."""
-        for weight in self.pipeline_copies():
-            group = parallel_state.get_embedding_group()
-            main = getattr(weight, "main_grad", None)
-            grad = main if main is not None else weight.grad
-            if grad is None:
-                grad = weight.grad = torch.zeros_like(weight)
-            all_reduce(grad, group, op="embedding gradient all-reduce (pipeline copies)", timeout=groups.timeout)
-
-    @torch.no_grad()
-    def update_router_biases(self, groups: EPGroups) -> None:
-        """What Megatron-Core's ``finalize_model_grads`` does for the routers after a step's gradient sync: with
-        ``moe_router_enable_expert_bias``, each training router's bias moves toward balance from the step's token
-        counts summed over the tensor x data x context-parallel group, then the counts restart (the same arithmetic
-        as its ``get_updated_expert_bias``, under the engine's collective timeout); with a global auxiliary loss, its
-        token trackers restart (``reset_model_temporary_tensors``), or the next step's loss would count this one's."""
-        if "global_aux_loss" in str(self.config.moe_router_load_balancing_type):
-            for module in self.model.modules():
-                if hasattr(module, "reset_global_aux_loss_tracker"):
-                    module.reset_global_aux_loss_tracker()
-        routers = [
-            module
-            for module in self.model.modules()
-            if getattr(module, "expert_bias", None) is not None
-            and module.training
-            and not getattr(module, "frozen_expert_bias", False)
-        ]
-        if not routers:
-            return
-        tokens_LE = torch.stack([router.local_tokens_per_expert for router in routers])
-        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        all_reduce(tokens_LE, group, op="router expert-bias token count", timeout=groups.timeout)
-        offset_LE = tokens_LE.sum(dim=-1, keepdim=True) / tokens_LE.shape[-1] - tokens_LE
-        rate = self.config.moe_router_bias_update_rate
-        updated_LE = torch.stack([router.expert_bias for router in routers]) + torch.sign(offset_LE) * rate
-        for router, updated_E in zip(routers, updated_LE):
-            router.expert_bias.copy_(updated_E)
-            router.local_tokens_per_expert.zero_()
-
     def parameters(self):
         return self.model.parameters()
 
@@ -236,37 +179,10 @@ class McoreChunk(ChunkHooks):
         with self.step_context():
             return super().run_layers(x_SBH)
 
-    def start_step(self, loss: StepLoss | None = None) -> None:
-        """A new step: head gradients a failed step held for tied weights are dropped. Under the engine (``loss``
-        given) the MTP and MoE auxiliary-loss scales are set for this step as Megatron-Core's ``forward_step``
-        sets them and its DDP then averages (``loss_scales.backward_scales``), and :meth:`finish_step` puts back
-        what it found; under Megatron-Core's driver (None) its ``forward_step`` sets them per microbatch. The engine
-        also does what Megatron-Core's driver does for the step's first microbatch: low-precision modules cast their
-        weights afresh (``set_is_first_microbatch``).
-
-        Raises:
-            ValueError: Under the engine, for what only Megatron-Core's driver does: replay Transformer Engine CUDA
-                graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast.
-        """
+    def start_step(self) -> None:
+        """A new step: head gradients a failed step held for tied weights are dropped."""
         for tied in self._tied.values():
             tied.held.clear()
-        if loss is None:
-            return
-        problems = step_problems(self.model, self.config)
-        if problems:
-            raise ValueError("the EP-overlap engine cannot run this step: " + "; ".join(problems))
-        self.model.set_is_first_microbatch()
-        cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-        mtp, moe = backward_scales(loss, per_token=self.config.calculate_per_token_loss, context_parallel=cp)
-        self._scales.set(mtp, moe, next(self.model.parameters()).device)
-
-    def engine_problems(self) -> list[str]:
-        """What only Megatron-Core's driver and DDP do for this model's layout (``refusals.layout_problems``)."""
-        return layout_problems()
-
-    def finish_step(self) -> None:
-        """Puts back the auxiliary-loss scales :meth:`start_step` found, so another driver sees its own."""
-        self._scales.restore()
 
     def per_token_losses(
         self,

@@ -15,7 +15,7 @@ Contract:
     * Delayed wgrad: a graphed scope's weight gradients are its graph's ``backward_dw`` for that microbatch; the
       rest stay eager, split as Megatron-Core's ``_BackwardDWWrapper`` splits them (:func:`pre_dispatch_backward_dw`).
     * Only under Megatron-Core's driver (the pre-wrap hook): the engine does not number microbatches for the plain
-      path's replays, so a step of the engine refuses graphed layers (``McoreChunk.start_step``).
+      path's replays, so the lab's engine refuses graphed layers.
 """
 
 import torch

@@ -13,16 +13,12 @@ Contract:
     * :func:`zero_copy_refusal`: NCCL EP's zero-copy buffers, which each MoE layer of the plan refuses, naming itself.
     * :func:`check_delayed_wgrad`: with delayed wgrad, layers whose Transformer Engine linears would defer weight
       gradients nothing runs (refused), and experts whose local linears delay nothing (one warning).
-    * :func:`layout_problems` (when the engine is built) and :func:`step_problems` (at each engine step's start):
-      what only Megatron-Core's driver and DDP do, which the engine, its own driver, does not.
 """
 
 import logging
 
 import torch
-from megatron.core import parallel_state
 
-from megatron.bridge.training.ep_overlap.mcore.graphs import replays
 from megatron.bridge.utils.logging import warn_rank0
 
 logger = logging.getLogger(__name__)
@@ -268,69 +264,3 @@ def check_delayed_wgrad(units: list) -> None:
             "numerics are unchanged). Build the model with Transformer Engine specs to delay them.",
             ", ".join(undelayed),
         )
-
-
-def layout_problems() -> list[str]:
-    """What only Megatron-Core's driver and DDP do for this layout: the engine's gradient sync and loss count cover
-    data and expert parallelism, not tensor, expert-tensor or context parallelism."""
-    problems = []
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        problems.append(
-            f"tensor parallelism ({tp} ranks): the engine would count each token's loss on every tensor-parallel "
-            "rank and leave the sequence-parallel norms' and the routers' gradients unreduced across them; fix: "
-            "run under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
-        )
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
-    if etp > 1:
-        problems.append(
-            f"expert tensor parallelism ({etp} ranks): the engine's gradient sync takes every expert weight as whole "
-            "on its rank and sums it over the expert-data-parallel ranks it derives without that split; fix: run "
-            "under Megatron-Core's driver (use_ep_overlap_schedule), which runs it bitwise"
-        )
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1:
-        problems.append(
-            f"context parallelism ({cp} ranks): the engine's microbatches are whole sequences and it does not "
-            "slice them across the context-parallel ranks; fix: set context_parallel_size=1, or run under "
-            "Megatron-Core's driver (use_ep_overlap_schedule)"
-        )
-    return problems
-
-
-def step_problems(model: torch.nn.Module, config) -> list[str]:
-    """What Megatron-Core's driver does for a step that the engine, its own driver, does not: replay Transformer
-    Engine CUDA graphs (``graphs.py``), scale the loss (``grad_scale_func``), autocast, DSA's indexer loss scale,
-    start paged stash's step (``paged_stash_reset``)."""
-    problems = []
-    graphed = [m.layer_number for m in model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
-    if graphed:
-        problems.append(
-            f"layers {graphed} replay Transformer Engine CUDA graphs, which the engine does not number by "
-            "microbatch; fix: run them under Megatron-Core's driver (use_ep_overlap_schedule), or set "
-            "cuda_graph_impl='none'"
-        )
-    for name in ("grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func"):
-        scale = getattr(config, name, None)
-        if scale is not None and float(scale(torch.ones(1)) if name == "grad_scale_func" else scale()) != 1.0:
-            problems.append(
-                f"{name} scales the loss (fp16 loss scaling), and the engine sets its loss scales itself; fix: "
-                "run under Megatron-Core's driver (use_ep_overlap_schedule), or train in bf16 or fp32"
-            )
-    if config.experimental_attention_variant == "dsa" or config.experimental_attention_variant_loss_scale_func:
-        problems.append(
-            "experimental_attention_variant: Megatron-Core's driver scales the DSA indexer's loss per "
-            "microbatch, the engine does not; fix: run under Megatron-Core's driver (use_ep_overlap_schedule)"
-        )
-    if getattr(config, "enable_autocast", False):
-        problems.append(
-            "enable_autocast: Megatron-Core's driver runs the step under torch.autocast, the engine does not; "
-            "fix: run under Megatron-Core's driver (use_ep_overlap_schedule), or set enable_autocast=False"
-        )
-    if getattr(config, "moe_paged_stash", False):
-        problems.append(
-            "moe_paged_stash: Megatron-Core's driver starts each step's paged stash (paged_stash_reset: its "
-            "profiling, buffers and page lists), the engine does not; fix: run under Megatron-Core's driver "
-            "(use_ep_overlap_schedule), or set moe_paged_stash=False"
-        )
-    return problems

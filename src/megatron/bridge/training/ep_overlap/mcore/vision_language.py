@@ -34,7 +34,6 @@ Contract:
       ids holding image (video) tokens whose pixel values or grids did not reach the plan (stock Megatron-Bridge
       0.6.2's ``qwen3_vl_step`` passes them to the plain forward only: the fix is this project's patch), no input ids.
       The plan reads only what it is given, never its caller's frames.
-      The EP-overlap engine, which takes (tokens, labels) microbatches, refuses the model (``engine_problems``).
 """
 
 import sys
@@ -167,13 +166,6 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
 
     def named_parameters(self):
         return self.vision_language.named_parameters()
-
-    def engine_problems(self) -> list[str]:
-        return [
-            "Megatron-Bridge's Qwen3VLModel: the EP-overlap engine takes (tokens, labels) microbatches and no images; "
-            "fix: run it under Megatron-Core's driver (use_ep_overlap_schedule)",
-            *super().engine_problems(),
-        ]
 
     # ---- one microbatch -----------------------------------------------------------------------------------------
 
