@@ -114,11 +114,12 @@ def as_shipped(relative: Path, upstream_root: Path) -> list[str]:
     """Our file as the patch ships it: with upstream's own header where upstream has the file, else with the license
     header upstream's copyright check expects (a Python file already starting with one is left as it is)."""
     ours = (ROOT / TEST_SUPPORT.get(relative, relative)).read_text().splitlines(keepends=True)
-    if ours and ours[0].startswith("# Copyright"):
-        return ours
+    if relative.suffix != ".py" or (ours and ours[0].startswith("# Copyright")):
+        return ours  # test data (a golden file) is shipped as it is
     theirs = upstream_root / relative
     header = _leading_comments(theirs.read_text().splitlines(keepends=True)) if theirs.exists() else []
-    return (header or [*LICENSE_HEADER.splitlines(keepends=True), "\n"]) + ours
+    header = header or [*LICENSE_HEADER.splitlines(keepends=True), "\n"]
+    return header + ours if ours else [line for line in header if line.strip()]  # no blank line ends an empty file
 
 
 def _diff(relative: Path, upstream_root: Path) -> str:
@@ -152,10 +153,11 @@ def _module_level_imports(path: Path) -> list[tuple[str, int]]:
 
 
 def patch_tests() -> list[Path]:
-    """The test files the patch carries: each file of :data:`TESTS` that, imported, imports only what upstream's tree
-    with the patch has (Megatron-Bridge, Megatron-Core, torch, third-party packages, and the directory's own modules
-    that do the same); the launcher counts as the lab's source it ships as. A test that reaches the lab only inside
-    its functions is marked ``lab`` (the directory's conftest skips it where the lab is not installed)."""
+    """The test files the patch carries (and the golden files they read): each file of :data:`TESTS` that, imported,
+    imports only what upstream's tree with the patch has (Megatron-Bridge, Megatron-Core, torch, third-party
+    packages, and the directory's own modules that do the same); the launcher counts as the lab's source it ships
+    as. A test that reaches the lab only inside its functions is marked ``lab`` (the directory's conftest skips it
+    where the lab is not installed)."""
     folder = ROOT / TESTS
     ours = {p.stem for p in folder.glob("*.py")}
 
@@ -180,7 +182,8 @@ def patch_tests() -> list[Path]:
                 )
         return shipped[stem]
 
-    return sorted({TESTS / f"{stem}.py" for stem in ours if ships(stem)} - PROJECT_ONLY_TESTS)
+    data = {p.relative_to(ROOT) for p in (folder / "golden").glob("*.txt")}  # the expected programs they read
+    return sorted(({TESTS / f"{stem}.py" for stem in ours if ships(stem)} - PROJECT_ONLY_TESTS) | data)
 
 
 def added_lines(patch: str) -> dict[str, int]:
