@@ -3,21 +3,22 @@ this project's plan through the hook (test-only; run by ``test_vision_language.p
 interpreter).
 
     python vl_hook_worker.py TREE OUT.json [--pp 1|2] [--steps N] [--models qwen3_vl,qwen35_vl] [--full_recompute]
-                             [--mutate vision|mrope|mrope-later|deepstack]
+                             [--mutate vision|mrope|mrope-later|deepstack|mtp-rotary]
 
 Two gloo ranks with EP 2 (``--pp 2``: four, PP 2 x VPP 2 x EP 2, Megatron-Core's interleaved schedule with its P2P
 hooks). Each model of ``--models`` is Bridge's ``Qwen3VLModel`` as its provider builds it, small (``vl_support.py``:
 local specs, images of 4 x 4 patches made here): Qwen3-VL's attention layers and deepstack features, or Qwen3.5-VL's
-gated delta net and gated attention layers with gated shared experts. Every step mixes microbatches with images (one
-row with two) and text-only ones. The forward step is ``qwen3_vl_step.forward_step``'s, patched: the plan gets the
-forward's arguments, images included. Each arm trains ``--steps`` Adam steps and writes every microbatch's logged loss
-and every gradient.
+gated delta net and gated attention layers with gated shared experts and one MTP layer. Every step mixes microbatches
+with images (one row with two) and text-only ones. The forward step is ``qwen3_vl_step.forward_step``'s, patched: the
+plan gets the forward's arguments, images included. Each arm trains ``--steps`` Adam steps and writes every
+microbatch's logged loss and every gradient.
+
 
 ``--full_recompute``: the language layers recomputed (``uniform``, 1), set on the built config in both arms, as the
 hook's keyword sets it (the vision tower is built without it). ``--mutate`` makes the plan skip one part it must run,
 to show the test catches it: ``vision`` (the vision tower and its merge), ``mrope`` (text positions instead of the
 images' on every chunk), ``mrope-later`` (on chunks without the embedding only), ``deepstack`` (the deepstack
-features).
+features), ``mtp-rotary`` (the MTP layer in the head without the microbatch's multimodal rotary embedding).
 """
 
 import argparse
@@ -73,6 +74,15 @@ def mutate(part: str) -> None:
         plan.rotary_for_microbatch = text_positions
     elif part == "deepstack":
         vl._DeepstackLayer._with_feature = lambda self, x: x
+    elif part == "mtp-rotary":  # the head's MTP layer reads the view's own rotary embedding, not the microbatch's
+        init = vl.VisionLanguageMicrobatch.__init__
+
+        def views_rotary(self, chunk, view, input_ids, inputs):
+            before = view.rotary_pos_emb
+            init(self, chunk, view, input_ids, inputs)
+            view.rotary_pos_emb = before
+
+        vl.VisionLanguageMicrobatch.__init__ = views_rotary
 
 
 def build_chunks(provider, pp: int) -> list:
@@ -144,6 +154,8 @@ def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False) ->
 
     small = vl_support.small_qwen35_vl_provider if model_name == "qwen35_vl" else vl_support.small_qwen3_vl_provider
     provider = small(layers=2 * pp * pp, seq=SEQ, vocab=VOCAB)
+    if model_name == "qwen35_vl":
+        provider.mtp_num_layers = 1  # as every Qwen3.5-VL recipe has it: its head reads the multimodal rotary
     if pp > 1:
         provider.pipeline_model_parallel_size, provider.virtual_pipeline_model_parallel_size = pp, 2
         provider.pipeline_dtype = torch.bfloat16
@@ -197,7 +209,8 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--pp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--mutate", default="", choices=["", "vision", "mrope", "mrope-later", "deepstack"])
+    parts = ["", "vision", "mrope", "mrope-later", "deepstack", "mtp-rotary"]
+    parser.add_argument("--mutate", default="", choices=parts)
     parser.add_argument("--models", default="qwen3_vl", help="comma-separated: qwen3_vl, qwen35_vl")
     parser.add_argument("--full_recompute", action="store_true", help="uniform, 1 layer (the hook's keyword)")
     args = parser.parse_args()

@@ -29,7 +29,7 @@ never in pytest's own (the gated delta net's kernel stand-ins reload Megatron-Co
 chunk's layers), the image, video and vision start/end token ids (the top four ids of the shrunk vocabulary) and
 ``language_max_sequence_length`` (the sequence length); nothing of the language model, its freezing included. What
 the plan refuses of a recipe stays refused by name: sequence parallelism (most Qwen3.5-VL MoE recipes and Qwen3-VL's
-TP > 1 ones), context parallelism, an MTP layer. For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
+TP > 1 ones), context parallelism. For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
 check keeps leaves no attention layer in the shrunk model (2 keeps one of each).
 """
 
@@ -107,6 +107,7 @@ def use_local_specs() -> None:
     process only): the language layers (Qwen3-VL's, and Qwen3.5-VL's gated-delta-net block), the ViT layers, the
     patch mergers' norm and linears; and the gated delta net's kernels get their CPU stand-ins (``ssm_kernels.py``).
     Call it before the model is built."""
+    import megatron.bridge.models.gpt_provider as gpt_provider
     import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model as vl_model
     import megatron.bridge.models.qwen_vl.qwen3_vl_provider as qwen3_vl_provider
     import megatron.bridge.models.qwen_vl.qwen35_vl_provider as qwen35_vl_provider
@@ -114,6 +115,7 @@ def use_local_specs() -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from tests.functional_tests.recipe_check.cpu import local_mtp_block_spec
     from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
     from tests.unit_tests.training.ep_overlap.ssm_kernels import install_gdn_kernels
 
@@ -122,6 +124,7 @@ def use_local_specs() -> None:
     # The final norm of a block built from one layer spec (Qwen3-VL's language block): as the layers' norms.
     transformer_block.LayerNormImpl = SequenceParallelNorm
     qwen35_vl_provider.get_transformer_block_with_experimental_attention_variant_spec = local_gdn_block_spec
+    gpt_provider.mtp_block_spec = local_mtp_block_spec  # Qwen3.5-VL's MTP block, which Bridge builds with TE's
     for module in (vl_model, qwen35_vl_provider):  # the VL model builds its vision tower; Qwen3.5's provider too
         module.get_vit_layer_with_transformer_engine_spec = local_vision_layer_spec
         module.TENorm, module.TEColumnParallelLinear, module.TERowParallelLinear = (
@@ -277,6 +280,7 @@ def small_qwen35_vl_provider(layers: int, seq: int, vocab: int, experts: int = 4
     config = Qwen3_5MoeConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=32))
     provider = Qwen35VLMoEBridge().provider_bridge(SimpleNamespace(config=config))
     provider.mrope_section, provider.mtp_num_layers = [2, 1, 1], None  # Bridge reads the section from rope_scaling
+    # (mtp_num_layers: a caller sets 1, as the recipes do, before finalize)
     return on_cpu(provider, seq, vocab, ep, deepstack=0)
 
 

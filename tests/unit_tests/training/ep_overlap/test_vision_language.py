@@ -6,7 +6,8 @@ Each test runs a worker of ``tests/functional_tests/`` in the stock-Bridge scrat
 (upstream's wheel from the package registry; skipped, saying so, when the registry cannot be reached): Bridge's model
 classes, Megatron-Core's local specs where Bridge names Transformer Engine's (``vl_support.py``). Every step mixes
 microbatches with images (one row with two images) and text-only ones. ``vl_hook_worker.py --mutate`` makes the plan
-skip the vision merge, the multimodal positions or the deepstack features; each makes the bitwise test fail.
+skip the vision merge, the multimodal positions, the deepstack features or the MTP layer's multimodal rotary
+embedding; each makes the bitwise test fail.
 """
 
 import json
@@ -50,7 +51,8 @@ def test_qwen3_vl_and_qwen35_vl_at_pp2_vpp2_under_megatron_cores_driver_are_bitw
     """PP 2 x VPP 2 x EP 2 (4 ranks), Megatron-Core's interleaved schedule with its P2P hooks, 2 Adam steps, against
     the same model's plain interleaved schedule: the vision tower on the first chunk of rank 0's stage, multimodal
     positions on every chunk (the last stage's too); Qwen3-VL with its two deepstack layers on that chunk, Qwen3.5-VL
-    with gated delta net and gated attention layers and gated shared experts."""
+    with gated delta net and gated attention layers, gated shared experts and its MTP layer (which reads the
+    microbatch's multimodal rotary embedding in the last stage's head)."""
     ranks = _ranks(python, plugin, "vl_hook_worker.py", tmp_path / "out.json", "--pp", "2",
                    "--models", "qwen3_vl,qwen35_vl")  # fmt: skip
     assert len(ranks) == 4
@@ -65,8 +67,9 @@ def test_qwen3_vl_and_qwen35_vl_at_pp2_vpp2_under_megatron_cores_driver_are_bitw
             if index < 2:  # the first stage holds the vision tower
                 assert _nonzero(grads, "vision_model.patch_embed"), model
                 assert len(_nonzero(grads, "deepstack_merger_list")) >= (2 if model == "qwen3_vl" else 0)
-            if model == "qwen35_vl":  # gated delta net and gated shared-expert weights train
+            if model == "qwen35_vl":  # gated delta net and gated shared-expert weights train; the MTP layer's too
                 assert _nonzero(grads, "self_attention.A_log") and _nonzero(grads, "shared_experts.gate_weight")
+                assert bool(_nonzero(grads, "language_model.mtp.")) is (index >= 2)
             for what in ("losses", "grads"):
                 assert hook[what] == plain[what], (model, what)
 

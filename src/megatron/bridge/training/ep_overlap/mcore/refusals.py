@@ -41,7 +41,7 @@ def config_refusals(config) -> list[tuple[str, str]]:
         ``(name, line)`` per refusal, in the order the plan checks them; empty when the plan would build. Names:
         ``model_class``, ``mtp_layers``, ``mtp_standalone_stage``, ``mrope``, ``recompute_stepped_modules``,
         ``ncclep_zero_copy``, and for a Qwen3-VL provider ``vl_sequence_parallel``, ``vl_context_parallel``,
-        ``vl_mtp``, ``vl_cuda_graphs``.
+        ``vl_cuda_graphs``.
     """
     classes = {cls.__name__ for cls in type(config).__mro__}
     vision_language = bool(classes & _QWEN3_VL_PROVIDERS)
@@ -178,16 +178,6 @@ def _vision_language_refusals(config) -> list[tuple[str, str]]:
                 f"context_parallel_size={context} with Qwen3VLModel: its images and rotary positions are split over "
                 "the context-parallel ranks, which the EP-overlap plan does not do yet; fix: "
                 f"context_parallel_size=1, {_OFF}",
-            )
-        )
-    mtp_layers = getattr(config, "mtp_num_layers", None)
-    if mtp_layers:
-        refusals.append(
-            (
-                "vl_mtp",
-                f"mtp_num_layers={mtp_layers} with Qwen3VLModel: its multi-token prediction layer reads the "
-                f"microbatch's multimodal rotary positions, which the plan's head does not pass yet; fix: "
-                f"mtp_num_layers=None, {_OFF}",
             )
         )
     graphs = getattr(config, "vision_cuda_graph_impl", "none")

@@ -27,14 +27,15 @@ Contract:
       does; text-only microbatches and ones with images mix freely in a step.
     * Full recompute (the hook's ``full_recompute`` keyword) replays each recomputed layer's nodes before its
       backward, the deepstack additions with them, as the language block's checkpointed forward recomputes them.
+    * One MTP layer (every Qwen3.5-VL recipe has one) runs in the head of the last stage, with the microbatch's
+      multimodal rotary embedding, as the language model's forward passes its MTP block.
     * Refused when the plan is built (``refusals.refuse_vision_language``), each in one line with its fix: the vision
       tower and the language model on different ranks (``dist_train``), sequence parallelism (the model scatters its
-      merged embeddings and splits the deepstack features), context parallelism, an MTP layer, the vision tower's
-      CUDA graphs. Refused when a microbatch is bound (one line each, before any compute): packed sequences, input
-      ids holding image (video) tokens whose pixel values or grids did not reach the plan (stock Megatron-Bridge
-      0.6.2's ``qwen3_vl_step`` passes them to the plain forward only: the fix is this project's patch), no input ids.
-      The plan reads only what it is given, never its caller's frames.
-"""
+      merged embeddings and splits the deepstack features), context parallelism, the vision tower's CUDA graphs.
+      Refused when a microbatch is bound (one line each, before any compute): packed sequences, input ids holding image
+      (video) tokens whose pixel values or grids did not reach the plan (stock Megatron-Bridge 0.6.2's
+      ``qwen3_vl_step`` passes them to the plain forward only: the fix is this project's patch), no input ids. The plan
+      reads only what it is given, never its caller's frames."""
 
 import sys
 
@@ -104,6 +105,7 @@ class VisionLanguageMicrobatch:
     def __init__(self, chunk: "McoreVisionLanguageChunk", view, input_ids: torch.Tensor, inputs: dict):
         self.view, self.input_ids, self.inputs = view, input_ids, inputs
         self.rotary_pos_emb = chunk.rotary_for_microbatch(input_ids, view.position_ids, inputs)
+        view.rotary_pos_emb = self.rotary_pos_emb  # what the head's MTP layer reads (the view's head runs it)
         self.visual_pos_masks, self.deepstack = None, None
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
