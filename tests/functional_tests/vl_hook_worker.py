@@ -27,6 +27,7 @@ import sys
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, ROWS, VOCAB = 16, 2, 64
@@ -74,15 +75,16 @@ def mutate(part: str) -> None:
         plan.rotary_for_microbatch = text_positions
     elif part == "deepstack":
         vl._DeepstackLayer._with_feature = lambda self, x: x
-    elif part == "mtp-rotary":  # the head's MTP layer reads the view's own rotary embedding, not the microbatch's
-        init = vl.VisionLanguageMicrobatch.__init__
+    elif part == "mtp-rotary":  # the head's MTP layer reads no rotary embedding, not the microbatch's multimodal one
+        per_token = plan.per_token_losses
 
-        def views_rotary(self, chunk, view, input_ids, inputs):
-            before = view.rotary_pos_emb
-            init(self, chunk, view, input_ids, inputs)
-            view.rotary_pos_emb = before
+        def without_rotary(self, x_SBH, labels_BS, tokens_BS=None, loss_mask_BS=None, microbatch=None):
+            if microbatch is not None:
+                fields = ("position_ids", "attention_mask", "packed_seq_params")
+                microbatch = SimpleNamespace(rotary_pos_emb=None, **{f: getattr(microbatch, f) for f in fields})
+            return per_token(self, x_SBH, labels_BS, tokens_BS, loss_mask_BS, microbatch)
 
-        vl.VisionLanguageMicrobatch.__init__ = views_rotary
+        plan.per_token_losses = without_rotary
 
 
 def build_chunks(provider, pp: int) -> list:

@@ -11,17 +11,7 @@ from megatron.bridge.training.flex_dispatcher_backend import (
     apply_flex_dispatcher_backend,
     validate_flex_dispatcher_backend,
 )
-
-
-def moe_model(**overrides):
-    settings = dict(
-        num_moe_experts=8,
-        moe_token_dispatcher_type="alltoall",
-        moe_flex_dispatcher_backend=None,
-        moe_shared_expert_overlap=True,
-    )
-    settings.update(overrides)
-    return SimpleNamespace(**settings)
+from tests.unit_tests.training.ep_overlap.test_flex_dispatcher_backend import moe_model
 
 
 @pytest.mark.parametrize(

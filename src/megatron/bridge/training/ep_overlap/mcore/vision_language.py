@@ -104,8 +104,9 @@ class VisionLanguageMicrobatch:
 
     def __init__(self, chunk: "McoreVisionLanguageChunk", view, input_ids: torch.Tensor, inputs: dict):
         self.view, self.input_ids, self.inputs = view, input_ids, inputs
-        self.rotary_pos_emb = chunk.rotary_for_microbatch(input_ids, view.position_ids, inputs)
-        view.rotary_pos_emb = self.rotary_pos_emb  # what the head's MTP layer reads (the view's head runs it)
+        # Kept on the view (read here through __getattr__): the bound layers and the view's head, whose MTP layer
+        # reads it, see the one rotary embedding.
+        view.rotary_pos_emb = chunk.rotary_for_microbatch(input_ids, view.position_ids, inputs)
         self.visual_pos_masks, self.deepstack = None, None
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
