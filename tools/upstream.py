@@ -6,7 +6,8 @@
                                                   # main), and which hunks of the 0.6.2 patch need a rebase there
 
 The patch holds the payload, what a Bridge training step calls: this project's modules under ``src/megatron/bridge``
-(``training/ep_overlap_config.py`` included, so a recipe written for the plugin runs on the patched tree too), its
+(the plugin's entry point ``training/ep_overlap_config.py`` as the alias in ``tools/upstream_files/``: on the patched
+tree ``CommOverlapConfig`` checks every rule itself, and a recipe written for the plugin runs unchanged), its
 changes to upstream's ``training/comm_overlap.py`` and ``training/flex_dispatcher_backend.py`` (whole files here,
 supersets of upstream's), its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in upstream's
 layout, the lab's launcher in ``local_ranks.py``'s place), and the hunks for upstream files this project does not ship,
@@ -44,6 +45,9 @@ TEST_SUPPORT = {TESTS / "local_ranks.py": Path("src/ep_overlap_lab/multiprocess.
 # Checks of this repository's own layout, the lab's included: nothing upstream's tree could answer.
 PROJECT_ONLY_TESTS = {TESTS / "test_layout.py"}
 HUNKS = ROOT / "tools" / "upstream_hunks"
+# Shipped from another file: the plugin's entry point subclasses stock CommOverlapConfig to add what the patched
+# CommOverlapConfig does itself, so the patch ships it as an alias of that class.
+SHIPPED_FROM = {PACKAGE / "training" / "ep_overlap_config.py": Path("tools/upstream_files/ep_overlap_config.py")}
 LICENSE_HEADER = f"""# Copyright (c) {date.today().year}, NVIDIA CORPORATION.  All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
@@ -113,7 +117,8 @@ def _leading_comments(lines: list[str]) -> list[str]:
 def as_shipped(relative: Path, upstream_root: Path) -> list[str]:
     """Our file as the patch ships it: with upstream's own header where upstream has the file, else with the license
     header upstream's copyright check expects (a Python file already starting with one is left as it is)."""
-    ours = (ROOT / TEST_SUPPORT.get(relative, relative)).read_text().splitlines(keepends=True)
+    source = TEST_SUPPORT.get(relative) or SHIPPED_FROM.get(relative, relative)
+    ours = (ROOT / source).read_text().splitlines(keepends=True)
     if relative.suffix != ".py" or (ours and ours[0].startswith("# Copyright")):
         return ours  # test data (a golden file) is shipped as it is
     theirs = upstream_root / relative

@@ -1,22 +1,11 @@
-"""Communication-overlap settings for Megatron-Bridge training: TP, PP, DP and MoE expert-parallel overlap.
-
-This module keeps Megatron-Bridge's public surface (the TP-overlap config dataclasses, the ``userbuffers_*``
-presets, ``_CommOverlapConfig`` and ``CommOverlapConfig`` with ``finalize``/``setup`` and their private
-helpers), so upstream code and tests keep working against it. On top of it:
+"""Communication-overlap settings (TP, PP, DP and MoE expert-parallel), upstream's public surface kept.
 
 Contract:
-    * ``CommOverlapConfig`` fields are user intent; ``None`` means "auto" (resolved from the parallel layout).
-      ``tp_comm_overlap`` is always stated by the user and turned off, with a warning, where it cannot work.
-    * ``finalize()`` checks this config's own values (types and ranges) and raises one
-      :class:`CommOverlapConfigError` listing every bad value.
-    * ``setup(model_config, optimizer_config, ddp_config)`` resolves every field, checks everything (the MoE
-      EP-overlap rules of :mod:`moe_overlap_rules`, and conflicts), and only then writes. It raises one
-      :class:`CommOverlapConfigError` listing every problem and writes nothing on error. The error is also an
-      ``AssertionError``, as upstream's first failed assert was, and each line carries upstream's phrase.
-    * A value the user set on the model (or DDP/optimizer) config is never silently discarded: when this
-      config leaves the field ``None`` the explicit value stands; when both are set and disagree, that is a
-      ``conflict`` problem. "Set" means different from the config class's default
-      (:func:`megatron.bridge.utils.config_values.is_explicitly_set`, which follows proxied sub-configs).
+    * Fields are user intent; ``None`` means "auto". ``finalize()`` checks this config's own values.
+    * ``setup()`` resolves every field and checks everything (the EP-overlap rules of :mod:`moe_overlap_rules` and
+      model/overlap conflicts) before it writes: one :class:`CommOverlapConfigError` (an ``AssertionError``) lists
+      every problem, and nothing is written. A value set explicitly on the model, optimizer or DDP config stands
+      where this config says nothing (:func:`megatron.bridge.utils.config_values.is_explicitly_set`).
     * :func:`comm_overlap_violations` returns the same problems as a list, without raising or writing.
 """
 
@@ -97,31 +86,29 @@ except ImportError:
         return getattr(module, "name", module) in graph_modules(config)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Tensor-parallel overlap settings handed to Transformer Engine userbuffers (one entry per GEMM of a layer).
-
-
 @dataclass
 class TPOverlapCfg:
-    """Base of the per-GEMM TP overlap methods."""
+    """Dataclass for linear layer TP overlap config."""
+
+    pass
 
 
 @dataclass
 class PipelineOverlapCfg(TPOverlapCfg):
-    """Split the GEMM into ``num_splits`` chunks pipelined with their communication."""
+    """Dataclass for pipeline TP overlap config."""
 
     num_sm: int
     cga_size: int
     num_splits: int
     set_sm_margin: bool
-    fp8_buf: bool = (False,)  # upstream's default, kept as is so presets resolve to the same dict
+    fp8_buf: bool = (False,)
     atomic_gemm: bool = False
     method: str = "pipeline"
 
 
 @dataclass
 class RingExchangeOverlapCfg(TPOverlapCfg):
-    """Overlap by exchanging chunks around the TP ring (point-to-point)."""
+    """Dataclass for ring exchange TP overlap config."""
 
     aggregate: bool = False
     method: str = "ring_exchange"
@@ -134,7 +121,7 @@ class RingExchangeOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class BulkOverlapCfg(TPOverlapCfg):
-    """Overlap one bulk collective with an independent GEMM."""
+    """Dataclass for bulk TP overlap config."""
 
     num_sm: int
     cga_size: int
@@ -144,7 +131,7 @@ class BulkOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class TransformerLayerTPOverlapCfg:
-    """The TP overlap method of every GEMM in a transformer layer; ``None`` leaves a GEMM to TE's default."""
+    """Dataclass for transformer layer TP overlap config."""
 
     qkv_dgrad: TPOverlapCfg
     qkv_wgrad: TPOverlapCfg
@@ -158,111 +145,282 @@ class TransformerLayerTPOverlapCfg:
     fc2_fprop: TPOverlapCfg
 
 
-def _bulk(num_sm: int) -> BulkOverlapCfg:
-    return BulkOverlapCfg(num_sm=num_sm, cga_size=2, set_sm_margin=False)
-
-
-def _pipelined(num_sm: int, **extra: Any) -> PipelineOverlapCfg:
-    return PipelineOverlapCfg(num_sm=num_sm, cga_size=2, num_splits=4, set_sm_margin=True, **extra)
-
-
-def _ring_one_sm() -> RingExchangeOverlapCfg:
-    return RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True)
-
-
-def _layer(
-    bulk_sms: tuple[int, int, int, int],
-    proj_fprop: TPOverlapCfg,
-    fc2_fprop: TPOverlapCfg,
-    ring: dict[str, Any] | None = None,
-) -> TransformerLayerTPOverlapCfg:
-    """The common layout: bulk overlap for qkv/fc1 dgrad and wgrad (SM counts in that order), ring exchange
-    for qkv_fprop, proj_dgrad, fc1_fprop and fc2_dgrad, and the given methods for proj_fprop and fc2_fprop."""
-    qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad = (_bulk(sms) for sms in bulk_sms)
-    ring = ring or {"aggregate": False}
-    return TransformerLayerTPOverlapCfg(
-        qkv_dgrad=qkv_dgrad,
-        qkv_wgrad=qkv_wgrad,
-        fc1_dgrad=fc1_dgrad,
-        fc1_wgrad=fc1_wgrad,
-        qkv_fprop=RingExchangeOverlapCfg(**ring),
-        proj_dgrad=RingExchangeOverlapCfg(**ring),
-        fc1_fprop=RingExchangeOverlapCfg(**ring),
-        fc2_dgrad=RingExchangeOverlapCfg(**ring),
-        proj_fprop=proj_fprop,
-        fc2_fprop=fc2_fprop,
-    )
-
-
-def _lora_layer(ring: dict[str, Any], proj_fprop: TPOverlapCfg, fc2_fprop: TPOverlapCfg):
-    """LoRA fine-tuning freezes the base weights: no qkv/fc1 wgrad overlap, fp8 fc1 dgrad pipelined."""
-    cfg = _layer((2, 2, 2, 2), proj_fprop, fc2_fprop, ring=ring)
-    cfg.qkv_wgrad = cfg.fc1_wgrad = None
-    cfg.fc1_dgrad = _pipelined(16, fp8_buf=True)
-    return cfg
-
-
-# Presets by precision, GPU, hidden size, TP (and CP), micro-batch size and sequence length. The figures are
-# Megatron-Bridge's, tuned per model on that hardware.
-# Llama-3 70B class (hidden 8192)
-userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _pipelined(24), _pipelined(16))
-userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _ring_one_sm(), _ring_one_sm())
-userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192 = _layer((16, 24, 2, 4), _pipelined(32), _pipelined(16))
-userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192 = _layer((4, 24, 2, 4), _ring_one_sm(), _ring_one_sm())
-# Llama-3.1 405B (hidden 16384)
-userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer((2, 24, 2, 2), _pipelined(24), _pipelined(8))
-userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer((2, 24, 2, 2), _ring_one_sm(), _ring_one_sm())
-userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer((8, 24, 2, 2), _pipelined(32), _pipelined(8))
-userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
-# LoRA: Llama-3 70B and Llama-3.1 405B
-userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora = _lora_layer(
-    {"set_sm_margin": True},
-    RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
-    RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
+# TODO: Add more configs and create a getter function for expose a single api
+# Model configs: H100/70B/TP8/MBS1/SeqLen8K
+userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True),
 )
-userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora = _lora_layer(
-    {"aggregate": True}, _pipelined(32, fp8_buf=True), _pipelined(16, fp8_buf=True)
-)
-# GPT-3 20B (hidden 6144) and 175B (hidden 12288)
-userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048 = _layer((8, 16, 4, 16), _pipelined(16), _pipelined(24))
-userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
-    (8, 16, 4, 16), _pipelined(16, fp8_buf=True), _pipelined(24, fp8_buf=True)
-)
-userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048 = _layer((4, 4, 2, 4), _pipelined(24), _ring_one_sm())
-userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048 = _layer((4, 4, 2, 4), _ring_one_sm(), _ring_one_sm())
-userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048 = _layer((4, 16, 2, 8), _ring_one_sm(), _ring_one_sm())
-userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048 = _layer((4, 16, 2, 8), _ring_one_sm(), _ring_one_sm())
-# Nemotron 15B (hidden 6144) and 340B (hidden 18432)
-userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
-userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _pipelined(24))
-userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096 = _layer((8, 32, 2, 8), _ring_one_sm(), _ring_one_sm())
 
+userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
 
-# ------------------------------------------------------------------------------------------------------------
-# Resolution
+userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=32, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True),
+)
+
+userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+# llama3.1 405b
+userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=8, cga_size=2, num_splits=4, set_sm_margin=True),
+)
+
+userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=24, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=32, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=8, cga_size=2, num_splits=4, set_sm_margin=True),
+)
+
+userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=32, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+# llama3 70b LoRA
+userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=None,
+    fc1_dgrad=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+    fc1_wgrad=None,
+    qkv_fprop=RingExchangeOverlapCfg(set_sm_margin=True),
+    proj_dgrad=RingExchangeOverlapCfg(set_sm_margin=True),
+    fc1_fprop=RingExchangeOverlapCfg(set_sm_margin=True),
+    fc2_dgrad=RingExchangeOverlapCfg(set_sm_margin=True),
+    proj_fprop=RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
+    fc2_fprop=RingExchangeOverlapCfg(cga_size=2, set_sm_margin=True, fp8_buf=True),
+)
+
+# llama3.1 405b LoRA
+userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=None,
+    fc1_dgrad=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+    fc1_wgrad=None,
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=True),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=True),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=True),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=True),
+    proj_fprop=PipelineOverlapCfg(num_sm=32, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+)
+
+# GPT3 20b
+userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
+)
+
+userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=16, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True, fp8_buf=True),
+)
+
+# GPT3 175b
+userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=4, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=16, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+# Nemotron 15B
+userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=32, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
+
+# Nemotron 340B
+userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=32, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=PipelineOverlapCfg(num_sm=24, cga_size=2, num_splits=4, set_sm_margin=True),
+)
+
+userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096 = TransformerLayerTPOverlapCfg(
+    qkv_dgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_wgrad=BulkOverlapCfg(num_sm=32, cga_size=2, set_sm_margin=False),
+    fc1_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+    fc1_wgrad=BulkOverlapCfg(num_sm=8, cga_size=2, set_sm_margin=False),
+    qkv_fprop=RingExchangeOverlapCfg(aggregate=False),
+    proj_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    fc1_fprop=RingExchangeOverlapCfg(aggregate=False),
+    fc2_dgrad=RingExchangeOverlapCfg(aggregate=False),
+    proj_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+    fc2_fprop=RingExchangeOverlapCfg(num_sm=1, set_sm_margin=True),
+)
 
 
 @dataclass
 class _CommOverlapConfig:
-    """One resolved (or user-requested) set of overlap values; ``None`` means "not decided here"."""
-
-    # Tensor parallel (Transformer Engine userbuffers)
+    # Tensor parallel communication overlap (experimental)
     tp_comm_overlap: bool = None
     tp_comm_overlap_cfg: dict = None
     tp_comm_bootstrap_backend: str = None
-    # Pipeline parallel
+    # Pipeline parallel communication overlap
     overlap_p2p_comm: bool = None
     batch_p2p_comm: bool = None
-    # Data parallel
+    # Data parallel communication overlap
     overlap_grad_reduce: bool = None
     overlap_param_gather: bool = None
     overlap_param_gather_with_optimizer_step: bool = None
     align_param_gather: bool = None
     bucket_size: int = None
-    # Pipeline bubble
+    # Pipeline bubble overlap
     defer_embedding_wgrad_compute: bool = None
     wgrad_deferral_limit: int = None
-    # MoE expert parallel
+    # MOE expert parallel comm
     overlap_moe_expert_parallel_comm: bool = None
     delay_wgrad_compute: bool = None
 

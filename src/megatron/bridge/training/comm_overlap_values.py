@@ -1,13 +1,7 @@
-"""A ``CommOverlapConfig``'s own values: their types and ranges, and values another config sets explicitly.
+"""A ``CommOverlapConfig``'s own values (types, ranges), and values another config sets explicitly.
 
-Contract:
-    * :func:`comm_overlap_value_violations` returns one :class:`~megatron.bridge.training.moe_overlap_rules.Violation`
-      per field of the wrong type (a string for a bool) or out of range; :func:`explicit_values` keeps what a
-      model, DDP or optimizer config sets explicitly where comm_overlap leaves the field None, and states each
-      value comm_overlap contradicts (:func:`conflict`). Nothing is resolved silently.
-    * Both ``CommOverlapConfig`` (``comm_overlap.py``, in the tree and the patch) and the plugin's
-      ``EPOverlapCommOverlapConfig`` (``ep_overlap_config.py``) use them. They live in a file of their own, not in
-      ``comm_overlap.py``, because the plugin wheel ships without that module (stock Megatron-Bridge's stands).
+Every problem is a ``Violation``; nothing is resolved silently. Shared by ``CommOverlapConfig`` and the plugin's
+``EPOverlapCommOverlapConfig``; a module of its own because the plugin wheel ships without ``comm_overlap.py``.
 """
 
 from collections.abc import Iterable
@@ -17,8 +11,7 @@ from megatron.bridge.training.moe_overlap_rules import Violation
 from megatron.bridge.utils.config_values import is_explicitly_set
 
 _TP_BOOTSTRAP_BACKENDS = ("nccl", "mpi", "gloo")
-# Fields resolved for the model config, and for the DDP/optimizer configs, where a value set explicitly there stands
-# when comm_overlap leaves the field None (tp_comm_overlap is always the user's, so it is not among them).
+# Fields where a value set explicitly on the model (or DDP/optimizer) config stands when comm_overlap's is None.
 MODEL_RESOLVED_FIELDS = (
     "overlap_p2p_comm",
     "batch_p2p_comm",
@@ -112,8 +105,7 @@ def comm_overlap_value_violations(cfg: Any) -> list[Violation]:
 
 
 def explicit_values(user: Any, target: Any, names: Iterable[str]) -> tuple[dict[str, Any], list[Violation]]:
-    """Values set explicitly on ``target`` for ``names``: those the user left None stand (returned), and those the
-    user set differently are conflicts (returned as violations)."""
+    """Values set explicitly on ``target``: (those the user left None, which stand; conflicts with the user's)."""
     kept: dict[str, Any] = {}
     problems: list[Violation] = []
     for name in names:

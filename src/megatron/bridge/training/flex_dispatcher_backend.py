@@ -1,23 +1,11 @@
-"""Activation and validation of Megatron-Core's flex token dispatcher (DeepEP, HybridEP and NCCL EP backends).
-
-Keeps Megatron-Bridge's surface and behaviour (``apply_flex_dispatcher_backend``,
-``validate_flex_dispatcher_backend``, ``_fallback_to_alltoall``, the module ``logger``), with these additions:
+"""Activation and validation of Megatron-Core's flex token dispatcher (DeepEP, HybridEP, NCCL EP); upstream's
+surface kept.
 
 Contract:
-    * Setting ``moe_flex_dispatcher_backend`` alone does nothing: the dispatcher type must be "flex".
-      :func:`apply_flex_dispatcher_backend` sets both (and turns ``moe_shared_expert_overlap`` off) when the GPU
-      supports the backend; on an unsupported GPU it warns once on rank 0 and falls back to "alltoall" with no
-      backend, so later override passes cannot switch flex back on.
-    * GPU gating (:data:`BACKENDS`): DeepEP needs compute capability major 8 or 9, or a device named
-      "NVIDIA B200*"/"NVIDIA B300*"; HybridEP needs major 8, 9 or 10; NCCL EP needs major 9 or 10. Device
-      properties are read with ``torch.cuda.get_device_properties(0)``.
-    * Safe on a host without CUDA. ``apply`` checks ``torch.cuda.is_available()`` first, as upstream does, and
-      records the backend as asked (the config is being prepared for a GPU node). ``validate`` asks for the device
-      properties first, as upstream does, so a mocked or real device answers; only where that call cannot answer
-      (no CUDA: it raises at once) does it raise :class:`FlexDispatcherConfigError` saying the host has no GPU,
-      instead of a CUDA initialisation error. An unknown backend name is never looked up on the device.
-    * ``validate`` with flex selected and the backend cleared (``None``) restores "alltoall" (upstream #5740);
-      with a backend set while the dispatcher is not "flex" it warns that the backend alone does nothing.
+    * ``apply_flex_dispatcher_backend`` sets dispatcher and backend together where the GPU supports it
+      (:data:`BACKENDS`); elsewhere it warns once and falls back to "alltoall" with no backend to re-activate.
+    * ``validate_flex_dispatcher_backend`` raises :class:`FlexDispatcherConfigError` naming the fix: an unknown
+      backend, no GPU on this host, or a GPU the backend does not support. Flex with no backend becomes "alltoall".
 """
 
 import logging

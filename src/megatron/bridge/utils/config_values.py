@@ -1,16 +1,8 @@
 """Telling a value the user set on a config apart from a default.
 
-A value counts as explicitly set on a config on either of two signals, and on no other:
-    1. It differs from the field's default. The default is the config's own dataclass field default; for a
-       dataclass that only forwards the field to a nested dataclass (Megatron's ``GPTModelConfig`` forwards every
-       ``TransformerConfig`` field to its ``.transformer``), the nested config's; and for a config that holds the
-       attribute without declaring it as a field (a recipe's provider stand-in, a non-dataclass object), the default
-       of the same field on Megatron-Core's own config class for it (``TransformerConfig``,
-       ``DistributedDataParallelConfig`` or ``OptimizerConfig``, the first that declares it).
-    2. It was recorded as set with :func:`mark_explicit` (a launcher that applies a user's override, or a recipe
-       that states a value on purpose even where it equals the default).
-An attribute with no known default anywhere counts as set, so it is never overwritten silently; a missing
-attribute is not set.
+A value is explicitly set when it differs from its default (the config's dataclass default, a nested dataclass's for
+a forwarded field, else that of Megatron-Core's model/DDP/optimizer config) or was marked with :func:`mark_explicit`.
+An attribute with no known default counts as set; a missing one does not.
 """
 
 import dataclasses

@@ -1,8 +1,4 @@
-"""Installed package versions, read from package metadata.
-
-Nothing here imports torch extensions or CUDA code, so the config rules can ask for versions on any host,
-and tests can monkeypatch :func:`installed_version` to pretend any version is installed.
-"""
+"""Installed package versions from package metadata (no CUDA import); tests may patch :func:`installed_version`."""
 
 from importlib import metadata
 

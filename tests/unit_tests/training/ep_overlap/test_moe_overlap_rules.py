@@ -131,7 +131,7 @@ CASES = {
         ({**BRIDGE, "moe_latent_size": 16}, {"delay": True}),
         ({**BRIDGE, "moe_latent_size": 16}, {}),
     ),
-    # Newer families' layer features (architectures.py): DeepSeek-V4's, and GLM-5.2's top-k sharing with recompute.
+    # Newer families' layer features (model_features.py): DeepSeek-V4's, and GLM-5.2's top-k sharing with recompute.
     "hyper_connections": (
         ({**BRIDGE, "enable_hyper_connections": True}, {}),
         ({"enable_hyper_connections": True}, {}),

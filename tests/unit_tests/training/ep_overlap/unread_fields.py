@@ -11,7 +11,7 @@ Contract:
       ``moe_overlap_rules``, or ``McoreChunk``), never listed here.
     * The audit's cases include Megatron-Bridge 0.6.2's newer families (GLM-5's DSA layers, Nemotron-3's latent MoE,
       K-EXAONE's and MiniMax-M3's layers); none needs a row here. Their features that are not Megatron-Core 0.19
-      fields (DeepSeek-V4's hyper-connections and hash routing) are refused by rules (``architectures``). A case the
+      fields (DeepSeek-V4's hyper-connections and hash routing) are refused by rules (``model_features``). A case the
       engine refuses at a step's start (DSA: Megatron-Core's driver scales its indexer loss) is audited for the plan.
 """
 

@@ -1,10 +1,6 @@
-"""EP overlap: a rank's training step as one schedule program: ``program/`` (the schedule as data), ``runtime/``
-(its nodes and lanes, what executes it) and ``mcore/`` (Megatron-Core models, and the hook that runs the program's
-steps inside Megatron-Core's driver). What each file holds: the README's Layout table. The project's lab
-(``ep_overlap_lab``: the CPU reference engine and model, the planner, the rank launcher) is outside this package.
-
-Names are loaded on first use, so importing the planner or the program loads no torch.
-"""
+"""EP overlap: a rank's training step as one schedule program: ``program/`` (the schedule as data), ``runtime/`` (the
+nodes and lanes that execute it), ``mcore/`` (Megatron-Core models and the driver hook); the lab (``ep_overlap_lab``)
+is outside. Names load on first use, so importing the program loads no torch."""
 
 import importlib
 

@@ -1,15 +1,7 @@
-"""What a model offers the schedule's runtime (no torch here).
-
-A model never imports the runtime: it implements these protocols, and the runtime's nodes drive anything that does.
-The Megatron-Core adapter (``ep_overlap/mcore``) does, as does the lab's reference MoE GPT.
-
-    :class:`LayerFunctions`  one transformer layer cut into the schedule's node functions
-    :class:`ChunkModel`      a whole model or one pipeline chunk: its layers, its two ends, its loss
-    :class:`ChunkHooks`, :class:`LayerHooks`  what the runtime reads besides, with defaults
-
-Losses are token-summed cross-entropies divided by a normalizer the engine passes; labels equal to
-:data:`IGNORE_INDEX` count in neither.
-"""
+"""What a model offers the schedule's runtime (no torch here): it implements these protocols and never imports the
+runtime. :class:`LayerFunctions` cuts a layer into node functions, :class:`ChunkModel` is a model or pipeline chunk,
+:class:`ChunkHooks` and :class:`LayerHooks` give the rest with defaults. Losses are token-summed cross-entropies
+divided by the engine's normalizer; labels equal to :data:`IGNORE_INDEX` count in neither."""
 
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -21,9 +13,8 @@ IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token 
 
 
 class PreDispatch(NamedTuple):
-    """What a layer's ``pre_dispatch`` hands on: the residual ``h`` (to combine), the tensors to ``send`` (the
-    dispatch), what it ``keep`` s for combine (None, a tensor or a tuple of tensors) and its ``routing`` (None for a
-    dense layer). A tuple, so ``h, send, keep, routing = layer.pre_dispatch(x)`` works too."""
+    """What ``pre_dispatch`` hands on: the residual ``h``, the tensors to ``send``, what it ``keep`` s for combine
+    (None, a tensor or a tuple) and its ``routing`` (None: dense). A tuple, so it unpacks too."""
 
     h: Any
     send: tuple
@@ -34,18 +25,10 @@ class PreDispatch(NamedTuple):
 class LayerFunctions(Protocol):
     """One layer's node functions; ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
 
-    ``pre_dispatch(x) -> PreDispatch(h, send, keep, routing)``: attention, pre-MLP norm, router, permute; ``send``
-    is the tuple of tensors to dispatch, ``keep`` (None, a tensor, or a tuple of tensors) stays on this rank for
-    combine, which gets it in the same structure. ``start_split_exchange(routing)`` sends the split
-    sizes without blocking (may do nothing); ``exchange_splits(routing, op=...)`` finishes it (or does all of it).
-    ``experts(received, routing)``; ``combine(back, keep, h, routing)``: unpermute and residual add.
-    ``exchange_splits_off_host`` True lets a CPU lane finish the split exchange on its helper thread (it must then
-    touch only the routing and the EP metadata group).
-
-    A layer that moves its own tokens (a backend's fused permute and all-to-all) sets ``owns_comm`` True and gives
-    ``dispatch_comm(send, routing) -> received`` and ``combine_comm(expert_out, routing) -> back``, differentiable,
-    whose autograd backward is the reverse communication; the engine runs them, and their backward, on its comm
-    lane, and its split-size ops do nothing for that layer.
+    ``pre_dispatch``: attention, pre-MLP norm, router, permute; ``keep`` reaches ``combine`` (unpermute, residual add)
+    in the same structure. ``start_split_exchange`` sends the split sizes without blocking (may do nothing) and
+    ``exchange_splits`` finishes it. A layer that ``owns_comm`` gives differentiable ``dispatch_comm(send, routing)``
+    and ``combine_comm(expert_out, routing)``, run with their backward on the comm lane; its split-size ops do nothing.
     """
 
     name: str
@@ -69,14 +52,9 @@ class LayerFunctions(Protocol):
 
 
 class ChunkModel(Protocol):
-    """A whole model or one pipeline chunk: ``layers`` with their global ``layer_numbers``; ``pre_process`` /
-    ``post_process`` whether it holds the embedding / the head; ``sequence_length`` the one it takes (None: any);
-    ``embed(tokens)`` and ``head_loss(x, labels, normalizer, tokens)`` where it does (``tokens``: the microbatch's
-    input, for a head that reads it, as multi-token prediction does); ``hidden_shape(tokens)`` of the activation
-    between chunks; a whole model also a plain ``__call__(tokens, labels, normalizer)``.
-
-    A chunk class also inherits :class:`ChunkHooks` (the hooks the engine calls on every chunk, with no-op
-    defaults), and each of its layers :class:`LayerHooks`."""
+    """A whole model or one pipeline chunk: ``layers`` with global ``layer_numbers``, whether it holds the embedding
+    (``pre_process``) and head (``post_process``), ``embed``, ``head_loss`` (``tokens`` for a head that reads them, as
+    MTP does), ``hidden_shape(tokens)`` between chunks; a whole model also ``__call__(tokens, labels, normalizer)``."""
 
     config: Any
     vocab_size: int
@@ -94,17 +72,14 @@ class ChunkModel(Protocol):
 
 
 class ChunkHooks:
-    """The hooks the engine calls on every chunk besides :class:`ChunkModel`'s functions, declared once with no-op
-    defaults; a chunk class inherits this and overrides what it needs."""
+    """The engine's hooks on every chunk besides :class:`ChunkModel`'s functions, with no-op defaults."""
 
     sequence_length: int | None = None  # the sequence length the chunk takes (None: any)
-    # Full recompute: the chunk's layer segments ``(first, stop)`` whose forward keeps only its input and is replayed
-    # in backward (``segments.py``); the plain path is ``run_layers``'s.
+    # Full recompute: segments ``(first, stop)`` whose forward keeps only its input and is replayed in backward
     recompute_segments: tuple[tuple[int, int], ...] = ()
 
     def run_layers(self, x: Any) -> Any:
-        """The plain path through the chunk's layers (ordinary autograd); each of ``recompute_segments`` runs as
-        :meth:`run_segment` checkpoints it."""
+        """The plain path through the layers (ordinary autograd), each recompute segment via :meth:`run_segment`."""
         j = 0
         while j < len(self.layers):
             segment = segment_of(self.recompute_segments, j)
@@ -112,18 +87,17 @@ class ChunkHooks:
         return x
 
     def run_segment(self, first: int, stop: int, x: Any) -> Any:
-        """Layers ``first`` to ``stop`` (exclusive) of the plain path, keeping only ``x`` for backward and running
-        them again there (a chunk with ``recompute_segments`` gives its checkpoint)."""
+        """Layers ``first`` to ``stop`` (exclusive), checkpointed: keeps only ``x`` and reruns them in backward."""
         raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
 
     def step_context(self) -> Any:
-        """A context the engine enters around each overlapped step of the program (the plain path's whole-chunk
-        call enters its own): Megatron-Core's fp8 delayed scaling opens one around a whole stack."""
+        """A context the engine enters around each overlapped step (the plain path's whole-chunk call enters its own):
+        Megatron-Core's fp8 delayed scaling opens one around a whole stack."""
         return nullcontext()
 
     def with_packed_sequences(self, packed_seq_params: Any) -> "ChunkModel":
-        """This chunk for one packed (THD) microbatch (the engine's ``(tokens, labels, packed_seq_params)``): a view
-        whose attention reads the document boundaries. By default refused: the model must run THD itself."""
+        """This chunk for one packed (THD) microbatch: a view whose attention reads the document boundaries. Refused
+        by default."""
         raise ValueError(
             f"{type(self).__name__}: packed (THD) microbatches need a model whose attention runs them; fix: pad the "
             "sequences and pass (tokens, labels), or run a Megatron-Core model (ep_overlap.mcore.chunk_for)"
@@ -131,12 +105,11 @@ class ChunkHooks:
 
 
 class LayerHooks:
-    """What the engine reads on every layer besides :class:`LayerFunctions`, with its defaults; a layer class
-    inherits this and sets what differs."""
+    """What the engine reads on every layer besides :class:`LayerFunctions`, with defaults."""
 
     owns_comm: bool = False  # the layer's own functions run its all-to-alls (a fused dispatcher's), not the lane
-    exchange_splits_off_host: bool = False  # exchange_splits touches only its routing and the EP metadata group, so
-    # a lane may run it off the host thread
-    replays_forward: bool = False  # full recompute: the engine may replay the layer's forward in backward; then
-    # ``replay_splits(routing, exchanged)`` completes a replayed routing with the split sizes its first forward
-    # exchanged (``routing.exchanged``), without communicating
+    # exchange_splits touches only its routing and the EP metadata group: a lane may run it off the host thread
+    exchange_splits_off_host: bool = False
+    # Full recompute may replay the forward; ``replay_splits(routing, exchanged)`` then gives a replayed routing the
+    # split sizes its first forward exchanged, without communicating
+    replays_forward: bool = False

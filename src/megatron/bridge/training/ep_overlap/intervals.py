@@ -1,12 +1,10 @@
-"""Lengths of unions of time intervals: how much communication no compute covered (no torch here).
-
-Shared by the engine's step records and the planner's reading of them.
-"""
+"""Lengths of unions of time intervals: how much communication no compute covered (no torch; engine and planner)."""
 
 Intervals = list[tuple[float, float]]
 
 
 def union(intervals: Intervals) -> Intervals:
+    """The same time as sorted, disjoint intervals (overlapping or touching ones merged)."""
     merged: Intervals = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -17,6 +15,7 @@ def union(intervals: Intervals) -> Intervals:
 
 
 def length(intervals: Intervals) -> float:
+    """The summed length of ``intervals`` (of their union, when they are disjoint)."""
     return sum(end - start for start, end in intervals)
 
 

@@ -1,10 +1,5 @@
-"""The EP-overlap schedule's options, in one frozen object (no torch here).
-
-Every consumer takes the same object: the engine, the planner, the program, the harness and the Megatron-Core hook.
-What may not be combined is refused by the rules table: ``settings.resolve`` checks a model config with these options
-(one line per problem with its fix, the same line wherever it is checked). What they resolve to (delayed wgrad only
-with overlap, the attention wgrad's window where it is None) is ``settings.Settings``' to say, not a consumer's.
-"""
+"""The EP-overlap schedule's options, in one frozen object (no torch here); ``settings.resolve`` checks them with a
+model config and says what they resolve to."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -17,22 +12,16 @@ class EPOverlapOptions:
     """How the schedule runs.
 
     Attributes:
-        overlap: Pair microbatches so each all-to-all hides behind the other microbatch's compute; False runs the
-            plain path (ordinary autograd, blocking all-to-alls), the reference every option is bitwise equal to.
+        overlap: Pair microbatches so each all-to-all hides behind the other's compute; False runs the plain path, the
+            bitwise reference.
         delay_wgrad: Defer expert and attention weight gradients into the windows that have comm to hide.
-        attention_wgrad_window: With delayed wgrad, the window of the next layer step that runs a layer's attention
-            wgrad: 1 (beside B.combine backward) or 2 (beside F.dispatch). None (auto, PP = 1): ``EPOverlapEngine``'s
-            first training step runs the plain path and the planner picks the window from its costs (``Settings``
-            resolves what None means: ``wgrad_window_auto``, ``attention_wgrad_window``, ``placed``).
-        edge_pairing: At PP = 1, pair the warm-up's two forwards and the cool-down's two backwards instead of
-            running one microbatch alone at each end (bitwise; one more microbatch's activations alive).
-        moe_ep_overlap_chunks: 2 splits each microbatch that would run alone in two halves along the batch and runs
-            them as a pair (PP = 1; not bitwise: a chunked microbatch's loss and gradients sum two halves).
-        launch_off_host: On CPU, launch all-to-alls from one helper thread whenever one must wait, so a dispatch
-            waiting for its split sizes does not stop the host. None: wherever it applies; True insists.
+        attention_wgrad_window: With delayed wgrad, the window that runs a layer's attention wgrad: 1 (beside B.combine
+            backward) or 2 (beside F.dispatch); None (auto, PP = 1): the planner picks it after a plain first step.
+        edge_pairing: At PP = 1, pair the warm-up's two forwards and the cool-down's two backwards (bitwise).
+        moe_ep_overlap_chunks: 2 splits each lone microbatch into two batch halves run as a pair (PP = 1; not bitwise).
+        launch_off_host: On CPU, launch all-to-alls from a helper thread when one must wait (None: where it applies).
         high_priority_comm: On CUDA, give the comm stream high priority.
-        check_for_nan_in_loss_and_grad: After the backward, fail every rank at once when any rank's loss or
-            gradient is not finite, naming the rank and the microbatch (Megatron-Core's check, on by default there).
+        check_for_nan_in_loss_and_grad: After the backward, fail every rank at once on a non-finite loss or gradient.
     """
 
     overlap: bool = True
@@ -46,8 +35,7 @@ class EPOverlapOptions:
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> "EPOverlapOptions":
-        """Overlap and delayed wgrad as a model config resolves them (``overlap_moe_expert_parallel_comm``,
-        ``delay_wgrad_compute``), the rest from ``overrides``."""
+        """Overlap and delayed wgrad from a model config's flags, the rest from ``overrides``."""
         resolved = {
             "overlap": bool(getattr(config, "overlap_moe_expert_parallel_comm", False)),
             "delay_wgrad": bool(getattr(config, "delay_wgrad_compute", False)),

@@ -1,10 +1,5 @@
-"""CUDA graphs with the overlap: which implementations and scopes the schedules can replay.
-
-Transformer Engine's per-layer graphs (``cuda_graph_impl="transformer_engine"``) over the layer's parts before the
-dispatch (``attn``, ``moe_router``, ``moe_preprocess``; ``mamba`` layers whole) are replayed by both schedules. A
-graph over a whole MoE layer would have to contain the all-to-all the schedule splits. A graph over a whole step
-(``full_iteration``; ``local`` with its module) contains this project's schedule where the step waits for nothing on
-the host: with a static-shape flex backend, whose dispatch needs no split sizes there.
+"""CUDA graphs with the overlap: both schedules replay Transformer Engine's per-layer graphs of the parts before the
+dispatch; no graph may hold the all-to-all the schedule splits, nor a whole step that waits on the host.
 """
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
@@ -23,7 +18,7 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     whole_step_graphs,
 )
 
-# The flex backends whose dispatch needs nothing from the host, in the fields that make them so.
+# The flex backends whose dispatch needs nothing from the host.
 _STATIC_BACKENDS = (
     "moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend='hybridep' and moe_expert_rank_capacity_factor "
     "set, or 'ncclep' with moe_ncclep_static_shape=True"
@@ -32,7 +27,6 @@ _BEFORE_DISPATCH = "['attn', 'moe_router', 'moe_preprocess']"
 
 
 def _layer_graphs_instead(f) -> str:
-    """Per-layer Transformer Engine graphs in place of a whole step's, in the fields the user set."""
     layer = f"cuda_graph_impl='transformer_engine' with {field_set(f, GRAPH_MODULES)}={_BEFORE_DISPATCH}"
     if field_set(f, GRAPH_IMPL) == "cuda_graph_impl":
         return f"set {layer} (replayed layer by layer), or {graphs_off(f)}."

@@ -1,21 +1,8 @@
-"""The facts the EP-overlap rules read, and what a rule and a violation are.
+"""What the EP-overlap rules read (:func:`gather_facts`), and what a rule and a violation are.
 
-Contract:
-    * :func:`gather_facts` reads every value the rules need into one flat mapping keyed by where it comes from
-      (``model.*`` from the model config, read by attribute name so a Megatron-Core ``TransformerConfig`` or any
-      object with the same attribute names works; ``comm_overlap.*`` the resolved flags; ``installed.*`` package
-      versions from their metadata, nothing imports CUDA code; ``ep_overlap.*`` this project's schedule options).
-    * :class:`Rule` is one requirement as data; :class:`Violation` a failed one with the values seen;
-      :class:`CommOverlapConfigError` carries every violation of a check, one line each.
-    * A field Megatron-Core 0.19 still takes under a deprecated name (``cuda_graph_scope`` for ``cuda_graph_modules``,
-      ``enable_cuda_graph``/``external_cuda_graph`` for ``cuda_graph_impl``, ``moe_layer_recompute`` for 'moe' in
-      ``recompute_modules``) is read as Megatron-Core will resolve it, under the current name, whether its
-      ``__post_init__`` has run yet or not; ``SPELLED`` keeps the field the user set, which a violation shows and
-      its texts name (:func:`field_set`).
-    * Which schedule runs the layers (:func:`schedule_of`) decides which rules apply: Megatron-Core's own overlapped
-      schedule, or this project's (marked on the config by :func:`use_bridge_schedule`).
-    * The predicates below (``overlap_on``, ``bridge_schedule``, ...) are what the rule tables of the topic modules
-      say "applies" with.
+Facts are one flat mapping keyed by source (``model.*``, ``comm_overlap.*``, ``installed.*``, ``ep_overlap.*``). A
+field Megatron-Core 0.19 also takes under a deprecated name is read as Megatron-Core will resolve it, under the current
+name; ``SPELLED`` keeps the name the user set, which violations show. :func:`schedule_of` picks the rules that apply.
 """
 
 import functools
@@ -28,7 +15,7 @@ from packaging.version import Version
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.utils import versions
 
-# Keys of the facts mapping. Prefixes say where a value comes from, and are what error messages print.
+# Fact keys; the prefix says where a value comes from, and error messages print it.
 OVERLAP = "comm_overlap.overlap_moe_expert_parallel_comm"
 DELAY_WGRAD = "comm_overlap.delay_wgrad_compute"
 OVERLAP_GRAD_REDUCE = "comm_overlap.overlap_grad_reduce"
@@ -38,7 +25,6 @@ TORCH_AT_LEAST = "check.torch_at_least"  # callable: minimum version string -> b
 TE_AT_LEAST = "check.te_at_least"
 GROUPED_GEMM = "expert_grouped_gemm_backend"
 SCHEDULE = "model.ep_overlap_schedule"
-# This project's schedule options (an ``EPOverlapOptions``), and what a launcher knows of its data.
 CHUNKS = "ep_overlap.moe_ep_overlap_chunks"
 EDGE_PAIRING = "ep_overlap.edge_pairing"
 WGRAD_WINDOW = "ep_overlap.attention_wgrad_window"
@@ -48,21 +34,19 @@ MICRO_BATCH = "train.micro_batch_size"
 GRAPH_IMPL = "model.cuda_graph_impl"
 GRAPH_MODULES = "model.cuda_graph_modules"
 RECOMPUTE_MODULES = "model.recompute_modules"
-# Where the user set one of those by its deprecated name: fact key -> (that field's key, its value).
+# fact key -> (the deprecated field's key, its value), where the user set that one.
 SPELLED = "check.spelled_as"
-# False while a recipe's config is set up (CommOverlapConfig.setup runs before Bridge builds the model config).
+# False at a recipe's CommOverlapConfig.setup, before Bridge builds the model config.
 MODEL_BUILT = "check.model_config_built"
 
-# The Megatron-Core release line the full-recompute rules of its own overlapped schedule describe: the one this
-# project supports, whose TransformerConfig refuses full recompute with overlap_moe_expert_parallel_comm.
+# The supported Megatron-Core line, whose TransformerConfig refuses full recompute with EP overlap.
 MCORE_FULL_RECOMPUTE = "0.19"
-# The schedule options the rules read (an EPOverlapOptions' fields, read by attribute).
 _SCHEDULE_OPTIONS = (CHUNKS, EDGE_PAIRING, WGRAD_WINDOW, OFF_HOST)
 
 TE_GROUPED_GEMM = "transformer_engine"
 TORCH_GROUPED_GEMM = "torch"
 
-# Model-config attributes the rules read, with the value assumed when an object lacks the attribute.
+# Model-config attributes the rules read -> the value assumed when an object lacks one.
 _MODEL_FIELDS: dict[str, Any] = {
     "expert_model_parallel_size": 1,
     "num_moe_experts": None,
@@ -91,8 +75,7 @@ _MODEL_FIELDS: dict[str, Any] = {
     "fp4": None,
     "mlp_chunks_for_training": 1,
     "moe_paged_stash": False,
-    # A model whose MoE layer recomputes its experts itself (the reference MoE GPT's experts' node); Megatron-Core's
-    # layer recomputes the module from a forward this project's plan runs step by step.
+    # True where the MoE layer recomputes in its experts' node (the reference MoE GPT).
     "recomputes_moe_in_experts_node": False,
     "moe_flex_dispatcher_backend": None,
     "moe_expert_rank_capacity_factor": None,
@@ -104,8 +87,7 @@ _MODEL_FIELDS: dict[str, Any] = {
     "moe_latent_size": None,
     "tensor_model_parallel_size": 1,
     "sequence_parallel": False,
-    # Layer features of newer model families (moe_overlap_rules/architectures.py); the last two are not
-    # Megatron-Core 0.19 fields, and a Megatron-Bridge provider that sets them carries them as attributes.
+    # Newer families' layer features (model_features.py); the last two are not Megatron-Core 0.19 fields.
     "experimental_attention_variant": None,
     "dsa_indexer_topk_freq": 1,
     "enable_hyper_connections": False,
@@ -120,14 +102,8 @@ Text = str | Callable[[Mapping[str, Any]], str]
 class Rule:
     """One requirement of EP overlap, as data.
 
-    Attributes:
-        name: Short identifier, printed in brackets.
-        fields: Fact keys whose values the message shows.
-        applies: True when the rule is relevant for these facts (e.g. only with delayed wgrad on).
-        holds: True when the requirement is met.
-        message: What is wrong, in one sentence; or a function of the facts that gives it, where it names a field
-            the user may have set under a deprecated name (:func:`field_set`).
-        fix: What to change, in one sentence; or a function of the facts, as ``message``.
+    ``fields`` are the fact keys a violation shows. ``message`` and ``fix`` are one sentence each, or a function of
+    the facts where they name a field the user may have set under a deprecated name (:func:`field_set`).
     """
 
     name: str
@@ -167,10 +143,7 @@ def _show(value: Any) -> str:
 
 
 class CommOverlapConfigError(ValueError, AssertionError):
-    """Raised once with every violated rule listed, one per line.
-
-    An ``AssertionError`` too: Megatron-Bridge raised that for the same rules, and callers catch it.
-    """
+    """Every violation of a check, one per line; an ``AssertionError`` too, as Megatron-Bridge's asserts raised."""
 
     def __init__(self, violations: Iterable[Violation]):
         self.violations = tuple(violations)
@@ -181,10 +154,7 @@ class CommOverlapConfigError(ValueError, AssertionError):
 
 
 def graph_modules(model_config: Any) -> tuple[str, ...]:
-    """Per-layer CUDA-graph modules as plain names, from ``cuda_graph_modules`` and the legacy ``cuda_graph_scope``.
-
-    Megatron-Core 0.19 renamed the field; older Bridge configs still set the old one, so both count.
-    """
+    """Per-layer CUDA-graph module names from ``cuda_graph_modules`` and the legacy ``cuda_graph_scope``, both."""
     names: tuple[str, ...] = ()
     for raw in (getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)):
         names += _module_names(raw)
@@ -201,8 +171,7 @@ def _module_names(raw: Any) -> tuple[str, ...]:
 
 
 def _graph_impl(model_config: Any) -> tuple[str, tuple[str, Any] | None]:
-    """``cuda_graph_impl`` as Megatron-Core 0.19 resolves it: the deprecated ``enable_cuda_graph`` (local) or
-    ``external_cuda_graph`` (transformer_engine) sets it where it is 'none', and the flag stays True after."""
+    """``cuda_graph_impl`` with the deprecated ``enable_cuda_graph``/``external_cuda_graph`` moved in, as 0.19 does."""
     impl = getattr(model_config, "cuda_graph_impl", "none")
     for deprecated, meant in (("enable_cuda_graph", "local"), ("external_cuda_graph", "transformer_engine")):
         if getattr(model_config, deprecated, False) and impl in ("none", meant):
@@ -211,8 +180,7 @@ def _graph_impl(model_config: Any) -> tuple[str, tuple[str, Any] | None]:
 
 
 def _graph_modules(model_config: Any) -> tuple[tuple[str, ...], tuple[str, Any] | None]:
-    """The per-layer graph modules: Megatron-Core 0.19 moves the deprecated ``cuda_graph_scope`` into
-    ``cuda_graph_modules`` where that is unset ('full', the default); it refuses both set, so both then count."""
+    """``cuda_graph_modules`` with the deprecated ``cuda_graph_scope`` moved in where unset, as 0.19 does."""
     modules, scope = getattr(model_config, "cuda_graph_modules", None), getattr(model_config, "cuda_graph_scope", None)
     if scope is not None and (not modules or modules == "full"):
         names = _module_names(scope)
@@ -221,8 +189,7 @@ def _graph_modules(model_config: Any) -> tuple[tuple[str, ...], tuple[str, Any] 
 
 
 def _recompute_modules(model_config: Any) -> tuple[Any, tuple[str, Any] | None]:
-    """``recompute_modules`` as Megatron-Core 0.19 resolves them: the deprecated ``moe_layer_recompute`` adds 'moe'
-    (and the flag stays True after)."""
+    """``recompute_modules`` with 'moe' added by the deprecated ``moe_layer_recompute``, as 0.19 does."""
     modules = getattr(model_config, "recompute_modules", None)
     if getattr(model_config, "moe_layer_recompute", False):
         listed = list(modules or ())
@@ -241,8 +208,7 @@ _DEPRECATED_SPELLINGS: dict[str, Callable[[Any], tuple[Any, tuple[str, Any] | No
 
 
 def field_set(f: Mapping[str, Any], key: str) -> str:
-    """The name of the model-config field behind the fact ``key`` that the user set: its deprecated name where that
-    is what they set, else the field's own. Texts name this one: a fix must change what the user wrote."""
+    """The model-config field the user set for fact ``key`` (maybe its deprecated name): what a fix must name."""
     return f[SPELLED].get(key, (key,))[0].split(".", 1)[1]
 
 
@@ -269,12 +235,7 @@ def gather_facts(
     micro_batch_size: int | None = None,
     model_config_built: bool = True,
 ) -> dict[str, Any]:
-    """Collects every value the rules read into one flat mapping keyed by where it comes from.
-
-    ``torch_at_least``/``te_at_least`` (minimum version -> bool) default to the installed versions. ``options``
-    (an ``EPOverlapOptions``, read by attribute; None: its defaults) adds the schedule's options;
-    ``micro_batch_size`` what a launcher knows of the data.
-    """
+    """Collects every value the rules read into one flat mapping (arguments as :func:`check_moe_overlap`)."""
     facts: dict[str, Any] = {
         f"model.{name}": getattr(model_config, name, default) for name, default in _MODEL_FIELDS.items()
     }
@@ -301,25 +262,19 @@ def gather_facts(
 
 
 def defers_mcore_checks(model_config: Any) -> bool:
-    """Whether Megatron-Core's own checks of ``model_config`` are still to run: a Megatron-Bridge model provider
-    defers its ``TransformerConfig.__post_init__`` to ``finalize()``, which a recipe's ``cfg.validate()`` calls after
-    the recipe's ``comm_overlap.setup``."""
+    """Whether Megatron-Core's checks are still to run: a Megatron-Bridge provider defers them to ``finalize()``."""
     return callable(getattr(model_config, "finalize", None))
 
 
 def use_bridge_schedule(model_config: Any) -> Any:
-    """Marks ``model_config`` as run by this project's schedule (``EPOverlapEngine``, ``use_ep_overlap_schedule``),
-    whose rules apply instead of Megatron-Core's own overlapped schedule's (fp32 is tested bitwise there). The
-    Megatron-Core plan marks the config itself when it is built; a recipe whose ``setup`` runs before that calls
-    this first. Returns the config."""
+    """Marks ``model_config`` as run by this project's schedule, so its rules apply (call before setup); returns it."""
     model_config.ep_overlap_schedule = "bridge"
     return model_config
 
 
 def schedule_of(model_config: Any) -> str:
-    """Which schedule runs the layers: "bridge" (this project's) where the config is marked
-    (:func:`use_bridge_schedule`) or a Megatron-Bridge recipe registered the hook that installs it
-    (``cfg.model.register_pre_wrap_hook``, the hook itself or a ``functools.partial`` of it); else "mcore"."""
+    """Which schedule runs the layers: "bridge" where the config is marked (:func:`use_bridge_schedule`) or a
+    registered pre-wrap hook (or a ``functools.partial`` of one) installs this project's schedule; else "mcore"."""
     if getattr(model_config, "ep_overlap_schedule", "mcore") == "bridge":
         return "bridge"
     for hook in getattr(model_config, "_pre_wrap_hooks", None) or ():
@@ -363,14 +318,12 @@ def te_graphs(f: Mapping[str, Any]) -> bool:
 
 
 def whole_step_graphs(f: Mapping[str, Any]) -> bool:
-    """A graph of a whole step: ``full_iteration``, or ``local`` (Megatron-Core 0.19 moves a ``full_iteration``
-    module to the implementation, from ``none`` too)."""
+    """A graph of the whole step: ``local`` or ``full_iteration`` (Megatron-Core 0.19 moves that module to impl)."""
     return f[GRAPH_IMPL] in ("local", "full_iteration") or "full_iteration" in f[GRAPH_MODULES]
 
 
 def host_read_in_dispatch(f: Mapping[str, Any]) -> str | None:
-    """What makes the token dispatch read on the host in every step, or None for a static-shape flex backend:
-    HybridEP with ``moe_expert_rank_capacity_factor`` (and even inputs), NCCL EP with ``moe_ncclep_static_shape``."""
+    """Why the token dispatch reads on the host in every step, or None for a static-shape flex backend."""
     if f["model.moe_token_dispatcher_type"] != "flex":
         return "the alltoall dispatcher copies its split sizes to the host before each all-to-all"
     backend = f["model.moe_flex_dispatcher_backend"]
@@ -386,11 +339,7 @@ def host_read_in_dispatch(f: Mapping[str, Any]) -> str | None:
 
 
 def graph_scope_needs_te_wgrad(f: Mapping[str, Any]) -> bool:
-    """CUDA-graphed attention (or a graphed router whose shared experts are not overlapped) with delayed wgrad.
-
-    Judged by the graph modules alone, as Megatron-Bridge does: recipes set ``cuda_graph_impl`` separately, and
-    a module listed for capture is taken as a request to capture it.
-    """
+    """Delayed wgrad with ``attn`` (or ``moe_router`` beside non-overlapped shared experts) listed for CUDA graphs."""
     scopes = f[GRAPH_MODULES]
     router_with_plain_shared = (
         "moe_router" in scopes

@@ -1,5 +1,5 @@
-"""Recompute with the overlap: refused by Megatron-Core's own schedule, replayed by this project's (full
-recompute's segments, ``ep_overlap/segments.py``)."""
+"""Recompute with the overlap: refused by Megatron-Core's own schedule, replayed by this project's (segments);
+with low precision, only current-scaling fp8 replays the first forward's quantization."""
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
     MCORE_FULL_RECOMPUTE,
@@ -11,14 +11,14 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     WGRAD_WINDOW,
     Rule,
     bridge_schedule,
+    fp8_recipe,
     full_recompute,
     mcore_schedule,
 )
 
 
 def names_segments(f) -> bool:
-    """Full recompute that this project's schedule, the reference model or the engine's plain path cuts into
-    segments (with or without the overlap): its fields must say which."""
+    """Full recompute cut into segments by this project's code, with or without the overlap: its fields say how."""
     return f[SCHEDULE] != "mcore" and f["model.recompute_granularity"] == "full"
 
 
@@ -50,7 +50,6 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         "recompute_num_layers must be None with EP overlap: it implies layer recompute.",
         "set recompute_num_layers=None.",
     ),
-    # This project's schedule replays full recompute's segments (ep_overlap/segments.py).
     Rule(
         "recompute_layers_need_full",
         ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers"),
@@ -87,8 +86,7 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
     Rule(
         "no_moe_recompute",
         (RECOMPUTE_MODULES, SCHEDULE),
-        # Megatron-Core's schedule; and this project's on Megatron-Core's MoE layer, whose config asserts it with the
-        # flag on (the plan runs that layer step by step; the reference model recomputes it in its experts' node).
+        # Also this project's schedule on Megatron-Core's MoE layer, whose config asserts it with the flag on.
         lambda f: f[OVERLAP] and (f[SCHEDULE] == "mcore" or not f["model.recomputes_moe_in_experts_node"]),
         lambda f: "moe" not in (f[RECOMPUTE_MODULES] or ()),
         lambda f: (
@@ -130,5 +128,19 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         "leave recompute_granularity, recompute_method and recompute_num_layers unset in the recipe and give them "
         "to the hook, which sets them on the built config: "
         "partial(use_ep_overlap_schedule, full_recompute=('uniform', 1)).",
+    ),
+)
+
+
+QUANTIZATION_RULES: tuple[Rule, ...] = (
+    Rule(
+        "fp8_delayed_full_recompute",
+        ("model.fp8", "model.fp8_recipe", "model.recompute_granularity"),
+        lambda f: full_recompute(f) and bool(f["model.fp8"]),
+        lambda f: fp8_recipe(f) != "delayed",
+        "delayed-scaling fp8 takes each forward's scales from an amax history the step keeps updating, and the "
+        "replay of full recompute runs after later forwards updated it, so the replayed GEMMs would quantize with "
+        "other scales than the first forward (Megatron-Core's dev line refuses it too).",
+        "set fp8_recipe='tensorwise', 'blockwise' or 'mxfp8' (current scaling), or recompute_granularity='selective'.",
     ),
 )

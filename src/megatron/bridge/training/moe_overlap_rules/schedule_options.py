@@ -1,5 +1,4 @@
-"""This project's schedule options (``EPOverlapOptions``): the attention-wgrad window, off-host launches,
-chunked unpaired phases."""
+"""This project's schedule options (``EPOverlapOptions``): attention-wgrad window, off-host launch, chunks."""
 
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS
 from megatron.bridge.training.moe_overlap_rules.facts import (
@@ -14,7 +13,6 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
 )
 
 SCHEDULE_OPTION_RULES: tuple[Rule, ...] = (
-    # --- this project's schedule options (EPOverlapOptions) ---
     Rule(
         "attention_wgrad_window",
         (WGRAD_WINDOW,),

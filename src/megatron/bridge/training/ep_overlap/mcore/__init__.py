@@ -1,13 +1,5 @@
-"""Megatron-Core models under the EP-overlap schedule.
-
-``layer.py``: a decoder layer (and the compute layers before it) cut into the schedule's node functions.
-``base.py``, ``gpt.py``, ``hybrid.py``, ``vision_language.py``: :class:`McoreChunk` and its ``GPTModel``,
-``HybridModel`` and Megatron-Bridge ``Qwen3VLModel`` plans (a whole model or one pipeline chunk, as the engine runs
-it). ``factory.py``: :func:`chunk_for`, the plan for either.
-``hook.py``: :func:`use_ep_overlap_schedule`, the Megatron-Bridge pre-wrap hook that makes Megatron-Core's own
-combined 1F1B driver run the schedule program's steps. ``forward_backward.py``: :func:`get_forward_backward_func`,
-Megatron-Core's, except for the plain 1F1B pipeline with the overlap on, which Megatron-Core does not pair.
-"""
+"""Megatron-Core models under the EP-overlap schedule: the plans (:func:`chunk_for`), the Megatron-Bridge pre-wrap hook
+(:func:`use_ep_overlap_schedule`) and the forward-backward function (:func:`get_forward_backward_func`)."""
 
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for

@@ -1,21 +1,9 @@
 """The expert-parallel ranks agree on each step's microbatch count before the step's first all-to-all.
 
-Contract:
-    * The ranks of an EP group pair their all-to-alls call by call of Megatron-Core's driver, so they must run the
-      same schedule. Ranks given different microbatch counts would otherwise block in an all-to-all until the
-      collective timeout, or pair the wrong microbatches. :class:`Agreement` makes them fail together, at once, with
-      one error naming every rank's count.
-    * **Once per step** where the step's count is known when it starts: from :func:`announced` (this package's
-      ``get_forward_backward_func`` announces the count it is called with) or else Megatron-Core's num-microbatches
-      calculator (Megatron-Bridge's loop passes its count). One host all-gather of one integer over a gloo group,
-      at the step's first plan, before any all-to-all: no device tensor is read, and nothing of it is captured in a
-      CUDA graph (a full-iteration graph replays device work only: the agreement ran when the step was captured, and
-      a replay runs the captured count). During the step each plan checks, on the host alone, that its microbatch
-      is within the agreed count.
-    * **Once per driver call** where nothing says the count (a loop of one's own calling Megatron-Core's function
-      directly, without its calculator): each call's kind and microbatches are agreed instead (N + 1 host
-      all-gathers per step at PP 1), so a divergence still fails at once, naming where each rank is.
-    * :attr:`Agreement.collectives` counts the host collectives it made.
+EP ranks pair their all-to-alls call by call, so different counts would hang until the collective timeout; instead
+:class:`Agreement` fails every rank at once, naming each rank's count. Where the count is known at the step's start
+(:func:`announced`, else Megatron-Core's num-microbatches calculator) that costs one host all-gather of one integer per
+step, outside any CUDA graph; otherwise every driver call is agreed (N + 1 host all-gathers per step at PP 1).
 """
 
 import contextlib
@@ -59,11 +47,7 @@ _FIX = "give every rank the same num_microbatches"
 
 
 class Agreement:
-    """One rank's side of the agreement (see the module docstring).
-
-    Args:
-        group: A gloo group over the rank's EP group (None, or one rank: nothing to agree).
-    """
+    """One rank's side of the agreement; ``group``: a gloo group over its EP group (None: nothing to agree)."""
 
     def __init__(self, group=None):
         self.group = group

@@ -1,19 +1,8 @@
-"""What every Megatron-Core plan shares: the two ends, the loss, the EP groups (its refusals: ``refusals.py``).
+"""What every Megatron-Core plan shares: the two ends, the loss, the EP groups (refusals: ``refusals.py``).
 
-A plan is a Megatron-Core language model (or one pipeline chunk of it) cut into the schedule's node functions (the
-``ChunkModel`` contract), as Megatron-Core's driver runs it under the hook (``hook.py``). What a trainer does around
-a step (gradient sync, loss normalization, router-bias updates) stays Megatron-Core's. The model
-classes differ in their decoder stack and final norm; :class:`McoreChunk` holds the rest. Everything the plan does
-not schedule is refused when it is built, so no step runs it half-way. A weight tied between the embedding and the
-output layer gets its two gradients summed as plain autograd sums them (:class:`TiedWeight`, PP = 1).
-
-Multi-token prediction (one MTP layer, on the last pipeline stage) runs in the head, as the model's ``_postprocess``
-runs it: the MTP block after the final norm, ``process_mtp_loss``, then the output layer. Its embedding reuses the
-model's embedding, so at PP = 1 those weights are :class:`TiedWeight` s too; with pipeline stages the last stage
-holds a copy, whose gradient ``finalize_model_grads`` sums with the first stage's over the embedding group after the
-step, as it does a tied output weight's. An MoE
-layer inside the MTP block runs its all-to-alls inside the head, not overlapped (Megatron-Core's own overlap gives
-the MTP layer its own nodes).
+:class:`McoreChunk` cuts a language model (or one pipeline chunk) into the schedule's node functions; the model classes
+differ only in their decoder stack and final norm. Whatever the plan does not schedule is refused when it is built. One
+MTP layer runs in the head as the model's ``_postprocess`` runs it (MTP block, ``process_mtp_loss``, output layer).
 """
 
 import functools
@@ -36,15 +25,8 @@ from megatron.bridge.utils.process_groups import EPGroups
 
 
 class TiedWeight:
-    """A weight the embedding and the output layer share, with its two gradients summed as plain autograd sums them.
-
-    In one backward, autograd adds the output layer's and the embedding's gradient of a microbatch (``o + e``), then
-    accumulates that sum into ``.grad``. Cut into nodes, the head's backward and the embedding's run apart, with
-    other microbatches' in between, so adding each to ``.grad`` on its own would sum in another order. So the head
-    computes with an alias of the weight whose gradient is held here (in backward order), and the weight's own hook
-    adds the oldest held one to the embedding's gradient: ``e + o``, the same bits. With nothing held (the plain
-    path) the hook changes nothing.
-    """
+    """A weight the embedding and the output layer share: the head computes with an alias whose gradient is
+    held, and the weight's hook adds it to the embedding's gradient of the same microbatch, in autograd's order."""
 
     def __init__(self, weight: torch.nn.Parameter):
         self.weight = weight
@@ -66,23 +48,12 @@ class TiedWeight:
 
 
 class McoreChunk(ChunkHooks):
-    """A Megatron-Core language model (or a pipeline chunk) for the engine. Subclasses set ``layers`` (the
-    schedule's units) and ``layer_numbers`` in :meth:`_build_units`, and give :meth:`embed_microbatch`,
-    :meth:`_rotary` and :meth:`_final_norm`.
+    """A Megatron-Core language model (or a pipeline chunk) for the engine; subclasses give :meth:`_build_units`,
+    :meth:`embed_microbatch`, :meth:`_rotary` and :meth:`_final_norm`.
 
-    The chunk's own state is the plan's: its attention mask and rotary embedding are those of a padded microbatch of
-    the plan's sequence length, computed once. What differs per microbatch (its position ids, attention mask,
-    packed-sequence parameters, and the rotary embedding its embed computes) is its :class:`MicrobatchView`'s, never
-    written here: two forwards of a chunk may be in flight at once (the program's ``forward_pair`` steps: edge
-    pairing, forward-only steps), and one's embed must not change what the other's layers and MTP layer read.
-
-    Args:
-        model: The model, or one pipeline chunk of it (built with its own ``pre_process``/``post_process`` and
-            ``vp_stage``, as Megatron-Core builds one per virtual stage).
-        delay_wgrad: Whether the plan runs with delayed wgrad (``Settings.delay_wgrad``): then a layer whose weight
-            gradients nothing would run is refused, and experts that delay nothing are warned about once
-            (``refusals.check_delayed_wgrad``).
-    """
+    The chunk holds only plan-wide state (the padded attention mask and rotary embedding of the plan's sequence
+    length); what differs per microbatch lives in its :class:`MicrobatchView`, as two forwards may be in flight. With
+    ``delay_wgrad``, layers whose weight gradients nothing would run are refused (``refusals.check_delayed_wgrad``)."""
 
     multimodal_rotary = False  # whether the plan computes multimodal ('mrope') rotary positions (refusals.py)
     # The forward's arguments besides the text model's that the plan binds to a microbatch (bind_inputs), by name.
@@ -93,10 +64,8 @@ class McoreChunk(ChunkHooks):
         self.pre_process, self.post_process = model.pre_process, model.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
         refuse_unscheduled(model, self.mtp, multimodal_rotary=self.multimodal_rotary)
-        # The head's own uses of embedding weights (the tied output layer, the MTP layer's embedding) compute with
-        # aliases whose gradients TiedWeight adds to the embedding's, per microbatch, in autograd's order, where the
-        # chunk also embeds. A pipeline's last stage holds its own copy (Megatron-Core sums the copies' gradients
-        # over its embedding group after the step).
+        # The head's uses of embedding weights (tied output layer, MTP embedding) compute with TiedWeight aliases
+        # where the chunk also embeds; elsewhere the last stage holds a copy that finalize_model_grads sums.
         shared = set()
         if self.pre_process and model.share_embeddings_and_output_weights and self.post_process:
             shared = {"word_embeddings.weight"}
@@ -111,16 +80,12 @@ class McoreChunk(ChunkHooks):
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
-        # For the plan's sequence length, as the model's forward computes it from hidden states of that length (the
-        # embedding's output on the first chunk, the received activation on the others): a microbatch's embed
-        # computes its own (MicrobatchView), and writes nothing here (see the class docstring).
+        # For the plan's sequence length; a microbatch's embed computes its own (MicrobatchView), writing nothing here.
         self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
-        # What the model config resolves to (settings.py): the dispatcher's kind the layers read, full recompute's
-        # segments.
+        # What the model config resolves to (settings.py): the dispatcher's kind, full recompute's segments.
         self.settings = resolve(config)
         self.layers, self.layer_numbers = self._build_units()
-        # Full recompute: segments of units (a GPTModel's layers, a HybridModel's MoE groups); the MTP layer, one
-        # segment of its own, is checkpointed by Megatron-Core's MTP block inside the head
+        # Segments of units; the MTP layer is checkpointed by Megatron-Core's MTP block inside the head.
         self.recompute_segments = self.settings.segments(len(self.layers))
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
@@ -134,15 +99,13 @@ class McoreChunk(ChunkHooks):
     def embed(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> torch.Tensor:
-        """One microbatch's hidden states, as the model's forward embeds them (its rotary embedding:
-        :meth:`embed_microbatch`). Writes nothing on the chunk."""
+        """One microbatch's hidden states, as the model's forward embeds them (writes nothing on the chunk)."""
         return self.embed_microbatch(tokens_BS, position_ids_BS, packed_seq_params)[0]
 
     def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(hidden states, rotary embedding)`` of one microbatch, as the model's forward computes them before its
-        first layer (the rotary embedding None without one). Writes nothing on the chunk."""
+        """``(hidden states, rotary embedding or None)`` of one microbatch, as the model's forward computes them."""
         raise NotImplementedError
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
@@ -169,13 +132,11 @@ class McoreChunk(ChunkHooks):
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
     def step_context(self):
-        """The low-precision context around a whole step (fp8 delayed scaling's; ``quantization.step_context``):
-        the engine enters it around each step of the program, as Megatron-Core's driver around each ``run``."""
+        """fp8 delayed scaling's whole-step context; the engine enters it around each program step."""
         return step_context(self.config)
 
     def run_layers(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """The plain path through a pipeline chunk's units, inside the step's context as the stack's forward runs
-        its layers."""
+        """The plain path through a pipeline chunk's units, inside the step's context."""
         with self.step_context():
             return super().run_layers(x_SBH)
 
@@ -192,10 +153,8 @@ class McoreChunk(ChunkHooks):
         loss_mask_BS: torch.Tensor | None = None,
         microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
-        """Final norm, the MTP layer and its loss (given ``tokens_BS``), output layer and cross-entropy: what the
-        model's forward returns when given labels. The MTP layer reads ``microbatch``'s position ids, attention mask,
-        packed-sequence parameters and rotary embedding (None: the plan's own, for a padded microbatch of its
-        sequence length)."""
+        """What the model's forward returns given labels: final norm, MTP layer and its loss (given ``tokens_BS``),
+        output layer, cross-entropy. The MTP layer reads ``microbatch``'s inputs (None: the plan's own)."""
         position_ids_BS = attention_mask = packed_seq_params = None
         rotary_pos_emb = self.rotary_pos_emb
         if microbatch is not None:
@@ -247,8 +206,7 @@ class McoreChunk(ChunkHooks):
         tokens_BS: torch.Tensor | None = None,
         microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
-        """The engine's loss of one microbatch (``microbatch``: its view, None for a padded microbatch of the plan's
-        sequence length): masked per-token losses summed over ``normalizer``."""
+        """The engine's loss of one microbatch: masked per-token losses summed over ``normalizer``."""
         labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.per_token_losses(x_SBH, labels_BS, tokens_BS, keep_BS.float(), microbatch)
         return (losses * keep_BS).sum() / normalizer
@@ -256,8 +214,7 @@ class McoreChunk(ChunkHooks):
     def __call__(
         self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, packed_seq_params=None
     ) -> torch.Tensor:
-        """The plain path: the model's own forward returns per-token losses (a packed microbatch: no attention
-        mask, its document boundaries instead)."""
+        """The plain path: the model's own forward (a packed microbatch gets no attention mask)."""
         labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.model(
             input_ids=tokens_BS,
@@ -270,9 +227,8 @@ class McoreChunk(ChunkHooks):
         return (losses * keep_BS).sum() / normalizer
 
     def run_segment(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
-        """A recomputed segment of a pipeline chunk's plain path (``run_layers``): its units under a reentrant
-        checkpoint, as Megatron-Core's block checkpoints its layers (a whole model runs its own forward, which
-        does)."""
+        """A recomputed segment of a chunk's plain path, under a reentrant checkpoint as Megatron-Core's block
+        checkpoints its layers."""
         if not (torch.is_grad_enabled() and x_SBH.requires_grad):
             return self._run_units(first, stop, x_SBH)
         run = functools.partial(self._run_units, first, stop)
@@ -284,8 +240,7 @@ class McoreChunk(ChunkHooks):
         return x_SBH
 
     def input_problems(self, input_ids: torch.Tensor | None, inputs: dict, packed_seq_params=None) -> list[str]:
-        """What keeps the plan from running a microbatch with ``inputs`` (``bound_inputs`` given, by name); empty
-        when it can. A plan that binds no inputs has nothing to say."""
+        """Why the plan cannot run a microbatch with ``inputs`` (by name); empty when it can."""
         return []
 
     def bind_inputs(self, view: "MicrobatchView", input_ids: torch.Tensor | None, inputs: dict):
@@ -296,17 +251,15 @@ class McoreChunk(ChunkHooks):
         return MicrobatchView(self, packed_seq_params=packed_seq_params)
 
     def rotary_for(self, packed_seq_params=None):
-        """On a chunk without the embedding: the rotary embedding its layers read for one microbatch, computed as the
-        model's forward computes it for the activation it receives (from the packed-sequence parameters, if any)."""
+        """On a chunk without the embedding: the rotary embedding for one microbatch's received activation."""
         if packed_seq_params is None:
             return self.rotary_pos_emb
         device = next(self.parameters()).device
         return self._rotary(torch.empty(self._received_length(), 1, 0, device=device), packed_seq_params)
 
     def _received_length(self) -> int:
-        """This rank's part of the sequence, the length of the activation a chunk receives: Megatron-Core's rotary
-        embedding scales it back up by the tensor-parallel size (with sequence parallelism) and the context-parallel
-        size."""
+        """Length of the activation a chunk receives (Megatron-Core's rotary embedding scales it back up by the TP
+        size with SP, and by the CP size)."""
         length = self.sequence_length
         if self.config.sequence_parallel:
             length //= self.config.tensor_model_parallel_size
@@ -314,13 +267,8 @@ class McoreChunk(ChunkHooks):
 
 
 class MicrobatchView:
-    """One microbatch's view of a plan: its index in the step under Megatron-Core's driver (None under the engine),
-    its position ids (None: the plan's), attention mask, rotary embedding (on the first chunk, what its embed
-    computed; on the others, the plan's, or its packed one) and, for a packed (THD) microbatch, its packed-sequence
-    parameters, which every attention, the rotary embedding and the MTP layer read (the model's forward gives a
-    packed microbatch no attention mask). The plan's layers are bound to it, and its MTP layer reads it; everything
-    else is the plan's. Under the engine, ``head_loss`` and the plain ``__call__`` reduce the loss as the plan's
-    do."""
+    """One microbatch's view of a plan: its index under Megatron-Core's driver (None under the engine), position
+    ids, attention mask, rotary embedding and packed-sequence parameters; the plan's layers are bound to it."""
 
     def __init__(
         self, chunk: McoreChunk, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
@@ -346,8 +294,7 @@ class MicrobatchView:
 
 
 def gloo_group_like(group, timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
-    """A gloo group over the ranks of ``group`` (one of Megatron-Core's): every rank learns every such group's ranks,
-    then all create the groups in one order. Every rank must call it."""
+    """A gloo group over the ranks of ``group`` (one of Megatron-Core's); every rank must call it."""
     mine = tuple(torch.distributed.get_process_group_ranks(group))
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
@@ -365,8 +312,8 @@ def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple
 
 
 def mcore_ep_groups(timeout) -> EPGroups:
-    """EPGroups over Megatron-Core's initialized expert-parallel (and pipeline) groups; parallel_state must be
-    initialized, and with PP > 1 every rank must call this (it creates the pipeline's gloo groups)."""
+    """``EPGroups`` over Megatron-Core's initialized expert-parallel (and pipeline) groups; with PP > 1 every
+    rank must call it (it creates the pipeline's gloo groups)."""
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep = torch.distributed.get_world_size(ep_group)
     pp = parallel_state.get_pipeline_model_parallel_world_size()

@@ -13,13 +13,8 @@ PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
 
 
 def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
-    """The plan that runs ``model`` (a ``GPTModel``, a ``HybridModel`` or Megatron-Bridge's ``Qwen3VLModel``, whole
-    or one pipeline chunk).
-
-    Raises:
-        ValueError: For another model class, or a feature of the model the plan does not schedule (one line naming
-            it and the fix).
-    """
+    """The plan for ``model`` (a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``, whole or one chunk);
+    ValueError, one line with its fix, for another class or a feature the plan does not schedule."""
     for model_class, plan_class in PLANS.items():
         if isinstance(model, model_class):
             return plan_class(model, delay_wgrad=delay_wgrad)

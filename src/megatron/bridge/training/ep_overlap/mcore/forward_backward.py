@@ -1,25 +1,14 @@
 """The forward-backward function for a training loop: Megatron-Core's, or ours where Megatron-Core has no EP overlap.
 
 Contract:
-    * :func:`get_forward_backward_func` takes Megatron-Core's arguments and returns Megatron-Core's own function
-      everywhere except one layout: pipeline parallelism (PP > 1) without virtual stages, with
-      ``overlap_moe_expert_parallel_comm`` on, where Megatron-Core has no overlapped schedule (its config refuses the
-      flag there). It then returns :func:`forward_backward_pipelining_with_ep_overlap`, which takes the same
-      arguments and returns the same value (the last stage's loss-function outputs, one per microbatch).
-    * That schedule is the plain 1F1B pipeline with one more warm-up forward, so that each steady step pairs the
-      forward of one microbatch with the backward of another, independent of it: stage ``s`` of ``P`` holds
-      ``2 (P - s)`` microbatches in flight where plain 1F1B holds ``P - s``. The step order is Megatron-Core's
-      interleaved schedule with one model chunk per rank (its count of warm-up forwards then is ``2 (P - s - 1) + 1``
-      with the overlap), and each paired step runs this project's plan through the pre-wrap hook
-      (``use_ep_overlap_schedule``), as under the interleaved schedule.
-    * Fewer microbatches than stages cannot be grouped that way (Megatron-Core's table needs ``N >= P``): such a step,
-      and a forward-only one, runs Megatron-Core's non-interleaved schedule, unpaired, with the same numbers.
-    * Losses and gradients are bitwise equal to Megatron-Core's non-interleaved schedule with the overlap off
-      (tests: PP 2 and PP 4, ``N`` a multiple of PP and not, MTP, delayed wgrad, full recompute, the flex stand-in,
-      ``HybridModel``).
-    * A training loop must take its function from here for that layout: :func:`unpaired_loop_problem` says when
-      Megatron-Bridge's ``train()`` (module ``megatron.bridge.training.train``, once imported) takes
-      Megatron-Core's, which would run every step unpaired; the hook refuses then, naming the patch.
+    * :func:`get_forward_backward_func` returns Megatron-Core's function, except for PP > 1 without virtual stages
+      (where Megatron-Core's config refuses the overlap flag): :func:`forward_backward_pipelining_with_ep_overlap`,
+      with the same arguments and result. Training with the overlap on and N >= P, it runs Megatron-Core's
+      interleaved schedule over one chunk per rank, so each steady step pairs two microbatches; otherwise (overlap
+      off, N < P, forward-only) Megatron-Core's non-interleaved schedule.
+    * Losses and gradients are bitwise equal to the non-interleaved schedule with the overlap off.
+    * :func:`unpaired_loop_problem` says when Bridge's ``train()`` takes Megatron-Core's function instead (the hook
+      then refuses, naming the patch).
 """
 
 import contextlib
@@ -35,10 +24,9 @@ from megatron.bridge.training.ep_overlap.mcore.agreement import announced
 
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kwargs):
-    """Megatron-Core's ``get_forward_backward_func`` (same arguments), but for PP > 1 without virtual stages:
-    :func:`forward_backward_pipelining_with_ep_overlap`, which runs Megatron-Core's plain schedule unless the
-    model's config turns ``overlap_moe_expert_parallel_comm`` on. Either way the function announces each call's
-    microbatch count to the plans it builds (``agreement.announced``), so the EP ranks agree on it once per step."""
+    """Megatron-Core's ``get_forward_backward_func`` (same arguments), but for PP > 1 without virtual
+    stages :func:`forward_backward_pipelining_with_ep_overlap`; each call announces its microbatch count
+    (``agreement.announced``)."""
     mcore = schedules.get_forward_backward_func(pp_size, vp_size, **kwargs)
     if mcore is schedules.forward_backward_pipelining_without_interleaving:
         return forward_backward_pipelining_with_ep_overlap
@@ -100,13 +88,10 @@ def _overlap_off(config):
 
 @contextlib.contextmanager
 def _one_virtual_stage(config, num_microbatches: int):
-    """Megatron-Core's interleaved schedule over one model chunk per rank: one virtual stage, every microbatch in one
-    group (so the table is microbatch order), asynchronous P2P; for the length of one call, then as it was.
-
-    Only the config says "one virtual stage" (the schedule builds its P2P communicator, and so counts its warm-up,
-    from it). ``parallel_state`` keeps saying there are none: the chunks were built without a ``vp_stage``, and
-    Megatron-Core's layout and MTP helpers (``get_mtp_layer_offset`` with a ``pipeline_model_parallel_layout``)
-    assert one when it says there are virtual stages."""
+    """Megatron-Core's interleaved schedule over one chunk per rank, for one call: the config says one virtual
+    stage, every microbatch in one group, asynchronous P2P. ``parallel_state`` still says none: the chunks were built
+    without a ``vp_stage``, and Megatron-Core's layout and MTP helpers (``get_mtp_layer_offset`` with a
+    ``pipeline_model_parallel_layout``) assert one when it says there are virtual stages."""
     fields = {
         "virtual_pipeline_model_parallel_size": 1,
         "microbatch_group_size_per_vp_stage": num_microbatches,
@@ -133,9 +118,8 @@ _BRIDGE_LOOP = "megatron.bridge.training.train"
 
 
 def unpaired_loop_problem(config) -> str | None:
-    """Why Megatron-Bridge's ``train()`` would run ``config``'s model unpaired, with the fix; None when it would
-    not (the layout has virtual stages or none, the overlap is off, the loop is not imported, or it takes
-    :func:`get_forward_backward_func` from here)."""
+    """Why Bridge's ``train()`` would run ``config``'s model unpaired (the plain 1F1B pipeline with the overlap on,
+    and the imported loop does not take :func:`get_forward_backward_func` from here), with the fix; else None."""
     pipeline, virtual = config.pipeline_model_parallel_size or 1, config.virtual_pipeline_model_parallel_size
     plain_pipeline = pipeline > 1 and virtual is None
     loop = sys.modules.get(_BRIDGE_LOOP)

@@ -1,12 +1,4 @@
-"""Megatron-Core's ``GPTModel`` under the EP-overlap schedule: each decoder layer is one unit.
-
-Contract:
-    * :class:`McoreGPTChunk` runs a ``GPTModel`` (embedding, decoder layers, final norm, output layer, loss), or one
-      pipeline chunk of it, for :class:`~megatron.bridge.training.ep_overlap.EPOverlapEngine`; each
-      ``TransformerLayer`` is an :class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer` with nothing
-      before it. It takes at most one MTP layer
-      (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` refuses the rest when it is built).
-"""
+"""Megatron-Core's ``GPTModel`` under the EP-overlap schedule: each decoder layer is one unit."""
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -16,12 +8,7 @@ from megatron.bridge.training.ep_overlap.mcore.layer import McoreLayer
 
 
 class McoreGPTChunk(McoreChunk):
-    """A Megatron-Core ``GPTModel`` as the EP-overlap engine runs it (the same interface as ``MoEGPTModel``).
-
-    Args:
-        model: The GPTModel, or one pipeline chunk of it.
-        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
-    """
+    """A Megatron-Core ``GPTModel`` (or one pipeline chunk) as the EP-overlap engine runs it."""
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         if not isinstance(model, GPTModel):
@@ -42,8 +29,7 @@ class McoreGPTChunk(McoreChunk):
         return units, numbers
 
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """The decoder's final norm where this chunk's block holds it (a loss stage that holds only the MTP layer
-        has none: the stage of the last decoder layer applied it)."""
+        """The decoder's final norm where this loss chunk's block holds it (else the last layer's chunk applied it)."""
         norm = self.model.decoder.final_layernorm
         return x_SBH if norm is None or not self.post_process else norm(x_SBH)
 
@@ -66,9 +52,8 @@ class McoreGPTChunk(McoreChunk):
 
 
 class _FinalNormLayer(McoreLayer):
-    """The last layer of a chunk that holds the decoder's final norm but not the loss: its output normed, as the
-    block's forward norms it, after ``combine`` (the layer's last node; a replay's too) or after the whole layer in
-    the plain path."""
+    """The last layer of a chunk holding the decoder's final norm but not the loss: its output normed after
+    ``combine`` (a replay's too), or after the whole layer in the plain path."""
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self.chunk.model.decoder.final_layernorm(super().__call__(x_SBH))

@@ -1,21 +1,9 @@
 """Transformer Engine CUDA graphs of Megatron-Core layers, replayed by the plan where the plain path replays them.
 
-Contract:
-    * With ``cuda_graph_impl="transformer_engine"``, Megatron-Bridge captures, before the first step, one graphed
-      callable per layer and microbatch (``layer.cuda_graphs``) over the layer's scopes (``cuda_graph_modules``:
-      ``attn``, ``moe_router``, ``moe_preprocess``, ``mamba``; ``moe``/``mlp`` are refused with the overlap). A
-      layer's call then replays graph ``current_microbatch % len(cuda_graphs)`` (Megatron-Core's
-      ``GraphableMegatronModule``), and Megatron-Core's drivers set ``current_microbatch`` before each forward.
-    * The plan replays the same graphs with the same inputs: a layer it runs whole replays through its own call; an
-      MoE layer cut into nodes replays in its ``pre_dispatch`` through ``layer._te_cuda_graph_replay``, which, with
-      ``overlap_moe_expert_parallel_comm`` on, returns the pre-dispatch outputs (residual, tokens, probabilities,
-      shared experts' output) and leaves dispatch, experts and combine to the schedule, as Megatron-Core's own plan
-      does. :func:`set_microbatch` gives each replay its microbatch's index first, so two microbatches in flight
-      each replay their own graph.
-    * Delayed wgrad: a graphed scope's weight gradients are its graph's ``backward_dw`` for that microbatch; the
-      rest stay eager, split as Megatron-Core's ``_BackwardDWWrapper`` splits them (:func:`pre_dispatch_backward_dw`).
-    * Only under Megatron-Core's driver (the pre-wrap hook): the engine does not number microbatches for the plain
-      path's replays, so the lab's engine refuses graphed layers.
+A layer's call replays graph ``current_microbatch % len(cuda_graphs)`` (Megatron-Core's ``GraphableMegatronModule``);
+:func:`set_microbatch` sets it before each replay, so two microbatches in flight each replay their own. A layer run
+whole replays through its call; an MoE layer cut into nodes through ``_te_cuda_graph_replay``, which stops at the
+dispatch with the overlap on, as in Megatron-Core's own plan. Only under Megatron-Core's driver (the engine refuses).
 """
 
 import torch
@@ -32,6 +20,7 @@ def replays(layer: torch.nn.Module) -> bool:
 
 
 def graph_modules(layer: torch.nn.Module) -> set[str]:
+    """The names of ``layer``'s graphed scopes (``cuda_graph_modules``)."""
     return {getattr(scope, "name", scope) for scope in layer.config.cuda_graph_modules or ()}
 
 
@@ -42,8 +31,8 @@ def set_microbatch(layer: torch.nn.Module, microbatch: int | None) -> None:
 
 
 def replay_pre_dispatch(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> tuple:
-    """The graphed forward of ``layer`` up to its dispatch: ``(residual, tokens, probs, shared)`` (tokens, probs and
-    shared None for a dense layer), with the inputs Megatron-Core's plan passes."""
+    """``layer``'s graphed forward up to its dispatch, with the inputs Megatron-Core's plan passes:
+    ``(residual, tokens, probs, shared)``, the last three None for a dense layer."""
     out = layer._te_cuda_graph_replay(
         hidden_states=x_SBH,
         attention_mask=view.attention_mask,
@@ -73,8 +62,9 @@ def run_whole(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> torch.Tensor
 
 
 def pre_dispatch_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> None:
-    """The delayed weight gradients of what ``layer`` computes before its dispatch: attention, and an MoE layer's
-    shared experts, eagerly where its graph does not cover them, then its graph's own ``backward_dw``."""
+    """The delayed wgrad of what ``layer`` computes before its dispatch (attention, shared experts):
+    eager where its graph does not cover it, then the graph's ``backward_dw``, split as Megatron-Core's
+    ``_BackwardDWWrapper`` splits it."""
     replayed = replays(layer) and microbatch is not None
     scopes = graph_modules(layer) if replayed else set()
     mlp = getattr(layer, "mlp", None)

@@ -1,36 +1,13 @@
-"""This project's layer schedule inside Megatron-Core's combined 1F1B driver, installed by a Megatron-Bridge hook.
+"""Megatron-Bridge pre-wrap hook that makes Megatron-Core's combined 1F1B driver run this project's layer schedule.
 
 Contract:
-    * With ``overlap_moe_expert_parallel_comm`` on, Megatron-Core's schedules (``combined_1f1b``, with or without
-      interleaved pipelining) ask the recipe's ``forward_step`` for one schedule plan per microbatch and model
-      chunk, and Megatron-Bridge's stock ``forward_step`` builds it with
-      ``model.build_schedule_plan(tokens, position_ids, attention_mask, labels=..., loss_mask=...)``.
-    * :func:`use_ep_overlap_schedule` is a Bridge pre-wrap hook (``cfg.model.register_pre_wrap_hook``). It gives
-      each ``GPTModel`` or ``HybridModel`` (a whole model, or each pipeline chunk) its own ``build_schedule_plan``
-      (an instance attribute; the class is untouched; Megatron-Core's driver looks the method up by name), which
-      returns an :class:`EPOverlapSchedulePlan`. No upstream file changes.
-    * Megatron-Core runs each step of its driver as ``EPOverlapSchedulePlan.run(f_plan, b_plan, b_grad=...)``:
-      a forward alone, a backward alone, or the forward of one microbatch paired with the backward of another.
-      ``run`` executes the schedule program's step of that kind (``program.windows_of``: the paired layer step per
-      unit) with the engine's executor, as the engine does. It returns what the chunk's model ``forward``
-      returns: per-token losses on the last chunk, which Megatron-Core reduces with the recipe's loss function,
-      else the hidden states. ``b_grad`` is the gradient of that output.
-    * With pipelining, Megatron-Core passes its P2P hooks; ``run`` calls ``pre_forward`` and ``pre_backward``
-      (wait for the received activation / gradient) where the first op that reads it runs, so the other half's ops
-      go on while it is in flight, and ``post_forward`` (send the activation) and then ``post_backward`` (send the
-      input gradient) after the layers, before the deferred attention wgrad and the head. A chunk's input is the
-      tensor Megatron-Core set with ``set_input_tensor``; its gradient lands in that tensor's ``.grad``, where
-      Megatron-Core reads it.
-    * Losses and gradients are bitwise equal to Megatron-Core's plain forward/backward (tests: PP = 1, PP 2 x VPP 2
-      through its interleaved schedule, and the plain 1F1B pipeline through ``get_forward_backward_func``).
-    * Everything is checked when the hook runs, before the first step: the EP-overlap rules with the hook's
-      options (one :class:`CommOverlapConfigError`, the same lines the engine and the harness print) and the
-      adapter's limits (``chunk_for``).
-    * With ``moe_paged_stash``, each built plan calls the model's ``preprocess_for_paged_stash``, as Megatron-Core's
-      own plan does; its driver starts each step's stash.
-    * All chunks of a rank share one lane, so every all-to-all of the rank goes through one comm stream and
-      every rank of an EP group issues them in the same order. A new step (a plan built while none is in
-      flight) starts a new :class:`StepRecorder`; ``build_schedule_plan.recorder`` is the current or last step's.
+    * :func:`use_ep_overlap_schedule` gives each ``GPTModel``/``HybridModel`` chunk an instance ``build_schedule_plan``
+      (Megatron-Core's driver looks it up by name; no class or upstream file changes).
+    * Its :class:`EPOverlapSchedulePlan` ``run`` executes the program's step of the kind asked (forward, backward or
+      both paired) with the engine's executor, calling Megatron-Core's P2P hooks where its own plan does; a chunk's
+      input gradient goes to the ``.grad`` of the tensor set by ``set_input_tensor``. Results are bitwise equal.
+    * A rank's chunks share one lane (one comm stream, one all-to-all order on every EP rank); a plan built while none
+      is in flight starts a new step, whose records ``build_schedule_plan.recorder`` holds.
 """
 
 import logging
@@ -70,7 +47,7 @@ _PHASES = {StepKind.PAIRED: Phase.PAIRED, StepKind.FORWARD: Phase.WARMUP, StepKi
 
 
 class _HostEvent:
-    """Host tensors need no event: work runs in issue order. Stands in for the CUDA event Megatron-Core waits on."""
+    """Stands in for the CUDA event Megatron-Core waits on: host work runs in issue order."""
 
     def record(self, stream=None) -> None:
         pass
@@ -95,8 +72,7 @@ _UNSCHEDULED = {
 
 
 class _MicrobatchModel(MicrobatchView):
-    """One microbatch's view of a plan under Megatron-Core's driver: also its loss mask, and a head that returns
-    per-token losses (the recipe's loss function reduces them)."""
+    """One microbatch's view under Megatron-Core's driver, with its loss mask; the head returns per-token losses."""
 
     def __init__(
         self, chunk: McoreChunk, microbatch: int, position_ids, attention_mask, loss_mask=None, packed_seq_params=None
@@ -107,13 +83,11 @@ class _MicrobatchModel(MicrobatchView):
     def head_loss(
         self, x_SBH: torch.Tensor, labels_BS: torch.Tensor, normalizer: None, tokens_BS: torch.Tensor | None
     ) -> torch.Tensor:
-        """Per-token losses, as the model's ``forward`` returns them; the recipe's loss function reduces them."""
         return self.chunk.per_token_losses(x_SBH, labels_BS, tokens_BS, self.loss_mask, self)
 
 
 class _RankSession:
-    """What a rank's chunks share: the lane of the current step, the plans in flight, and the agreement of the EP
-    ranks on each step's microbatch count (``agreement.py``)."""
+    """What a rank's chunks share: the current step's lane, the plans in flight, the EP ranks' :class:`Agreement`."""
 
     def __init__(self, groups, high_priority: bool, agreement: Agreement | None = None):
         self.groups, self.high_priority = groups, high_priority
@@ -148,11 +122,8 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         post_forward=None,
         post_backward=None,
     ) -> torch.Tensor | None:
-        """Forward of ``f_schedule_plan`` paired with backward of ``b_schedule_plan`` (either may be None).
-
-        Returns:
-            The forward's output (per-token losses on the last chunk, else hidden states), or None.
-        """
+        """Forward of ``f_schedule_plan`` paired with backward of ``b_schedule_plan`` (either may be None); returns
+        the forward's output (per-token losses on the last chunk, else hidden states), or None."""
         call = _DriverCall(f_schedule_plan, b_schedule_plan, (pre_forward, pre_backward, post_forward, post_backward))
         f, b = call.bind_forward(), call.bind_backward(b_grad)
         kind = step_kind(f is not None, b is not None)
@@ -181,9 +152,8 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
 
 
 class _DriverCall:
-    """One ``run`` call's P2P hooks and chunk I/O: Megatron-Core's hooks run once per forward and per backward,
-    activation first (they also post the receives of later steps); the first and last chunks send nothing (None),
-    as in Megatron-Core's plan."""
+    """One ``run`` call's chunk I/O and P2P hooks: each runs once per forward and backward, activation first (the
+    first and last chunks post None, as Megatron-Core's plan does)."""
 
     def __init__(self, f_plan, b_plan, hooks: tuple):
         self.f_plan, self.b_plan = f_plan, b_plan
@@ -204,8 +174,7 @@ class _DriverCall:
             self.post_backward_hook(grad, self.b_plan.vp_stage)
 
     def bind_forward(self) -> MicrobatchNodes | None:
-        """The forward's nodes, reading the received activation and sending their output through the hook. The
-        wait for a received activation is the first forward op's, so a backward's ops run while it is in flight."""
+        """The forward's nodes; the first op that reads the received activation waits for it (``pre_forward``)."""
         if self.f_plan is None:
             return None
         f = self.f_plan.nodes
@@ -225,8 +194,7 @@ class _DriverCall:
         return f
 
     def bind_backward(self, b_grad: torch.Tensor | None) -> MicrobatchNodes | None:
-        """The backward's nodes, given the output's gradient, sending the input's where Megatron-Core reads it. The
-        wait for a received gradient is the first backward op's, so a forward's ops run while it is in flight."""
+        """The backward's nodes; the first op that reads the received gradient waits for it (``pre_backward``)."""
         if self.b_plan is None:
             return None
         b = self.b_plan.nodes
@@ -257,14 +225,9 @@ class _DriverCall:
 def checked_chunk(
     model: torch.nn.Module, attention_wgrad_window: int | None, high_priority: bool
 ) -> tuple[Settings, McoreChunk]:
-    """The settings and the plan the hook runs ``model`` with, after every check (no collective).
-
-    Raises:
-        CommOverlapConfigError: When the model config breaks an EP-overlap rule (a window other than 1, 2 or None
-            among them).
-        ValueError: When the plan does not schedule the model (``chunk_for``), or the window is left to the planner
-            (None with delayed wgrad).
-    """
+    """The settings and plan the hook runs ``model`` with, after every check (no collective): raises
+    ``CommOverlapConfigError`` for a broken rule, ValueError where ``chunk_for`` refuses or, with delayed wgrad, the
+    window is None."""
     config = model.config
     options = EPOverlapOptions(
         delay_wgrad=bool(config.delay_wgrad_compute),
@@ -289,15 +252,8 @@ def checked_chunk(
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one GPTModel or HybridModel, or one pipeline chunk (see the module docstring).
-
-    Args:
-        model: A Megatron-Core ``GPTModel`` or ``HybridModel``: the whole model, or one pipeline chunk of it.
-        session: What this rank's chunks share (one per rank; :func:`use_ep_overlap_schedule` makes it).
-        attention_wgrad_window: With delayed wgrad, the layer-step window of the attention wgrad (1 or 2; None, the
-            planner's choice, is refused: see :func:`checked_chunk`).
-        checked: What :func:`checked_chunk` returned for ``model`` (the hook checks every chunk first).
-    """
+    """``build_schedule_plan`` for one ``GPTModel``/``HybridModel`` or pipeline chunk; ``session``: what the rank's
+    chunks share; ``checked``: :func:`checked_chunk`'s result, when the hook already made it."""
 
     def __init__(
         self,
@@ -314,7 +270,7 @@ class EPOverlapPlanBuilder:
 
     @property
     def recorder(self) -> StepRecorder | None:
-        """What the current (or last) step recorded on this rank: every all-to-all and compute node, by phase."""
+        """The current (or last) step's records on this rank: every all-to-all and compute node, by phase."""
         return None if self.session.lane is None else self.session.lane.recorder
 
     def __call__(
@@ -332,10 +288,9 @@ class EPOverlapPlanBuilder:
         video_grid_thw: torch.Tensor | None = None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
-        """Binds one microbatch to the chunk; runs nothing (``run`` does). Same arguments as the model's forward (a
-        vision-language model's images and videos with their grids too, bound where the plan takes them).
-        ``packed_seq_params`` not passed at all (as Megatron-Bridge 0.6.2's forward steps call this) is None, once
-        ``packed_guard.dropped_packed_sequence`` has looked whether a packed microbatch's parameters were dropped."""
+        """Binds one microbatch (``run`` runs it); takes the model forward's arguments, a VL model's images and
+        videos too. ``packed_seq_params`` not passed (Bridge 0.6.2's forward steps) is None once
+        ``dropped_packed_sequence`` has checked that no packed microbatch lost it."""
         multimodal = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                           pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         inputs = {k: v for k, v in multimodal.items() if v is not None and k in self.chunk.bound_inputs}
@@ -391,29 +346,18 @@ def use_ep_overlap_schedule(
     attention_wgrad_window: int | None = 1,
     full_recompute: tuple[str, int] | None = None,
 ) -> list[torch.nn.Module]:
-    """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B then runs this project's layer schedule.
+    """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B driver then runs this project's layer schedule.
 
-    Use it as ``cfg.model.register_pre_wrap_hook(use_ep_overlap_schedule)`` (``functools.partial`` sets the
-    keywords). ``models`` are this rank's chunks (one without pipelining). Returns them unchanged but for their
-    ``build_schedule_plan``. ``attention_wgrad_window``: with delayed wgrad, the window of the attention wgrad, 1
-    or 2 (None, the planner's choice, needs a plain step first, which Megatron-Core's driver never runs: refused;
-    without delayed wgrad there is nothing to place). ``full_recompute=(method, layers)`` sets
-    ``recompute_granularity="full"``, ``recompute_method`` and ``recompute_num_layers`` on the built config first:
-    Megatron-Core's config refuses them with the overlap flag when Bridge builds it from the recipe. So it does the
-    overlap and delayed-wgrad flags in the plain 1F1B pipeline (PP > 1 without virtual stages), which the recipe's
-    ``CommOverlapConfig.setup`` kept off the config, unless the patched ``setup`` set them before the build; there
-    Megatron-Bridge's ``train()`` must take :func:`get_forward_backward_func` of this package (the patch makes it),
-    else the hook refuses, naming the fix.
+    Register with ``cfg.model.register_pre_wrap_hook`` (``functools.partial`` for the keywords); returns ``models``
+    (this rank's chunks) with their own ``build_schedule_plan``. ``attention_wgrad_window``: 1 or 2 with delayed wgrad
+    (None is refused: Megatron-Core's driver never runs the plain step the planner needs). ``full_recompute=(method,
+    layers)`` is set on the built config, since Megatron-Core's ``TransformerConfig`` refuses it with the overlap flag
+    when Bridge builds it; so are the plain 1F1B pipeline's deferred flags (``settings.apply_deferred``).
 
     Raises:
-        CommOverlapConfigError: When the model config breaks an EP-overlap rule.
-        ValueError: When the model is outside what the plan supports (another model class, more than one MTP layer,
-            fused residual norms, selective recompute of ``moe`` or ``layernorm``, NCCL EP's zero-copy
-            buffers, multimodal rotary positions outside Megatron-Bridge's ``Qwen3VLModel``; the list with what is
-            supported, MTP, tied embeddings, full recompute, the flex dispatcher, packed sequences and Bridge's
-            Qwen3-VL and Qwen3.5-VL models among them:
-            ``docs/training/megatron-core-integration.md``), or another rank refused it. Every rank raises, before
-            any collective of the step.
+        CommOverlapConfigError: When the config breaks an EP-overlap rule.
+        ValueError: When the plan does not schedule the model (``chunk_for``), Bridge's ``train()`` would run the plain
+            1F1B pipeline unpaired, or another rank refused. Every rank raises, before any collective.
     """
     config = models[0].config  # the chunks share it
     if full_recompute is not None:

@@ -1,27 +1,11 @@
 """Megatron-Core's ``HybridModel`` under the EP-overlap schedule: each MoE group is one unit.
 
 Contract:
-    * A hybrid stack is a pattern of layers (``*`` attention, ``+`` MLA, ``D`` DSA, ``-`` MLP, ``M`` Mamba, ``G``
-      GDN, ``E`` MoE). The schedule's unit is an MoE group: the layers after one MoE layer up to and including the
-      next. The group's compute layers run whole at the start of its ``pre_dispatch``, called as
-      ``HybridStack.forward`` calls them (``layer.run_stack_layer``: a Mamba layer with the attention mask and the
-      packed-sequence parameters, whose ``seq_idx`` its mixer reads; attention, MLP and GDN layers, each a
-      ``TransformerLayer``, also with the rotary embedding, a GDN mixer reading the ``cu_seqlens``); the MoE layer is
-      cut into nodes like a ``GPTModel`` layer
-      (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreLayer`). Layers after the last MoE layer are
-      one dense unit (:class:`~megatron.bridge.training.ep_overlap.mcore.layer.McoreComputeRun`).
-    * :class:`McoreHybridChunk` runs a ``HybridModel`` or one pipeline chunk of it (``|`` in the pattern, virtual
-      stages as Megatron-Core selects them): embedding, the units, the stack's final norm, output layer, loss.
-      Losses and gradients are bitwise equal to ``HybridModel.forward``'s, since every layer runs the ops of its
-      own forward in the stack's order.
-    * One MTP depth (``/`` and its pattern after the main one) runs in the head, as for a ``GPTModel``.
-    * Full recompute (``recompute_method``, ``recompute_num_layers``) counts units: a segment of N is N MoE groups;
-      the MTP depth is checkpointed by Megatron-Core's MTP block, inside the head.
-    * Delayed wgrad: a GDN layer's mixer offers ``backward_dw`` (its projections), run in the attention-wgrad slot;
-      a Mamba mixer offers none, so delayed wgrad with its projections from Transformer Engine (which would defer
-      their weight gradients) is refused, naming the layer (``layer.py``).
-    * Refused when built (:class:`~megatron.bridge.training.ep_overlap.mcore.base.McoreChunk` and below): more than
-      one MTP depth.
+    * A unit is an MoE group: the layers after one MoE layer, run whole as ``HybridStack.forward`` calls them
+      (``layer.run_stack_layer``), then the next MoE layer, cut into nodes; the layers after the last MoE layer are
+      one dense unit. Every layer runs its own forward's ops in the stack's order, so results are bitwise equal.
+    * Full recompute counts units (a segment of N is N MoE groups); one MTP depth runs in the head, as for a
+      ``GPTModel``.
 """
 
 import torch
@@ -37,12 +21,7 @@ def _is_moe(layer: torch.nn.Module) -> bool:
 
 
 class McoreHybridChunk(McoreChunk):
-    """A Megatron-Core ``HybridModel`` as the EP-overlap engine runs it (see the module docstring).
-
-    Args:
-        model: The HybridModel, or one pipeline chunk of it.
-        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
-    """
+    """A Megatron-Core ``HybridModel`` (or one pipeline chunk) as the EP-overlap engine runs it."""
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
         if not isinstance(model, HybridModel):
@@ -78,8 +57,7 @@ class McoreHybridChunk(McoreChunk):
     def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What ``HybridModel.forward`` does before the stack: the embedding, and the rotary embedding this
-        microbatch's layers read."""
+        """``HybridModel.forward`` before the stack: the embedding and this microbatch's rotary embedding."""
         model = self.model
         positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
         x_SBH = model.embedding(input_ids=tokens_BS, position_ids=positions)

@@ -2,38 +2,16 @@
 that run before it.
 
 Contract:
-    * :class:`McoreLayer` gives a Megatron-Core ``TransformerLayer`` (``MoELayer`` with the ``alltoall`` or the
-      ``flex`` token dispatcher, or a dense MLP) the node functions the schedule drives, built from Megatron-Core's
-      own sub-steps (supported: the installed 0.19.x line):
-          pre_dispatch  the ``before`` layers whole, then ``_forward_attention``, ``_forward_pre_mlp_layernorm``,
-                        ``mlp.shared_experts_compute``, ``mlp.route``, ``mlp.preprocess`` (split counts, permute)
-          dispatch      the dispatcher's tokens and probs, all-to-all'd by the schedule's comm lane with the
-                        dispatcher's split sizes (what ``token_dispatch`` would do, but launched asynchronously)
-          experts       ``mlp.routed_experts_compute`` (sort by local expert, experts, unsort)
-          combine       all-to-all back, then ``mlp.postprocess`` and ``_forward_post_mlp`` (residual add)
-      These are exactly the ops of the stack's forward, so losses and gradients stay bitwise equal.
-    * The ``flex`` dispatcher (DeepEP, HybridEP, NCCL EP) moves its own tokens: a fused permute and all-to-all whose
-      autograd backward is the reverse one. The layer then ``owns_comm`` (the chunk's ``Settings.moe_layers_own_comm``;
-      another dispatcher is refused by the rules, ``token_dispatcher``): ``preprocess`` gives the tokens and their
-      top-k probabilities, ``dispatch_comm`` is the dispatcher's ``token_dispatch``, ``combine_comm`` its
-      ``token_combine``, and the schedule's comm lane runs them and their backward (on GPU on its comm stream, where
-      the backend's asynchronous kernels overlap the other microbatch's compute). The backend's manager reads the
-      probabilities from itself, so the layer points it at the node's inputs before each step that reads them.
-    * A unit is an MoE group: the compute layers after one MoE layer (``before``: attention, MLP, Mamba, ... run
-      whole, as the stack runs them) and the next MoE layer. A ``GPTModel`` layer is the group with nothing before
-      it. :class:`McoreComputeRun` is a run of compute layers with no MoE layer after it (a dense unit).
-    * The dispatcher (and a flex dispatcher's backend manager) keeps one microbatch's routing state on itself
-      between ``preprocess`` and ``postprocess``. Two forwards of one layer may be in flight at once (edge pairing),
-      so each microbatch's :class:`McoreRouting` saves their attributes after each step that sets them and puts them
-      back before the next; a new microbatch starts from the state the last combine left, as in the stack's
-      forward, not from another microbatch's in flight. Only what the dispatcher's own steps write is put back
-      (:class:`StepWritten`): a setting changed between steps by someone else stays as they left it, such as the
-      capacity factor Megatron-Core's ``PagedStashRunner`` clears to rerun a step on HybridEP's dynamic path.
-    * Delayed wgrad: experts built from Transformer Engine linears offer ``backward_dw()`` and the schedule uses
-      it. Megatron-Core's local linears have a ``backward_dw()`` that does nothing; their wgrad stays in the
-      experts' backward (the plan warns once). A layer run whole gets its attention's ``backward_dw`` in the
-      attention-wgrad slot (a GDN mixer's too: its projections); a Mamba mixer has none, so a Mamba layer whose
-      Transformer Engine linears would defer weight gradients is refused by name (``undelayable``).
+    * :class:`McoreLayer` builds the nodes from Megatron-Core 0.19.x's own sub-steps, in the stack's op order, so
+      losses and gradients stay bitwise equal: pre_dispatch (the ``before`` layers whole, ``_forward_attention``,
+      ``_forward_pre_mlp_layernorm``, shared experts, ``route``, ``preprocess``), dispatch, experts
+      (``routed_experts_compute``), combine (``postprocess``, ``_forward_post_mlp``).
+    * With the ``flex`` dispatcher a layer ``owns_comm``: dispatch and combine are its ``token_dispatch`` and
+      ``token_combine``, run with their autograd backward on the schedule's comm lane.
+    * A unit is an MoE group (the compute layers after one MoE layer, then the next MoE layer); a trailing run of
+      compute layers is one :class:`McoreComputeRun`.
+    * The dispatcher keeps a microbatch's routing state on itself; with two microbatches of a layer in flight, each
+      :class:`McoreRouting` saves and puts back only what the dispatcher's own steps wrote (:class:`StepWritten`).
 """
 
 import contextlib
@@ -66,16 +44,15 @@ def _as_list(splits) -> list[int]:
 
 
 def uses_transformer_engine(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds any of Megatron-Core's Transformer Engine extension modules."""
     return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in module.modules())
 
 
 def run_stack_layer(
     layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb, packed_seq_params=None
 ) -> torch.Tensor:
-    """One decoder layer whole, called as Megatron-Core's stacks call it (``TransformerBlock``, ``HybridStack``): a
-    ``TransformerLayer`` (attention, MLP, GDN: ``G``) with the rotary embedding, any other layer (``MambaLayer``)
-    without it. Both take the packed-sequence parameters: a Mamba mixer reads the documents' boundaries there
-    (``seq_idx``), a GDN its ``cu_seqlens``."""
+    """One decoder layer whole, as ``TransformerBlock``/``HybridStack`` call it: a ``MambaLayer`` gets no
+    rotary embedding; both kinds get ``packed_seq_params`` (Mamba's ``seq_idx``, GDN's ``cu_seqlens``)."""
     if isinstance(layer, TransformerLayer):
         out, _ = layer(
             hidden_states=x_SBH,
@@ -108,8 +85,7 @@ def whole_layer_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> N
 
 
 def _undelayable(layers) -> list[str]:
-    """Layers whose Transformer Engine linears would defer their weight gradients with no ``backward_dw`` to run
-    them (Megatron-Core's Mamba mixer has none): delayed wgrad would lose those gradients."""
+    """Layers whose TE linears would defer weight gradients with no ``backward_dw`` to run them (Mamba mixers)."""
     return [
         type(layer).__name__
         for layer in layers
@@ -128,9 +104,8 @@ def _attributes(dispatcher) -> tuple[dict, dict]:
 
 @dataclass
 class StepWritten:
-    """The attributes a dispatcher's own steps (``preprocess``, dispatch, experts, combine, ``postprocess``) have
-    written so far, on the dispatcher and on its backend manager: the routing state. One per layer, shared by its
-    microbatches. Everything else on them is a setting, which a restore never touches."""
+    """The attributes a dispatcher's own steps wrote on it and its backend manager: the routing state. One per
+    layer; everything else on them is a setting, which a restore never touches."""
 
     dispatcher: set[str] = field(default_factory=set)
     manager: set[str] = field(default_factory=set)
@@ -150,9 +125,8 @@ def _put_back(owner, state: dict, written: set[str]) -> None:
 
 @dataclass
 class McoreRouting:
-    """One microbatch's dispatch in one layer: split sizes read from the Megatron-Core dispatcher, and the routing
-    state for this microbatch of the dispatcher and of its backend manager, if it has one (their attributes, saved
-    after each step that sets them; only those the steps write are put back, see :class:`StepWritten`)."""
+    """One microbatch's dispatch in one layer: its split sizes and the routing state it left on the dispatcher and
+    its backend manager (if any)."""
 
     dispatcher: object
     written: StepWritten = field(default_factory=StepWritten)
@@ -164,8 +138,7 @@ class McoreRouting:
 
     @classmethod
     def of(cls, dispatcher, written: StepWritten | None = None, before: tuple[dict, dict] | None = None):
-        """The dispatcher's state as it is now; ``before``: its attributes before the step that just ran (what that
-        step wrote joins ``written``)."""
+        """The dispatcher's state now; what the step that just ran wrote since ``before`` joins ``written``."""
         routing = cls(dispatcher, written if written is not None else StepWritten())
         if before is not None:
             routing.written.learn(before, _attributes(dispatcher))
@@ -173,11 +146,9 @@ class McoreRouting:
         return routing
 
     def save(self) -> None:
-        """Takes the dispatcher's (and its manager's) attributes as this microbatch's state."""
         self.state, self.manager_state = _attributes(self.dispatcher)
 
     def restore(self) -> None:
-        """Puts this microbatch's routing state back into the dispatcher (and its manager)."""
         _put_back(self.dispatcher, self.state, self.written.dispatcher)
         manager = getattr(self.dispatcher, "_comm_manager", None)
         if manager is not None:
@@ -185,7 +156,7 @@ class McoreRouting:
 
     @contextlib.contextmanager
     def active(self):
-        """The dispatcher holds this microbatch's state inside; another microbatch may use it in between."""
+        """The dispatcher holds this microbatch's state inside the block."""
         self.restore()
         before = _attributes(self.dispatcher)
         yield self.dispatcher
@@ -201,15 +172,14 @@ class _Unit(LayerHooks):
     replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
 
     def bound_to(self, context):
-        """The same unit, reading its attention mask, rotary embedding and packed-sequence parameters from
-        ``context`` (one microbatch's), and the microbatch's index where the context has one."""
+        """A copy reading masks, rotary embedding and packed-sequence parameters from ``context`` (a microbatch's)."""
         bound = copy.copy(self)
         bound.chunk = context
         return bound
 
     @property
     def microbatch(self) -> int | None:
-        """This microbatch's index in the step, under Megatron-Core's driver (the graph a replay reads)."""
+        """This microbatch's index in the step under Megatron-Core's driver (the graph a replay reads)."""
         return getattr(self.chunk, "microbatch", None)
 
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
@@ -230,19 +200,16 @@ class _Unit(LayerHooks):
 
 
 class McoreLayer(_Unit):
-    """Node functions for one Megatron-Core ``TransformerLayer`` and the compute layers ``before`` it (see the module
-    docstring)."""
+    """Node functions for a Megatron-Core ``TransformerLayer`` and the compute layers ``before`` it."""
 
     def __init__(self, layer: torch.nn.Module, index: int, chunk, before: list[torch.nn.Module] = ()):
         self.layer, self.chunk, self.before = layer, chunk, list(before)
         self.name = f"layer{index}"
         self.is_moe = isinstance(layer.mlp, MoELayer)
         config = layer.config
-        # The dispatcher's kind is the chunk's settings' (which dispatchers the overlap takes: the rules', checked
-        # before any overlapped step runs these nodes).
+        # The dispatcher's kind comes from the chunk's settings (the rules say which ones the overlap takes).
         self.owns_comm = self.is_moe and chunk.settings.moe_layers_own_comm
-        # The state the last combine left (at first, the dispatcher as built): where a new microbatch starts. One
-        # list that the per-microbatch copies (bound_to) share.
+        # Where a new microbatch starts: the state the last combine left (first: as built); bound_to copies share it.
         self._combined = [McoreRouting.of(layer.mlp.token_dispatcher, StepWritten())] if self.is_moe else None
         zero_copy = zero_copy_refusal(config) if self.is_moe else None
         if zero_copy is not None:
@@ -271,9 +238,8 @@ class McoreLayer(_Unit):
         layer = self.layer
         before = None
         if self.is_moe:
-            # Where the stack's forward leaves the dispatcher for the next microbatch: the state the last combine
-            # left (a backend resets what its combine consumed, such as HybridEP's row count), not that of a
-            # microbatch between its dispatch and its combine.
+            # Start from the state the last combine left (a backend resets what its combine consumed, e.g.
+            # HybridEP's row count), as the stack's forward does, not from a microbatch still in flight.
             start = self._combined[0]
             start.restore()
             before = _attributes(start.dispatcher)
@@ -305,11 +271,10 @@ class McoreLayer(_Unit):
         return McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
 
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
-        """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess`` (its semantics are
-        kept); the device-to-host sync stays in :meth:`exchange_splits`."""
+        """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess``."""
 
     def exchange_splits(self, routing: McoreRouting | None, *, op: str) -> None:
-        """The dispatcher already exchanged split counts in preprocess; this is its device-to-host sync."""
+        """The dispatcher's device-to-host sync of its counts (Megatron-Core's ``_maybe_dtoh_and_synchronize``)."""
         if routing is None or self.owns_comm:
             return
         with routing.active() as dispatcher:
@@ -321,9 +286,8 @@ class McoreLayer(_Unit):
         routing.exchanged = (routing.in_splits, routing.out_splits)
 
     def replay_splits(self, routing: McoreRouting | None, exchanged) -> None:
-        """A replayed forward (full recompute): Megatron-Core's dispatcher exchanged the counts again in
-        ``preprocess`` (every rank replays the same layer at the same op), so this is its device-to-host sync, and a
-        check that the replayed router routes as the first forward did."""
+        """Full recompute's replay (``preprocess`` exchanged the counts again): the sync, and a check that the
+        replayed router routes as the first forward did."""
         self.exchange_splits(routing, op=f"{self.name} replay")
         if routing is not None and not self.owns_comm and routing.exchanged != tuple(exchanged):
             raise RuntimeError(
@@ -370,8 +334,8 @@ class McoreLayer(_Unit):
     # ---- delayed weight gradients -------------------------------------------------------------------
 
     def attention_backward_dw(self) -> None:
-        """Everything ``pre_dispatch`` computed: the layers before, then this layer's attention and shared experts;
-        for a dense layer its MLP too (the program runs no expert wgrad for a dense layer)."""
+        """What ``pre_dispatch`` computed: the layers before, this layer's attention and shared experts (a
+        dense layer's MLP too)."""
         for layer in self.before:
             whole_layer_backward_dw(layer, self.microbatch)
         if self.is_moe:
@@ -380,15 +344,14 @@ class McoreLayer(_Unit):
             whole_layer_backward_dw(self.layer, self.microbatch)
 
     def expert_backward_dw(self) -> None:
-        """What ``experts`` computed: the routed experts (the call Megatron-Core's plan makes)."""
+        """The routed experts' (the call Megatron-Core's plan makes)."""
         if self.is_moe:
             self.layer.mlp.backward_dw()
 
 
 class McoreComputeRun(_Unit):
-    """Compute layers with no MoE layer after them (a hybrid stack's tail, or a chunk with no MoE layer): a dense
-    unit. All but the last layer run in ``pre_dispatch``, the last in ``experts``, so each node computes something
-    and the schedule pairs it like a dense layer."""
+    """Compute layers with no MoE layer after them: a dense unit, all but the last layer in ``pre_dispatch``, the
+    last in ``experts``."""
 
     is_moe = False
     expert_wgrad_delayable = False
@@ -419,9 +382,9 @@ class McoreComputeRun(_Unit):
         return back  # the last layer added its own residual
 
     def attention_backward_dw(self) -> None:
-        """Every layer's: they ran whole (the last one's backward ran before this one's, in the experts node)."""
+        """Every layer's: they ran whole."""
         for layer in self.layers:
             whole_layer_backward_dw(layer, self.microbatch)
 
     def expert_backward_dw(self) -> None:
-        """No experts (the last layer's weight gradients run with the others in :meth:`attention_backward_dw`)."""
+        """Nothing: :meth:`attention_backward_dw` runs every layer's."""

@@ -1,21 +1,9 @@
 """The low-precision (fp8, fp4) contexts Megatron-Core's stacks give each layer, for the plan's node functions.
 
-Contract:
-    * Per layer: fp8 with any recipe but ``delayed``, and fp4, run each layer of ``TransformerBlock`` and
-      ``HybridStack`` inside ``get_fp8_context(config, n)`` / ``get_fp4_context(config, n)``, ``n`` the layer's
-      global 0-based number. :func:`layer_context` returns that context; the plan enters it around every node
-      function of the layer (forward and, being the same functions, full recompute's replay) and around every
-      layer it runs whole. For a layer kept in bf16 (``first_last_layers_bf16``) Megatron-Core's own function
-      returns a no-op, so the plan's does too.
-    * Per step: fp8 ``delayed`` runs the whole stack inside one ``get_fp8_context(config)`` (its amax reduction
-      runs when the outermost context exits, so it must not close per layer). :func:`step_context` returns it;
-      Megatron-Core's combined 1F1B driver opens it around each ``run`` of a schedule plan, and the engine opens it
-      around each step of the schedule program, so both wrap the same span of work.
-    * The functions are looked up on Megatron-Core's modules at each call, as its stacks look them up, so a
-      stand-in installed there (a test's spy) sees the plan's calls too. Without Transformer Engine both return a
-      no-op context, as Megatron-Core's do.
-    * Backward needs no context: Transformer Engine saves the recipe of each forward with its tensors, and delayed
-      wgrad (``backward_dw``) computes from those.
+:func:`layer_context` is ``get_fp8_context``/``get_fp4_context(config, n)`` for the layer's 0-based number (none with
+fp8 ``delayed``), entered around every node function (so full recompute's replay too) and every layer run whole;
+:func:`step_context` is fp8 ``delayed``'s one context around a whole step, whose amax reduction runs when the
+outermost context exits. Both are looked up on Megatron-Core's modules at each call, as its stacks do.
 """
 
 from contextlib import AbstractContextManager, nullcontext

@@ -1,18 +1,10 @@
 """What the Megatron-Core plan refuses, each with one line naming the fix.
 
-Contract:
-    * :func:`config_refusals`: the refusals a model config alone decides, each ``(name, line)``: a short snake_case
-      name (as the rules in ``moe_overlap_rules`` have) and the one line the plan raises when it is built. It reads
-      a Megatron-Bridge provider before ``finalize()`` (fields by attribute, Megatron-Core's defaults where absent;
-      the provider's class says which model it builds) or a built config. The rules are not repeated, but for
-      ``mtp_layers``, the rule's name on purpose: the plan refuses it wherever it is built, the rule where the overlap
-      is on. A recipe check calls it beside the rules for a config-only verdict.
-    * :func:`refuse_unscheduled`: model features the plan does not schedule, when it is built (the config-only ones
-      are :func:`config_refusals`'s, the rest need the built model); :func:`refuse_vision_language`: what the plan
-      does not schedule of Megatron-Bridge's vision-language model.
-    * :func:`zero_copy_refusal`: NCCL EP's zero-copy buffers, which each MoE layer of the plan refuses, naming itself.
-    * :func:`check_delayed_wgrad`: with delayed wgrad, layers whose Transformer Engine linears would defer weight
-      gradients nothing runs (refused), and experts whose local linears delay nothing (one warning).
+:func:`config_refusals` gives what a model config alone decides (a Bridge provider before ``finalize()`` or a built
+config) as ``(name, line)``, for a recipe check beside the rules; it repeats no rule but ``mtp_layers``, whose name is
+the rule's on purpose (the plan refuses it wherever it is built, the rule only with the overlap on).
+:func:`refuse_unscheduled` and :func:`refuse_vision_language` raise, when a plan is built, the first of those or of
+the refusals that need the built model.
 """
 
 import logging
@@ -32,16 +24,10 @@ _QWEN3_VL_PROVIDERS = frozenset(
 
 
 def config_refusals(config) -> list[tuple[str, str]]:
-    """The plan's refusals that ``config`` alone decides (see the module docstring).
-
-    Args:
-        config: A Megatron-Bridge model provider, finalized or not, or a Megatron-Core ``TransformerConfig``.
+    """The plan's refusals that ``config`` (a Bridge provider, finalized or not, or a ``TransformerConfig``) decides.
 
     Returns:
-        ``(name, line)`` per refusal, in the order the plan checks them; empty when the plan would build. Names:
-        ``model_class``, ``mtp_layers``, ``mtp_standalone_stage``, ``mrope``, ``recompute_stepped_modules``,
-        ``ncclep_zero_copy``, and for a Qwen3-VL provider ``vl_sequence_parallel``, ``vl_context_parallel``,
-        ``vl_cuda_graphs``.
+        ``(name, line)`` per refusal, in the order the plan checks them; empty when the plan would build.
     """
     classes = {cls.__name__ for cls in type(config).__mro__}
     vision_language = bool(classes & _QWEN3_VL_PROVIDERS)
@@ -69,8 +55,7 @@ def _model_class_line(provider: str) -> str:
 
 
 def zero_copy_refusal(config) -> str | None:
-    """NCCL EP's zero-copy buffers with the flex dispatcher: the line refusing them, or None. Each MoE layer of the
-    plan refuses them in these words, its name first (``layer.McoreLayer``)."""
+    """The line refusing NCCL EP's zero-copy buffers (each MoE layer raises it, its name first), or None."""
     ncclep = (
         getattr(config, "moe_token_dispatcher_type", None) == "flex"
         and getattr(config, "moe_flex_dispatcher_backend", None) == "ncclep"
@@ -85,8 +70,7 @@ def zero_copy_refusal(config) -> str | None:
 
 
 def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bool) -> list[tuple[str, str]]:
-    """The config-only refusals of a language model's plan; ``position_embedding_type`` is the model's (a built
-    model holds it, a provider's config carries it)."""
+    """The config-only refusals of a language model's plan (``position_embedding_type``: the model's)."""
     refusals = []
     mtp_layers = getattr(config, "mtp_num_layers", None)
     if mtp_layers and mtp_layers > 1:
@@ -135,8 +119,7 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
 
 
 def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: bool = False) -> None:
-    """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule.
-    ``multimodal_rotary``: the plan computes multimodal rotary positions (the vision-language plan's)."""
+    """Raises ValueError (one line, with its fix) for the first model feature the plan does not schedule."""
     config = model.config
     decided = _language_refusals(config, model.position_embedding_type, multimodal_rotary=multimodal_rotary)
     if decided:
@@ -193,8 +176,8 @@ def _vision_language_refusals(config) -> list[tuple[str, str]]:
 
 
 def refuse_vision_language(model: torch.nn.Module) -> None:
-    """Raises ValueError (one line, with its fix) for the first feature of Megatron-Bridge's ``Qwen3VLModel`` that the
-    vision-language plan does not schedule; the language model's own go through :func:`refuse_unscheduled`."""
+    """Raises ValueError (one line, with its fix) for the first ``Qwen3VLModel`` feature the VL plan does not
+    schedule (the language model's: :func:`refuse_unscheduled`)."""
     if getattr(model, "use_dist_train", False) or not model.add_decoder:
         raise ValueError(
             "dist_train.use_dist_train: Qwen3VLModel's vision tower and language model on different ranks are not "
@@ -206,9 +189,8 @@ def refuse_vision_language(model: torch.nn.Module) -> None:
 
 
 def _standalone_mtp_stage(config) -> int | None:
-    """The pipeline rank whose last virtual stage holds the MTP layer, when that is not the stage with the loss. The
-    layout as a provider carries it before ``finalize()`` (a string or a list of stages) is read as Megatron-Core
-    will parse it; one it cannot parse is Megatron-Core's to refuse."""
+    """The pipeline rank whose last virtual stage holds the MTP layer, when that stage has no loss (a layout
+    Megatron-Core cannot parse is its to refuse)."""
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if not getattr(config, "mtp_num_layers", None) or layout is None:
         return None
@@ -236,7 +218,7 @@ def _local_attention_layers(model: torch.nn.Module) -> list[int]:
 
 
 def check_delayed_wgrad(units: list) -> None:
-    """With delayed wgrad: refuses layers that would lose weight gradients; warns once about experts that delay
+    """With delayed wgrad: refuses layers that would lose weight gradients, warns once about experts that delay
     nothing."""
     lost = sorted({name for unit in units for name in unit.undelayable})
     if lost:

@@ -1,41 +1,14 @@
-"""Megatron-Bridge's vision-language model (``Qwen3VLModel``: Qwen3-VL, Qwen3.5-VL) under the EP-overlap schedule.
+"""Megatron-Bridge's ``Qwen3VLModel`` (Qwen3-VL, Qwen3.5-VL) under the EP-overlap schedule (Megatron-Core's driver).
 
 Contract:
-    * :class:`McoreVisionLanguageChunk` runs a ``Qwen3VLModel`` (whole, or one pipeline chunk) whose language model is
-      a ``GPTModel`` (Bridge's ``Qwen3VLGPTModel``): its decoder layers are the schedule's units and the head is the
-      language model's, as for a ``GPTModel`` (:class:`~megatron.bridge.training.ep_overlap.mcore.gpt.McoreGPTChunk`).
-      Bridge's VL classes are not imported here: a model is recognized by its class, whose module is loaded once one
-      exists (:func:`is_vision_language`), so this module also loads where Bridge's models are absent.
-    * A microbatch's images (``pixel_values``, ``image_grid_thw``; videos the same way) are bound to it when
-      Megatron-Core's driver builds its plan (:meth:`McoreVisionLanguageChunk.bind_inputs`). On the chunk with the
-      embedding, its embed step runs the vision tower, unpaired like the embedding, and writes the image embeddings
-      over the image tokens' word embeddings, with the model's own functions (``reorganize_inputs``, its
-      ``vision_model``, the language embedding), as ``Qwen3VLModel.forward`` does before the first layer.
-    * Multimodal rotary positions: on every chunk, per microbatch, from its input ids and grids (Bridge's
-      ``get_rope_index``) or as given (``position_ids`` of shape 3 x B x S), through the language model's multimodal
-      rotary embedding, as the model's forward computes them on every pipeline stage; every layer's attention reads
-      them. Other position ids are ignored, as the model ignores them.
-    * Deepstack (Qwen3-VL): the vision tower's i-th deepstack feature is added to the image tokens' hidden states right
-      after the i-th layer of the chunk with the vision tower, with the language block's own ``_deepstack_process``,
-      where the plain block adds it. Bridge's model passes no deepstack feature across pipeline stages: it asserts
-      when built that those layers are on that chunk; the plan refuses the same by name. The features enter the
-      units cut from the vision tower's graph; their gradients join the embedding step's backward, so the vision
-      tower runs its backward once per microbatch, as in the plain path.
-    * Qwen3.5's gated attention output and shared-expert gate are computed inside the attention module and the MoE
-      layer's shared experts, which the plan runs as the plain path does.
-    * A text-only microbatch (no pixel values, no image tokens) runs the language model alone, as the model's forward
-      does; text-only microbatches and ones with images mix freely in a step.
-    * Full recompute (the hook's ``full_recompute`` keyword) replays each recomputed layer's nodes before its
-      backward, the deepstack additions with them, as the language block's checkpointed forward recomputes them.
-    * One MTP layer (every Qwen3.5-VL recipe has one) runs in the head of the last stage, with the microbatch's
-      multimodal rotary embedding, as the language model's forward passes its MTP block.
-    * Refused when the plan is built (``refusals.refuse_vision_language``), each in one line with its fix: the vision
-      tower and the language model on different ranks (``dist_train``), sequence parallelism (the model scatters its
-      merged embeddings and splits the deepstack features), context parallelism, the vision tower's CUDA graphs.
-      Refused when a microbatch is bound (one line each, before any compute): packed sequences, input ids holding image
-      (video) tokens whose pixel values or grids did not reach the plan (stock Megatron-Bridge 0.6.2's
-      ``qwen3_vl_step`` passes them to the plain forward only: the fix is this project's patch), no input ids. The plan
-      reads only what it is given, never its caller's frames."""
+    * The language model's decoder layers are the units, with a ``GPTModel``'s head (one MTP layer included); Bridge's
+      VL classes are never imported here (:func:`is_vision_language` looks the class up in ``sys.modules``).
+    * On the chunk with the embedding, the embed step runs the vision tower (unpaired) and merges the image embeddings
+      as ``Qwen3VLModel.forward`` does. Multimodal rotary positions are computed per microbatch on every chunk
+      (Bridge's ``get_rope_index``); deepstack features are added after the layers where the language block adds them.
+    * What the plan does not schedule is refused, one line with its fix, when it is built
+      (``refusals.refuse_vision_language``) or a microbatch is bound (``McoreVisionLanguageChunk.input_problems``).
+"""
 
 import sys
 
@@ -53,16 +26,14 @@ _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
 
 
 def is_vision_language(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is Megatron-Bridge's ``Qwen3VLModel`` (a model of that class exists only where its module
-    was imported)."""
+    """Whether ``model`` is Megatron-Bridge's ``Qwen3VLModel`` (the class exists only once its module is imported)."""
     module = sys.modules.get(_MODEL_MODULE)
     return module is not None and isinstance(model, module.Qwen3VLModel)
 
 
 class _WithDeepstackGrads(torch.autograd.Function):
-    """The embedding step's output, whose backward also hands the deepstack features the gradients their units
-    left on the cut copies, so one backward pass runs through the vision tower for all its outputs, as autograd
-    runs it in the plain path."""
+    """The embed step's output; its backward also gives the deepstack features their cut copies' gradients, so the
+    vision tower runs one backward per microbatch, as in the plain path."""
 
     @staticmethod
     def forward(ctx, x_SBH, cut, *features):
@@ -75,9 +46,8 @@ class _WithDeepstackGrads(torch.autograd.Function):
 
 
 class _DeepstackLayer(McoreLayer):
-    """A layer of the chunk with the vision tower whose output gets the ``feature``-th deepstack feature added at the
-    image tokens, as the language block adds it: after ``combine`` (the layer's last node; a replay's too), or after
-    the whole layer in the plain path."""
+    """A layer that adds the ``feature``-th deepstack feature at the image tokens, as the language block does: after
+    ``combine`` (a replay's too), or after the whole layer in the plain path."""
 
     def __init__(self, layer: torch.nn.Module, index: int, chunk, feature: int):
         super().__init__(layer, index, chunk)
@@ -98,14 +68,12 @@ class _DeepstackLayer(McoreLayer):
 
 
 class VisionLanguageMicrobatch:
-    """One microbatch of a vision-language plan: the driver's view of it (attention and loss masks, the head) with
-    its multimodal inputs, its rotary embedding, and after the embed step its image positions and deepstack features
-    (cut from the vision tower's graph, see the module docstring). The plan's units are bound to it."""
+    """One microbatch of a VL plan: the driver's view with its multimodal inputs and rotary embedding, and after
+    the embed step its image positions and deepstack features."""
 
     def __init__(self, chunk: "McoreVisionLanguageChunk", view, input_ids: torch.Tensor, inputs: dict):
         self.view, self.input_ids, self.inputs = view, input_ids, inputs
-        # Kept on the view (read here through __getattr__): the bound layers and the view's head, whose MTP layer
-        # reads it, see the one rotary embedding.
+        # On the view, so the bound layers and the view's head (its MTP layer) read the one rotary embedding.
         view.rotary_pos_emb = chunk.rotary_for_microbatch(input_ids, view.position_ids, inputs)
         self.visual_pos_masks, self.deepstack = None, None
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
@@ -122,14 +90,8 @@ class VisionLanguageMicrobatch:
 
 
 class McoreVisionLanguageChunk(McoreGPTChunk):
-    """Megatron-Bridge's ``Qwen3VLModel`` (or one pipeline chunk of it) as the EP-overlap plan runs it (see the
-    module docstring). ``model`` is the language model (Megatron-Core's ``GPTModel``), ``vision_language`` the
-    whole model.
-
-    Args:
-        model: The ``Qwen3VLModel``, whole or one pipeline chunk (Bridge builds one per virtual stage).
-        delay_wgrad: Whether the plan runs with delayed wgrad (see :class:`McoreChunk`).
-    """
+    """Megatron-Bridge's ``Qwen3VLModel`` (whole or one pipeline chunk) as the plan runs it; ``self.model`` is its
+    language model (a ``GPTModel``), ``self.vision_language`` the whole model."""
 
     multimodal_rotary = True  # refusals: this plan computes 'mrope' positions
     bound_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -145,8 +107,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         super().__init__(model.language_model, delay_wgrad=delay_wgrad)
 
     def _build_units(self) -> tuple[list, list[int]]:
-        """The language model's decoder layers; on the chunk with the vision tower, the first ones add the
-        deepstack features."""
+        """The language model's decoder layers; on the vision tower's chunk, the first ones add deepstack features."""
         layers = self.model.decoder.layers
         if self.pre_process and self.deepstack_count > len(layers):
             raise ValueError(
@@ -209,8 +170,8 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         return VisionLanguageMicrobatch(self, view, input_ids, inputs)
 
     def rotary_for_microbatch(self, input_ids: torch.Tensor, position_ids, inputs: dict):
-        """The multimodal rotary embedding the layers read for this microbatch: from ``position_ids`` when they are
-        multimodal ones (3 x B x S), else from the input ids and grids, as the model's forward computes them."""
+        """This microbatch's multimodal rotary embedding: from 3 x B x S ``position_ids``, else from its input ids
+        and grids (``get_rope_index``), as the model's forward computes it."""
         rope = sys.modules[_ROPE_MODULE]
         if not (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 3):
             vl = self.vision_language
@@ -230,10 +191,8 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         return rotary_pos_emb
 
     def embed_images(self, tokens_BS: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None, list]:
-        """What ``Qwen3VLModel.forward`` does before the first language layer: the vision tower on the microbatch's
-        images, their embeddings written over the image tokens' word embeddings. Returns the hidden states
-        [S, B, H], the image tokens' positions [B, S] (None without images) and the deepstack features (empty
-        without)."""
+        """``Qwen3VLModel.forward`` before the first layer: hidden states [S, B, H] with the image embeddings merged,
+        the image positions [B, S] (None without images) and the deepstack features."""
         vl, utils = self.vision_language, sys.modules[_UTILS_MODULE]
         pixels, grid, mask_BS = utils.reorganize_inputs(
             input_ids=tokens_BS,
@@ -252,8 +211,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
             else:  # grids without pixels: no image token gets an embedding, as in the model's forward
                 config = self.config
                 images = torch.zeros((0, config.hidden_size), device=pixels.device, dtype=config.params_dtype)
-        # The word embeddings of every token (the language model's position ids are its rotary ones: none here),
-        # copied so the image embeddings can be written in place.
+        # Every token's word embedding (no position ids: they are rotary), copied to write image embeddings in place.
         x_SBH = self.model.embedding(input_ids=tokens_BS, position_ids=None).clone()
         if images is None:
             return x_SBH, None, []
@@ -264,8 +222,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
     def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A text-only microbatch's embedding and rotary embedding (a microbatch with images is embedded by its
-        :class:`VisionLanguageMicrobatch`)."""
+        """A text-only microbatch's embedding and rotary embedding (with images: :class:`VisionLanguageMicrobatch`)."""
         rotary_pos_emb = self.rotary_for_microbatch(tokens_BS, position_ids_BS, {})
         return self.embed_images(tokens_BS, {})[0], rotary_pos_emb
 

@@ -1,7 +1,5 @@
 """The schedule program: what a rank runs in a training step, as data (pure Python; no torch).
 
-``steps.py`` yields the steps and their windows of ops; ``pipeline.py`` orders microbatches over pipeline ranks;
-``units.py`` says what one sequence of nodes runs; ``ops.py`` declares every op once; ``interpreter.py`` runs them
-in the order the lane issues them. The engine executes the program, the planner prices it, Megatron-Core's driver
-runs its per-kind steps.
+``steps.py`` yields the steps, ``pipeline.py`` orders them over pipeline ranks, ``ops.py`` declares every op,
+``replay.py`` places full recompute, ``units.py`` splits microbatches, ``interpreter.py`` runs the ops.
 """

@@ -1,30 +1,12 @@
-"""One loop over a program's ops for its three consumers (the engine's nodes, the planner's simulator and memory
-count), and the one place that decides in which order a lane issues them.
+"""One loop over a program's ops for all its consumers, and the one place that decides a lane's issue order.
 
 Contract:
-    * :func:`run_ops` calls each op on a runner: op ``(kind, name)`` of unit ``u`` is the method its :data:`OPS`
-      entry names (``OpSpec.method``, e.g. ``launch_dispatch``) of ``runners[u]`` for an op at the chunk's ends, of
-      ``runners[u].layers[j]`` for one at layer j. What an op writes (``OpSpec.writes``: ``x`` the unit's
-      activation, ``g`` its gradient, ``r`` a replayed activation) is handed to the next op of that unit that reads
-      it.
-    * The program says what may overlap (its windows), what each op depends on (its unit's earlier ops and its
-      lane's, ``Op.lane``) and which ops block the host on any lane (``OpSpec.host_sync``: the dispatcher's
-      device-to-host sync of F's split sizes, a pipeline receive). The order a lane issues them in follows from its
-      kind, here and nowhere else (:func:`issue_order`):
-        - ``IssueOrder.HOST`` (a CPU lane: compute runs on the host thread and blocks it): program order, so every
-          transfer is launched before the compute it is to hide behind;
-        - ``IssueOrder.DEVICE`` (the CUDA lane: compute, waits and transfers are only queued on streams): the same
-          order on each stream (computations and waits in program order, launches in program order, each unit's
-          ops in program order), with every host sync issued only once nothing left can be queued without it. In
-          the paired layer step that queues B's expert backward before F's split-size sync and dispatch, as
-          Megatron-Core's own plan does; the streams get the same work in the same order, so every number is too.
-      A runner says its lane's kind as ``issue``; one that says none (the planner's runners, which price a CPU
-      host lane) runs in program order.
-    * The runners differ, the loop does not: the engine's ``MicrobatchNodes`` (and, overlap off, ``PlainRun``) run
-      the model; ``planner/simulate.py`` charges each op a time on one rank's compute and link; ``planner/memory.py``
-      holds and lets go of what each node saves for backward. A runner has one method per op it can be given
-      (:class:`NoComm` gives those that move nothing for a runner that counts no communication).
-    * No torch here.
+    * :func:`run_ops` calls op ``(kind, name)`` of unit ``u`` as the method :data:`OPS` names, on ``runners[u]`` (the
+      chunk's ends) or ``runners[u].layers[j]`` (layer j); what an op writes goes to the next op of its unit that
+      reads it. Runners differ (engine nodes, planner cost and memory); the loop does not.
+    * :func:`issue_order`: ``IssueOrder.HOST`` (CPU: compute blocks the host) is program order;
+      ``IssueOrder.DEVICE`` (CUDA: work is only queued) keeps each stream's order and issues each host sync once
+      nothing left can be queued without it, so every number stays the same. No torch here.
 """
 
 import heapq
@@ -35,26 +17,22 @@ from megatron.bridge.training.ep_overlap.program.ops import OPS, Op
 
 
 class IssueOrder(StrEnum):
-    """How a lane runs what the host issues, and so the order it wants the ops in (see the module docstring)."""
+    """How a lane runs what the host issues, and so the order it wants the ops in."""
 
     HOST = "host"  # compute blocks the host: program order
     DEVICE = "device"  # compute is queued asynchronously: host syncs after the work that does not need them
 
 
 def issue_order(ops: Iterable[Op], order: IssueOrder) -> tuple[Op, ...]:
-    """``ops`` (what a lane is given at once: a program step, or one call of Megatron-Core's driver) in the order a
-    lane of kind ``order`` issues them.
+    """``ops`` (a program step, or one call of Megatron-Core's driver) in the order a lane of kind ``order`` wants.
 
-    On a device lane this is a list schedule: the next op is the first one in program order whose prerequisites
-    (the earlier ops of its unit and of its lane, :attr:`Op.lane`) were issued and that is not a host sync; only when
-    every op left is a host sync or waits for one is the first ready host sync issued. Without a host sync that is
-    program order again.
+    On a device lane, a list schedule: the first ready op in program order that is not a host sync (ready: its unit's
+    and lane's earlier ops issued); a ready host sync only when no other op is ready.
     """
     ops = tuple(ops)
     if order == IssueOrder.HOST or not any(op.spec.host_sync for op in ops):
         return ops
-    # An op depends on the earlier ops of its unit and of its lane, each a total order: the latest earlier op of the
-    # unit and of the lane are its only direct prerequisites, the others come before those.
+    # Unit and lane are each a total order: an op's direct prerequisites are the latest earlier op of each.
     waiting_for, unblocks = [0] * len(ops), [[] for _ in ops]
     latest: dict[tuple[str, object], int] = {}
     for i, op in enumerate(ops):
@@ -85,11 +63,7 @@ def issue_order(ops: Iterable[Op], order: IssueOrder) -> tuple[Op, ...]:
 
 
 def lane_order(runners: Mapping[int, object]) -> IssueOrder:
-    """The order the runners' lane issues in (their ``issue``; program order for runners that name none).
-
-    Raises:
-        ValueError: When the runners of one call name different orders (they would share no lane).
-    """
+    """The runners' common ``issue`` order (HOST for runners naming none); a ValueError if they differ."""
     orders = {getattr(runner, "issue", IssueOrder.HOST) for runner in runners.values() if runner is not None}
     if len(orders) > 1:
         raise ValueError(f"the runners of one step issue in different orders {sorted(orders)}: one lane runs a step")
@@ -97,8 +71,7 @@ def lane_order(runners: Mapping[int, object]) -> IssueOrder:
 
 
 def run_ops(ops: Iterable[Op], runners: Mapping[int, object], order: IssueOrder | None = None) -> None:
-    """Runs ``ops`` on ``runners`` (unit -> the unit's runner, whose ``layers`` run its layer ops), issued in
-    ``order`` (default: the runners' lane's, :func:`lane_order`)."""
+    """Runs ``ops`` on ``runners`` (unit -> runner; its ``layers`` run layer ops), by default in their lane's order."""
     values = {}
     for op in issue_order(ops, order or lane_order(runners)):
         target = runners[op.unit] if op.layer is None else runners[op.unit].layers[op.layer]

@@ -1,22 +1,9 @@
-"""The schedule program's words: every op declared once, the op and window records, and the short runs of ops that
-one unit's layer goes through (which ``steps.py`` and ``replay.py`` lay out beside another unit's).
+"""The schedule program's words: every op declared once (:data:`OPS`), the op and window records, and the short runs
+of ops one unit's layer goes through.
 
-Contract:
-    * An op is ``(kind, name)`` on one unit, at one layer of its chunk or at the chunk's ends. :data:`OPS` declares
-      each once (:class:`OpSpec`): the runner method that runs it, named literally (``"launch_dispatch"``; every
-      method is ``<kind>_<name>``), what of its unit it reads and writes, which runner has the method, and whether
-      it is a host sync (the host blocks until a peer or the device answers, even on a device lane).
-    * A :class:`Window` is ops in program order under a label (what ``--print_schedule`` prints): the transfers of
-      one microbatch and the compute of the other that they overlap. What an op depends on: the earlier ops of its
-      own unit (its data flows through them), and the earlier ops of its lane (:attr:`Op.lane`): computations and
-      the waits among them keep one order (the numbers depend on it), launches another (peers pair collectives by
-      it). A host sync keeps only its unit's order. Which order a lane issues the ops in follows from these and the
-      host syncs, in one place (``interpreter.issue_order``).
-    * The runners' typed protocols are generated from :data:`OPS`: :data:`LayerRunner` (an op at a layer),
-      :data:`ChunkRunner` (at a chunk's ends) and :data:`PlainRunner` (a whole chunk, overlap off), one method each.
-      Every runner (the engine's nodes and plain run, the simulator's and the memory count's charges) is checked
-      against them by a test, so an op added here without a runner fails it.
-    * No torch here.
+Contract: an op is ``(kind, name)`` on one unit, at a layer of its chunk or at its ends; its :class:`OpSpec` names
+the runner method, what it reads and writes, and whether it syncs the host. The runner protocols are generated from
+:data:`OPS`, and a test checks every runner against them. No torch here.
 """
 
 from collections.abc import Sequence
@@ -26,8 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 
 class OpKind(StrEnum):
-    """What an op does on the host: run a node, start or wait for a transfer, run a delayed wgrad, or run a whole
-    chunk through ordinary autograd (overlap off)."""
+    """What an op does: run a node, start or wait for a transfer, run a delayed wgrad, or run a whole chunk."""
 
     COMPUTE = "compute"
     LAUNCH = "launch"
@@ -39,26 +25,15 @@ class OpKind(StrEnum):
 COMPUTE, LAUNCH, WAIT, WGRAD, PLAIN = OpKind
 
 
-# Which runner of a unit runs an op: the runner of the op's layer, the unit's own at its chunk's ends, or the
-# unit's own for a whole chunk (overlap off). The interpreter picks the layer's runner for an op with a layer.
+# Which runner runs an op: its layer's, the unit's at the chunk's ends, or the unit's for a whole chunk (overlap off)
 LAYER, ENDS, WHOLE = "layer", "ends", "whole"
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op of the vocabulary.
-
-    Attributes:
-        method: The runner method that runs it, named literally so that a search for it finds this table.
-        reads: What of its unit the op takes as its argument: ``"x"`` the activation, ``"g"`` the gradient, ``"r"``
-            full recompute's replayed activation; None: nothing.
-        writes: What of its unit the op returns for the next op that reads it (same letters); None: nothing.
-        at: Which runner has the method: ``LAYER`` (the unit's layer), ``ENDS`` (the unit's, at its chunk's ends),
-            ``WHOLE`` (the unit's, a whole chunk through ordinary autograd).
-        host_sync: The host blocks in it until a peer (or the device) has answered, even on a lane whose compute
-            is only queued (a device lane). There it is issued once nothing left can be queued without it
-            (``interpreter.issue_order``).
-    """
+    """One op of the vocabulary: its runner ``method`` (named literally, so a search finds this table), what of its
+    unit it ``reads`` and ``writes`` (``"x"`` activation, ``"g"`` gradient, ``"r"`` replayed one; None: nothing), and
+    whether it is a ``host_sync`` (the host blocks until a peer or the device answers, even on a device lane)."""
 
     method: str
     reads: str | None = None
@@ -67,8 +42,7 @@ class OpSpec:
     host_sync: bool = False
 
 
-# Every op, declared once, with the method that runs it. Full recompute's ``replay_`` ops are B's replay of a
-# recomputed segment's forward, before the backward of its last layer.
+# Every op, declared once. ``replay_`` ops replay a recomputed segment's forward before its last layer's backward.
 OPS: dict[tuple[OpKind, str], OpSpec] = {
     (OpKind.COMPUTE, "embedding"): OpSpec("compute_embedding", writes="x", at=ENDS),
     # the engine's pipeline P2P goes through host memory, so a receive blocks the host on any lane
@@ -132,8 +106,7 @@ PlainRunner = runner_protocol("PlainRunner", PLAIN_OPS)
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of the host: ``kind`` and ``name`` as in :data:`OPS`, on ``unit``, at ``layer`` (its position
-    in the unit's chunk) or at the chunk's ends (None)."""
+    """One host operation: ``(kind, name)`` of :data:`OPS` on ``unit``, at ``layer`` or the chunk's ends (None)."""
 
     kind: OpKind
     name: str
@@ -146,17 +119,13 @@ class Op:
 
     @property
     def spec(self) -> OpSpec:
-        """Its entry in :data:`OPS`: the method that runs it, what it reads and writes, whether it syncs the host."""
         return OPS[(self.kind, self.name)]
 
     @property
     def lane(self) -> str | None:
-        """Whose order the op keeps across units (within its unit it keeps program order: it must be issued after
-        the earlier ops of its unit and of its lane). ``"compute"``: computations (``compute``, ``wgrad``, ``plain``),
-        which accumulate into the same gradients and draw from the same RNG, so their order is the numbers, and the
-        waits for transfers, which a device lane queues among them on its compute stream. ``"comm"``: launches,
-        which share the comm lane, and peers pair collectives by the order they are issued. None: a host sync
-        (:attr:`OpSpec.host_sync`), which holds up only the host."""
+        """Whose order the op keeps across units: ``"compute"`` for computations (their order is the numbers:
+        shared gradients, RNG) and the waits a device lane queues among them; ``"comm"`` for launches (peers pair
+        collectives by issue order); None for a host sync, which holds up only the host."""
         if self.spec.host_sync:
             return None
         return "comm" if self.kind == OpKind.LAUNCH else "compute"
@@ -167,6 +136,8 @@ class Op:
 
 @dataclass(frozen=True)
 class Window:
+    """Ops in program order under a label: one microbatch's transfers and the other's compute beside them."""
+
     label: str
     ops: tuple[Op, ...]
 
@@ -213,7 +184,7 @@ def _replay_output(u: int, j: int) -> list[Op]:
 
 
 def _replay_layer(u: int, j: int) -> list[Op]:
-    """One layer's forward replayed, each all-to-all waited for at once (nothing of the other unit beside it)."""
+    """One layer's forward replayed, each all-to-all waited for at once."""
     return _replay_to_dispatch(u, j) + _replay_to_combine(u, j) + _replay_output(u, j)
 
 

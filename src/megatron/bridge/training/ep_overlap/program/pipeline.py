@@ -1,29 +1,12 @@
 """The per-rank order of a training step under interleaved pipeline parallelism, as data.
 
 Contract:
-    * :func:`pipeline_schedule` lists, for one pipeline rank, every step of a training step: the forward of a
-      (microbatch, model chunk), its backward, or both paired, with the P2P transfers each needs. The program
-      (``steps.py``) expands each into its layer steps. PP = 1 is the case ``pipeline_size = virtual_size = 1``:
-      F(0); F(i+1) paired with B(i); B(N-1).
-    * Layout (Megatron-Core's): pipeline rank r holds virtual stages v = 0..V-1; model chunk ``v * P + r`` of the
-      whole model sits there. Microbatches go in groups of P (a remainder smaller than P joins the last group,
-      so any N >= 1 works); within a group the forward visits virtual stage 0 for each microbatch, then stage 1,
-      and so on. The backward visits the same table with the virtual stages reversed.
-    * Warm-up: ``2 (P - r - 1) + (V - 1) P`` forwards, plus one when overlap is on, capped at N V. The extra one
-      is what makes pairing possible: without it the last stage's first steady step would pair the forward and
-      the backward of the same microbatch, and a backward cannot start before its own forward's loss exists.
-      Without virtual stages (V = 1) and overlap off it is plain 1F1B's ``P - r - 1``.
-    * The plain 1F1B pipeline with overlap (V = 1) pairs too: a paired step takes its backward's gradient from the
-      step before and sends its forward's output at its end, so both wavefronts move one stage a step and stage r
-      holds ``2 (P - r)`` microbatches in flight where 1F1B holds ``P - r``. Nothing holds fewer: the last stage
-      cannot pair a microbatch with itself, so a gradient leaves it one step after the activation arrived, and each
-      hop back costs a step as each hop forward did.
-    * Steady state: step k pairs the forward of virtual microbatch W + k with the backward of virtual microbatch k.
-      Cool-down: the remaining backwards. Without overlap, a steady step runs its forward, then its backward.
-    * Deadlock freedom: sends never block (asynchronous, matched by a tag unique within the step), receives are
-      posted one step ahead and waited for only where their data is consumed, and all-to-alls involve only ranks
-      of one pipeline stage, which execute the same list. :func:`simulate` runs every rank's list against the
-      others' and reports the first rank that would wait forever; the tests run it over many layouts.
+    * :func:`pipeline_schedule` lists one rank's steps (a forward, a backward, or both paired) with their P2P
+      transfers, in Megatron-Core's layout (rank r holds chunk ``v * P + r``), for any N >= 1; PP = 1 is P = V = 1.
+    * Warm-up is Megatron-Core's count plus one forward with overlap, so no step pairs a microbatch's forward with
+      its own backward; steady step k pairs forward W + k with backward k; cool-down runs the rest.
+    * Deadlock freedom: sends never block (tags unique within the step), receives are posted a step ahead, and an
+      all-to-all spans one pipeline stage, whose ranks run the same list. :func:`simulate` checks it.
 """
 
 from dataclasses import dataclass
@@ -41,8 +24,8 @@ FORWARD, BACKWARD = Role.FORWARD, Role.BACKWARD
 
 
 class Phase(StrEnum):
-    """Where a step sits in the schedule, as its records carry it: filling the pipeline, the steady 1F1B part
-    (``PAIRED`` with overlap, ``STEADY`` without), draining it; a forward-only step; a plain step (overlap off)."""
+    """Where a step sits, as its records carry it: warm-up, steady (``PAIRED`` with overlap, ``STEADY`` without),
+    cool-down, forward-only, or plain (overlap off)."""
 
     WARMUP = "warmup"
     PAIRED = "paired"
@@ -68,12 +51,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class PipelineStep:
-    """One step of the driver on one pipeline rank.
-
-    ``forward``/``backward`` are (microbatch, virtual stage on this rank) or None. ``partner`` is a second
-    microbatch in the same direction, interleaved with the first (edge pairing: two forwards in the warm-up, two
-    backwards in the cool-down). ``recv`` lists what the step consumes from peers, ``send`` what it produces.
-    """
+    """One step of the driver on one pipeline rank: ``forward``/``backward`` are (microbatch, virtual stage) or
+    None; ``partner`` a second microbatch of the same direction (edge pairing); ``recv``/``send`` its transfers."""
 
     phase: Phase
     forward: tuple[int, int] | None
@@ -97,8 +76,7 @@ def virtual_order(num_microbatches: int, pipeline_size: int, virtual_size: int) 
     """(microbatch, virtual stage) in forward order; the backward reverses the virtual stage."""
     order, start = [], 0
     while start < num_microbatches:
-        # A last group smaller than P would reach a virtual stage before the pipeline has filled it: it joins the
-        # group before it instead (Megatron-Core refuses such an N; this schedule takes any N >= 1).
+        # A last group smaller than P would reach a stage before the pipeline filled it: it joins the one before
         end = num_microbatches if num_microbatches - start < 2 * pipeline_size else start + pipeline_size
         order.extend((m, v) for v in range(virtual_size) for m in range(start, end))
         start = end
@@ -143,9 +121,8 @@ def pipeline_schedule(
     forward_only: bool = False,
     edge_pairing: bool = False,
 ) -> list[PipelineStep]:
-    """The ordered steps of pipeline rank ``rank`` (see the module docstring); with ``forward_only``, only the
-    forwards, in the same order (PP = 1 with overlap: two by two, see :func:`forward_paired_schedule`).
-    ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
+    """The ordered steps of pipeline rank ``rank``; ``forward_only``: the forwards alone (two by two at PP = 1 with
+    overlap). ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
     P, V, N = pipeline_size, virtual_size, num_microbatches
     if P < 1 or V < 1 or N < 1 or not 0 <= rank < P:
         raise ValueError(f"no schedule for pipeline_size={P}, virtual_size={V}, microbatches={N}, rank={rank}")
@@ -185,10 +162,8 @@ def pipeline_schedule(
 def simulate(pipeline_size: int, virtual_size: int, num_microbatches: int, *, overlap: bool) -> None:
     """Runs every rank's list against the others': a step waits until each transfer it receives was sent.
 
-    Sends complete without waiting for the receiver (they are asynchronous), so a rank blocks only on a receive.
-
     Raises:
-        RuntimeError: Naming each blocked rank and the transfer it waits for, if the lists can deadlock.
+        RuntimeError: If the lists deadlock (naming each blocked rank and transfer) or a backward precedes its forward.
     """
     schedules = [
         pipeline_schedule(pipeline_size, virtual_size, num_microbatches, r, overlap=overlap)
@@ -228,21 +203,14 @@ def simulate(pipeline_size: int, virtual_size: int, num_microbatches: int, *, ov
 
 
 def forward_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
-    """A forward-only step (evaluation) at PP = 1 with overlap: F(0) with F(1), F(2) with F(3), ...; the last one
-    alone when N is odd. Each microbatch still runs exactly its own ops, so numerics are unchanged."""
+    """Forward-only at PP = 1 with overlap: F(0) with F(1), F(2) with F(3), ...; an odd last one alone."""
     n = num_microbatches
     steps = [PipelineStep(Phase.FORWARD, (m, 0), None, partner=(m + 1, 0)) for m in range(0, n - 1, 2)]
     return steps + ([PipelineStep(Phase.FORWARD, (n - 1, 0), None)] if n % 2 else [])
 
 
 def edge_paired_schedule(num_microbatches: int) -> list[PipelineStep]:
-    """PP = 1 with nothing unpaired: F(0) with F(1); F(i+2) with B(i) for i = 0..N-3; B(N-2) with B(N-1).
-
-    The two microbatches of an edge step interleave layer by layer as a forward/backward pair does, so their
-    all-to-alls hide behind each other's compute. Every microbatch still runs exactly its own ops, and every
-    parameter gets its gradient contributions in microbatch order, so numerics are unchanged. One more
-    microbatch's activations are alive at the peak (three instead of two).
-    """
+    """PP = 1 with nothing unpaired: F(0) with F(1); F(i+2) with B(i) for i = 0..N-3; B(N-2) with B(N-1)."""
     n = num_microbatches
     return [
         PipelineStep(Phase.WARMUP, (0, 0), None, partner=(1, 0)),

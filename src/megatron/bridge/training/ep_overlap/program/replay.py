@@ -1,14 +1,9 @@
-"""Full recompute in the program: where a recomputed segment's forward is replayed, beside what.
+"""Full recompute in the program: where a recomputed segment's forward is replayed, and beside what (no torch).
 
-Contract:
-    * A recomputed segment (``ChunkShape.segments``) is replayed before the backward of its last layer: its kept
-      input (``compute replay_input``), then each layer's ``replay_`` ops, whose all-to-alls are launched on the comm
-      lane and waited for where their consumer runs.
-    * In a paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`); a longer one just in
-      time (:func:`replay_step`). Backwards without a forward beside them replay a layer ahead too, where every
-      segment is one layer (:func:`backwards_ahead`); otherwise each segment just before its backward
-      (:func:`replay_before_backward`), as the plain path's checkpoint does.
-    * No torch here.
+A segment is replayed before its last layer's backward: its kept input (``compute replay_input``), then each layer's
+``replay_`` ops. In a paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`), a longer one
+just in time (:func:`replay_step`); lone backwards replay ahead when every segment is one layer
+(:func:`backwards_ahead`), else just before the backward (:func:`replay_before_backward`).
 """
 
 from collections.abc import Sequence
@@ -43,20 +38,10 @@ def replay_before_backward(u: int, k: int, shape) -> list[Op]:
 
 
 def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
-    """The paired layer step whose B layer ends a recomputed segment: B replays the segment's forward, then runs the
-    layer's backward. Each all-to-all is launched just before compute it can hide behind and waited for only where
-    its consumer runs (the segment's layers below the last replay first, their all-to-alls waited for at once):
-
-        1. B.replay dispatch (comm)        ||  F.pre_dispatch
-        2. F.dispatch (comm)               ||  B.replay experts
-        3. B.replay combine (comm)         ||  F.experts
-           F.combine (comm)                ||  B.replay combine, B.combine backward, and all that follows
-        4. B.combine backward (comm)       ||  [B's previous attention wgrad]
-        5. B.dispatch backward (comm)      ||  [B.experts wgrad]
-
-    B's replay adds two all-to-alls and F has two compute nodes, so the backward's own two are hidden only behind
-    the delayed weight gradients (the attention wgrad goes in window 4 whatever ``attention_wgrad_window`` says).
-    """
+    """The paired layer step whose B layer ends a segment replayed just in time, in five windows: B replays it beside
+    F's nodes (lower layers first, their all-to-alls waited for at once), then runs the layer's backward, whose own
+    all-to-alls hide only behind delayed wgrads (the attention wgrad goes in window 4 whatever
+    ``attention_wgrad_window`` says)."""
     j, k, moe_f, delay_wgrad = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
     f = [out.unit for out in outs]
     w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
@@ -78,23 +63,8 @@ def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
 
 
 def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
-    """The paired layer step whose B layer was replayed a step ahead (one-layer segments): B finishes that replay,
-    runs the layer's backward, and starts the replay of the layer below (``replay_next``), so every all-to-all has
-    compute of the other microbatch, or of the other B layer, to hide behind:
-
-        1. B.replay combine (comm, from the step before)  ||  F.pre_dispatch
-        2. F.split sizes, B.combine backward (comm)       ||  B.replay combine, B.combine backward; [B's previous
-                                                              attention wgrad], B.replay pre_dispatch (next layer)
-        3. F.dispatch, B.replay dispatch (comm)           ||  B.experts backward;  B.dispatch backward (comm) ||
-                                                              [B.experts wgrad], F.experts
-        4. F.combine, B.replay combine (comm)             ||  B.replay experts (next layer), B.pre_dispatch
-                                                              backward
-
-    B holds the layer below's replayed attention while its own layer's backward finishes: at most one layer's
-    pre_dispatch more than replaying just in time. F's dispatch goes out at the end of window 2 and B's expert
-    backward runs beside it in window 3 (what ``steps.f_dispatch_beside_b_experts_bwd`` lays out in one window
-    without a replay); on a device lane B's replay compute of window 2 is queued before F's split-size sync.
-    """
+    """The paired layer step whose B layer was replayed a step ahead (one-layer segments), in four windows: B finishes
+    that replay, runs the layer's backward and starts the replay of the layer below (``replay_next``)."""
     j, k, moe_f, delay_wgrad, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
     f = [out.unit for out in outs]
     w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
@@ -117,8 +87,8 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
 
 
 def backward_begin(b: Sequence[int], shape, *, replay_top: bool) -> Window:
-    """The start of B's backward (the head's backward, or the wait for the output gradient); with ``replay_top``
-    the top layer's replay (a one-layer segment) runs around it, its combine left in flight."""
+    """The start of B's backward (head backward or gradient receive); with ``replay_top`` the top layer's replay
+    (a one-layer segment) runs around it, its combine left in flight."""
     top = len(shape.moe) - 1
     begin = [op for u in b for op in _replay_start(u, top)] if replay_top else []
     begin += [_backward_begin(u, shape) for u in b]
@@ -127,16 +97,14 @@ def backward_begin(b: Sequence[int], shape, *, replay_top: bool) -> Window:
 
 
 def replays_ahead(shape) -> bool:
-    """Whether every recomputed segment of ``shape`` is one layer (and there is one): each can be replayed while
-    the layer above finishes its backward."""
+    """Whether every recomputed segment of ``shape`` is one layer (and there is one), so each can be replayed ahead."""
     return bool(shape.segments) and all(stop - first == 1 for first, stop in shape.segments)
 
 
 def backwards_ahead(b: Sequence[int], shape, delay_wgrad: bool) -> list[Window]:
-    """One or two backwards with no forward beside them (warmup's end, cooldown), one-layer segments replayed a
-    layer ahead: each B's replay of the layer below runs while its own layer's backward finishes, so each
-    all-to-all has compute of that B (or of the other) to hide behind. Every parameter gets the first B's
-    contribution first; the attention wgrad (delayed) of a layer runs beside the combine backward of the next."""
+    """One or two backwards with no forward beside them, one-layer segments replayed a layer ahead so each all-to-all
+    hides behind B's compute. The first B's contributions come first; a delayed attention wgrad goes beside the next
+    layer's combine backward."""
     top = len(shape.moe) - 1
     ahead = {first for first, _ in shape.segments}
     windows, pending = [backward_begin(b, shape, replay_top=top in ahead)], None

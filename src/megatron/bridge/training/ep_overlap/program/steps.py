@@ -1,34 +1,15 @@
 """The schedule program: a rank's training step as data, read by the engine, the planner and Megatron-Core's driver.
 
 Contract:
-    * :func:`program` yields one rank's step as :class:`Step` s, in order. Each step has a kind (``forward``,
-      ``backward``, ``paired``, ``forward_pair``, ``backward_pair``), the units it covers (a chunked microbatch's
-      halves are units like any other), its P2P transfers, and windows of :class:`Op` s in program order: the ops
-      that may overlap one another. Edge pairing, chunking, forward-only steps and pipeline parallelism are inputs
-      of the generator; nothing downstream branches on them.
-    * An op is ``(kind, name)`` on one unit, and on one layer of its chunk or on the chunk's ends (:data:`OPS`):
-      ``compute`` runs a node, ``launch`` starts an all-to-all (or a split-size exchange, or a P2P send),
-      ``wait`` blocks until one has arrived, ``wgrad`` runs a delayed weight gradient, and ``plain`` runs a whole
-      chunk through ordinary autograd (overlap off). Every consumer runs the ops through one loop
-      (``interpreter.run_ops``, the method :data:`OPS` names for each op): the engine's nodes, the planner's cost and
-      memory runners; Megatron-Core's driver runs :func:`windows_of`'s per-kind step. The order a lane issues them
-      in follows from the lane, in one place (``interpreter.issue_order``): a host lane (CPU) issues program order,
-      a device lane (CUDA) moves each host sync after the queued work that does not need it.
-    * The paired layer step (:func:`layer_step`, forward of layer j of F with backward of layer L-1-j of B) has
-      four windows; each all-to-all of one microbatch is launched just before compute of the other and waited for
-      only where its consumer runs:
+    * :func:`program` yields the rank's :class:`Step` s in order, each with its kind, units, P2P transfers and
+      windows of :class:`Op` s (ops that may overlap). Edge pairing, chunking, forward-only steps and pipeline
+      parallelism are inputs here; nothing downstream branches on them.
+    * The paired layer step (:func:`layer_step`, F's layer j with B's layer L-1-j) has four windows:
 
           1. B.combine backward (comm)   ||  F.pre_dispatch, [B's previous attention wgrad]
           2. F.dispatch (comm)           ||  [B's previous attention wgrad], B.experts backward (dgrad)
           3. B.dispatch backward (comm)  ||  B.experts wgrad (delayed), F.experts
           4. F.combine (comm)            ||  B.pre_dispatch backward (dgrad)
-
-      Window 2 is :func:`f_dispatch_beside_b_experts_bwd`. B's attention wgrad (delayed) fills window
-      ``attention_wgrad_window`` (1 or 2) of the next layer step; with window 1 and a dense F layer it runs before
-      F.pre_dispatch (there are no split sizes to hide behind it). The window is resolved before the program is
-      asked for: a step that defers its wgrad with no window (None) is an error, never a default.
-    * Full recompute (``ChunkShape.segments``): B replays a recomputed segment's forward before the backward of its
-      last layer, with ``replay_`` ops laid out beside F's (``replay.py``); the words are in ``ops.py``.
 """
 
 import functools
@@ -82,8 +63,7 @@ class StepKind(StrEnum):
 
 @dataclass(frozen=True)
 class ChunkShape:
-    """What the program needs of a model chunk: whether it holds the embedding and the head, which layers are MoE,
-    and the layer segments full recompute replays (``segments.py``: ``(first, stop)`` positions; none without)."""
+    """What the program needs of a model chunk: its ends, which layers are MoE, its recomputed segments."""
 
     first: bool
     last: bool
@@ -92,8 +72,7 @@ class ChunkShape:
 
     @classmethod
     def of(cls, chunk) -> "ChunkShape":
-        """Read off anything with ``pre_process``, ``post_process``, ``layers`` with ``is_moe`` and (optionally)
-        ``recompute_segments``."""
+        """From anything with ``pre_process``, ``post_process``, ``layers`` (``is_moe``), ``recompute_segments``."""
         segments = tuple(tuple(s) for s in getattr(chunk, "recompute_segments", ()))
         moe = tuple(bool(x.is_moe) for x in chunk.layers)
         return cls(bool(chunk.pre_process), bool(chunk.post_process), moe, segments)
@@ -105,8 +84,8 @@ class ChunkShape:
 
 @dataclass(frozen=True)
 class StepUnit:
-    """A unit a step runs: its role (``F`` forward, ``B`` backward), the microbatch and half it is, the virtual
-    stage of its chunk on this rank, and whether this step is the unit's last on that chunk."""
+    """A unit a step runs: role (``F``/``B``), microbatch, half, its chunk's virtual stage on this rank, and
+    whether this step is the unit's last on that chunk."""
 
     role: str
     unit: int
@@ -118,14 +97,15 @@ class StepUnit:
 
 @dataclass(frozen=True)
 class Step:
+    """One step of the program: its kind, units, P2P transfers and windows of ops."""
+
     kind: StepKind
     phase: "Phase"  # as recorded (PLAIN: overlap off)
     units: tuple[StepUnit, ...]
     recv: tuple[Transfer, ...]
     send: tuple[Transfer, ...]
     windows: tuple[Window, ...]
-    # Whether this step's backward defers weight gradients to its ``wgrad`` ops (an overlapped step with delayed
-    # wgrad): every consumer reads it here, none from the options.
+    # the backward defers weight gradients to its ``wgrad`` ops: consumers read it here, not from the options
     delay_wgrad: bool = False
 
     @property
@@ -134,7 +114,7 @@ class Step:
 
     @functools.cached_property
     def plain(self) -> bool:
-        """Runs whole chunks through ordinary autograd (overlap off). Read per op by the consumers: computed once."""
+        """Runs whole chunks through ordinary autograd (overlap off); cached, as consumers read it per op."""
         return any(op.kind == PLAIN for op in self.ops)
 
     def unit_for(self, transfer: Transfer) -> StepUnit:
@@ -206,9 +186,8 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay_wgrad: bool) -> list[Op
 
 @dataclass(frozen=True)
 class StepWork:
-    """What one step lays out: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of one shaped
-    ``bs`` (either may be empty, and its shape None), whether wgrad is delayed, and the attention wgrad's window
-    (None where there is none to place)."""
+    """What one step lays out: forward units ``f`` (chunk shape ``fs``), backward units ``b`` (``bs``; either may
+    be empty, its shape None), delayed wgrad, and the attention wgrad's window (None: nothing to place)."""
 
     f: tuple[int, ...]
     b: tuple[int, ...]
@@ -227,12 +206,9 @@ def _alone(w: StepWork) -> list[Window]:
 
 @dataclass(frozen=True)
 class LayerPair:
-    """One paired layer step: forward of layer ``forward`` (0-based in F's chunk), backward of layer ``backward`` (in
-    B's chunk), whether each is an MoE layer, B's layer whose attention wgrad is still to run (``pending``; None:
-    none), whether wgrad is delayed, the window (1 or 2) that attention wgrad goes in (None: nothing is delayed),
-    and full recompute's part: the recomputed segment B's layer ends (``replay``, replayed in this step; None:
-    nothing to replay here), whether B's layer was replayed a step ahead (``replayed``), and the layer whose replay
-    this step starts (``replay_next``)."""
+    """One paired layer step: F's layer ``forward`` and B's layer ``backward`` (positions in their chunks),
+    whether each is MoE, B's layer whose attention wgrad is still to run (``pending``), delayed wgrad and its
+    ``window``; full recompute: the segment B's layer ends, replayed in this step (``replay``)."""
 
     forward: int
     backward: int
@@ -279,15 +255,8 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
 
 
 def f_dispatch_beside_b_experts_bwd(f: Sequence[int], b: Sequence[int], pair: LayerPair, wgrad: list[Op]) -> list[Op]:
-    """Window 2 of the paired layer step: microbatch i+1's (F's) dispatch is launched beside microbatch i's (B's)
-    expert backward (dgrad, and wgrad unless delayed), with B's previous attention wgrad when it goes here.
-
-    In program order F's split-size sync (``wait split``) and dispatch launch come first. That is the order a host
-    lane issues (compute blocks the host, so the dispatch must be on its way before it). On a device lane the sync
-    would stall the host with nothing new queued, so ``interpreter.issue_order`` issues B's expert backward (and
-    the wgrad) first and syncs after it: Megatron-Core's plan also queues ``b_layer.mlp.backward`` before
-    ``f_layer.moe_dispatch.forward``. Only the sync and what needs it move; the numbers are the same.
-    """
+    """Window 2 of the paired layer step: F's dispatch beside B's expert backward (and B's previous attention wgrad).
+    Program order (a host lane's) puts F's split-size sync first; a device lane moves it after B's expert backward."""
     j, k = pair.forward, pair.backward
     ops = [Op(WAIT, "split", u, j) for u in f] if pair.forward_moe else []
     ops += [Op(LAUNCH, "dispatch", u, j) for u in f] + wgrad
@@ -321,8 +290,7 @@ def _paired(w: StepWork) -> list[Window]:
         pending = None
     for j in range(min(nf, nb), nf):  # F's chunk is longer: each extra layer's output is finished at once
         extra += [op for out in outs for op in _layer_forward(out, j, fs.moe[j]) + out.take()]
-    # P2P in Megatron-Core's order: the activation, then the gradient; B's last attention wgrad while F's last
-    # combine is in flight (on the last chunk)
+    # P2P in Megatron-Core's order (activation, then gradient); B's last attention wgrad beside F's last combine
     end = [] if fs.last else [op for out in outs for op in out.end()]
     end += [_backward_end(u, bs) for u in b] + _attention_wgrad(b, pending, delay_wgrad)
     end += [op for out in outs for op in out.end()] if fs.last else []
@@ -382,13 +350,8 @@ def step_kind(forwards: int, backwards: int) -> StepKind:
 def windows_of(
     kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int | None
 ) -> list[Window]:
-    """The windows of one step of ``kind``: forward units ``f`` of a chunk shaped ``fs``, backward units ``b`` of
-    one shaped ``bs`` (what Megatron-Core's driver runs per call, and what :func:`program` yields per step).
-
-    Args:
-        delay_wgrad: Whether the backward defers its weight gradients to ``wgrad`` ops.
-        window: The window (1 or 2) of the next layer step that runs a layer's delayed attention wgrad; None only
-            where there is none to place (no backward, or nothing delayed).
+    """The windows of one step of ``kind``: forward units ``f`` of shape ``fs``, backward units ``b`` of shape
+    ``bs`` (what Megatron-Core's driver runs per call). ``window`` (1 or 2) places a delayed attention wgrad.
 
     Raises:
         ValueError: When a backward defers its wgrad and ``window`` is not 1 or 2 (auto is resolved before).
@@ -434,21 +397,11 @@ def program(
     delay_wgrad: bool | None = None,
     window: int | None = None,
 ) -> Iterator[Step]:
-    """This rank's step: ``shapes`` are its chunks in virtual-stage order, ``options`` an ``EPOverlapOptions``.
-
-    With overlap off every step runs a whole chunk through ordinary autograd (``plain``). A forward-only step
-    overlaps at PP = 1 only (two forwards at a time); with PP > 1 it runs plain.
-
-    Args:
-        delay_wgrad: Whether overlapped steps defer weight gradients, as the settings resolved it
-            (``Settings.delay_wgrad``); None: the options' (``options.delay_wgrad``, for a caller with no settings,
-            the planner's).
-        window: The window (1 or 2) of the attention wgrad a step defers, as the settings resolved it
-            (``Settings.attention_wgrad_window``); None: the options' ``attention_wgrad_window``.
+    """This rank's step: ``shapes`` are its chunks in virtual-stage order, ``options`` an ``EPOverlapOptions``;
+    ``delay_wgrad``/``window`` as the settings resolved them (None: the options'). Overlap off: all steps ``plain``.
 
     Raises:
-        ValueError: When an overlapped training step defers its wgrad and the window is not 1 or 2 (auto is resolved
-            before a step's program is asked for; never assumed here).
+        ValueError: When an overlapped training step defers its wgrad and the window is not 1 or 2.
     """
     overlap = options.overlap and not (forward_only and pipeline_size > 1)
     chunks = options.moe_ep_overlap_chunks if overlap else 1

@@ -1,19 +1,11 @@
 """The schedule's units: a whole microbatch, or (chunked unpaired phases) one half of it.
 
 Contract:
-    * With ``moe_ep_overlap_chunks = 2`` (PP = 1, overlap on) each microbatch that the schedule runs alone somewhere
-      is split along the batch dimension (the first ``ceil(B / 2)`` sequences, then the rest): the first one (its
-      forward opens the step) and the last one (its backward closes it), or the only one; in a forward-only step,
-      whose forwards run two by two, the last one of an odd count.
-    * Units are numbered in microbatch order (:func:`units`: the first microbatch's halves are units 0 and 1,
-      microbatch m in between is unit m + 1, the last one's halves follow); records number nodes by unit.
-    * Where a split microbatch runs alone, the program pairs its halves with each other; where it is paired with
-      another microbatch, both halves take its place, node by node, so every window keeps a whole microbatch's
-      compute and comm. The schedule itself is unchanged, and so is the peak of live activations.
-    * Numerics: a chunked microbatch's loss is the sum of its halves' (first half first) and its gradients reach
-      each parameter in two contributions instead of one, so results differ from the plain path by rounding. It is
-      the one option that is not bitwise equal to the plain path, and so it is opt-in. What chunking cannot serve
-      is refused by the rules table (``moe_overlap_rules``), one line per problem.
+    * With ``moe_ep_overlap_chunks = 2`` (PP = 1, overlap on) each microbatch the schedule runs alone somewhere is
+      split along the batch (the first ``ceil(B / 2)`` sequences, then the rest); :func:`units` numbers units in
+      microbatch order, and records number nodes by unit.
+    * A chunked microbatch's gradients reach each parameter in two contributions: not bitwise equal to the plain
+      path, hence opt-in.
 """
 
 from dataclasses import dataclass
@@ -35,13 +27,12 @@ class Unit:
         return slice(0, cut) if self.half == 0 else slice(cut, batch)
 
     def size(self, batch: int) -> int:
-        """How many of a microbatch's ``batch`` sequences the unit runs."""
         rows = self.rows(batch)
         return rows.stop - rows.start
 
 
 def chunked_microbatches(num_microbatches: int, *, forward_only: bool = False) -> list[int]:
-    """The microbatches the schedule runs alone somewhere (see the module docstring), which chunking splits."""
+    """The microbatches the schedule runs alone somewhere, which chunking splits."""
     n = num_microbatches
     if forward_only:  # forwards go two by two; an odd count leaves the last one alone
         return [n - 1] if n % 2 else []

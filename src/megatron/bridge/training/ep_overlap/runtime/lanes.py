@@ -1,36 +1,11 @@
-"""Compute and comm lanes behind one small interface.
+"""Compute and comm lanes behind one small interface: ``compute`` wraps a node, ``all_to_all`` returns a
+:class:`Pending`, ``launch`` first finds out its split sizes, ``run_comm`` runs a unit's own communication.
 
-``lane.compute(node, layer, microbatch)`` wraps a compute node; ``lane.all_to_all(...)`` launches an all-to-all
-and returns a :class:`Pending` whose ``wait()`` hands the result to the consumer; ``lane.launch(splits, tensors,
-...)`` launches all-to-alls whose split sizes ``splits()`` first has to find out; ``lane.run_comm(fn, ...)`` runs a
-unit's own communication (a backend's fused dispatch or combine, or its autograd backward) where the lane's
-all-to-alls run.
-
-* CPU (gloo): compute runs on the host thread; an all-to-all is gloo async work, which progresses on gloo's
-  own threads, so it overlaps whatever the host computes until ``wait()``. With ``launch_off_host`` every
-  all-to-all of the step is launched from one helper thread, in the order the host asked for them, so a launch
-  that must first wait (a dispatch waits for its split sizes, i.e. for the slower rank) no longer stops the host:
-  it computes the other microbatch meanwhile. One thread keeps every rank's launch order the program order,
-  which is what matches collectives across ranks. An all-to-all with known split sizes asked for while the
-  helper has nothing queued or running goes out from the host at once: the order is the same, and the helper
-  is not woken (a wake-up preempts compute on a CPU with no spare core).
-  A unit's own communication runs on the host, after every launch asked for before it (the program order), so
-  it overlaps nothing on CPU: the CPU lane checks its mapping, not its speed.
-* CUDA: compute runs on the current stream; all-to-alls and a unit's own communication run on one dedicated comm
-  stream (optionally high priority). Each microbatch has one event chain: a compute node records the microbatch's
-  event when it ends, its next all-to-all waits on that event, and the consumer's stream waits on the all-to-all's
-  end event. Different microbatches share no event, so the host issue order is the schedule.
-
-Each lane says how it wants the program's ops issued (``issue``, read by ``program.interpreter.run_ops``): the CPU
-lane's compute blocks the host, so it takes them in program order (``IssueOrder.HOST``); the CUDA lane only queues
-work, and the one thing that blocks its host is a host sync (F's split sizes, the dispatcher's device-to-host
-sync), so it takes the order in which each host sync comes after the queued work that does not need it
-(``IssueOrder.DEVICE``): the device then has work while the host waits.
-
-Both lanes record every node and all-to-all in the step's :class:`StepRecorder`, and every wait runs under
-the process groups' timeout. The CUDA lane also opens an NVTX range around each (``torch.cuda.nvtx``), named by
-:func:`range_name` (``ep_overlap/comm/F.dispatch/L3/mb2``), so Nsight Systems shows which node each kernel
-belongs to; the CPU lane opens none and pays nothing.
+* CPU (gloo): compute on the host thread, all-to-alls as gloo async work. With ``launch_off_host`` they go out from
+  one helper thread in the order asked for, so a dispatch waiting for its split sizes no longer stops the host; one
+  thread keeps every rank's launch order the program order, which is how collectives match across ranks.
+* CUDA: compute on the current stream, all-to-alls on one comm stream, chained by one event per microbatch; no
+  event is shared across microbatches, so the host issue order is the schedule. NVTX ranges: :func:`range_name`.
 """
 
 import time
@@ -64,10 +39,7 @@ Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits)
 
 
 class Pending:
-    """A transfer in flight; ``wait()`` returns its output once (later calls return the same tensor).
-
-    ``convert`` (optional) maps the arrived buffer to what the consumer gets (e.g. host to device).
-    """
+    """A transfer in flight; ``wait()`` returns its output (mapped by ``convert``, if given), later calls the same."""
 
     def __init__(self, out: torch.Tensor, wait_fn=None, record: CommRecord | None = None, convert=None):
         self._out, self._wait_fn, self._record, self._convert = out, wait_fn, record, convert
@@ -108,9 +80,8 @@ def done(tensor: torch.Tensor) -> Pending:
 
 
 def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> str:
-    """The NVTX range of a node: ``ep_overlap/<compute|comm|p2p>/<F|B>.<node>/L<layer>/mb<microbatch>``; a backward
-    or wgrad node is ``B`` (``combine_bwd`` -> ``B.combine``) unless ``role`` says, the embedding (layer -1) and a
-    pipeline transfer have no ``L``."""
+    """The NVTX range of a node: ``ep_overlap/<compute|comm|p2p>/<F|B>.<node>/L<layer>/mb<microbatch>``; backward and
+    wgrad nodes are ``B`` unless ``role`` says; the embedding (layer -1) and P2P have no ``L``."""
     role = role or (BACKWARD if name.endswith(("_bwd", "wgrad")) else FORWARD)
     base = name[: -len("_bwd")] if name.endswith("_bwd") else name
     where = f"/L{layer}" if layer >= 0 else ""
@@ -121,8 +92,7 @@ class _Lane:
     # The order the program's ops are issued in (program.interpreter.issue_order): compute blocks a CPU host
     issue = IssueOrder.HOST
     launches_off_host = False
-    # The step's count of what is saved for backward (engine/saved.py), where the engine keeps one: nodes free a
-    # buffer early only when no saved tensor shares its storage.
+    # The step's count of saved tensors (engine/saved.py), if kept: a buffer is freed early only if none shares it
     saved = None
 
     # Where NVTX ranges go (``range_push``/``range_pop``): torch.cuda.nvtx on the CUDA lane, none on the CPU lane.
@@ -173,8 +143,7 @@ class _Lane:
         return Pending(out)
 
     def close(self, *, failed: bool = False) -> None:
-        """Ends the step's lane (a no-op unless it has a helper thread); ``failed``: the step raised, wait for
-        nothing."""
+        """Ends the step's lane (shuts its helper thread down, if any); ``failed``: the step raised, wait for none."""
 
     def record_comm(
         self,
@@ -185,11 +154,8 @@ class _Lane:
         exchanged: tuple[int, int] = (0, 0),
         asked: tuple[str, float] | None = None,
     ) -> CommRecord:
-        """Records that an all-to-all is being launched now (on ``stream``, for the CUDA clock).
-
-        ``exchanged`` is (bytes sent to other ranks, bytes received from them); ``asked`` is the phase and host
-        time at which the host asked for it, when that was earlier (a launch off the host): by default, now.
-        """
+        """Records an all-to-all launched now (on ``stream``): ``exchanged`` is (bytes sent, received); ``asked`` the
+        phase and host time the host asked for it, when earlier (a launch off the host)."""
         phase, issued_host = (self.recorder.phase, time.perf_counter()) if asked is None else asked
         record = CommRecord(op, layer, microbatch, phase, self.recorder.clock.mark(stream), issued_host)
         record.bytes_sent, record.bytes_received = exchanged
@@ -198,14 +164,9 @@ class _Lane:
 
 
 class CpuLane(_Lane):
-    """gloo async all-to-all; the host computes while gloo's threads move the data.
-
-    With ``launch_off_host`` all-to-alls are launched by one helper thread in the order asked for (except one
-    with known split sizes when the helper is idle: that goes out from the host), and a launch's ``splits()``
-    runs there too, so it must touch nothing the host thread uses meanwhile (the reference layer's split
-    exchange reads its routing and the EP metadata group only). A launch that fails makes every later one of the
-    step fail at once, instead of pairing with a different all-to-all of the peer.
-    """
+    """gloo async all-to-all; the host computes meanwhile. With ``launch_off_host`` launches and their ``splits()`` run
+    on one helper thread (``splits()`` must touch nothing the host uses meanwhile); a failed launch fails every later
+    one of the step at once, so none pairs with a different all-to-all of the peer."""
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, launch_off_host: bool = False):
         super().__init__(groups, recorder)
@@ -255,9 +216,8 @@ class CpuLane(_Lane):
         return self._start(x, out_splits, in_splits, op, layer, microbatch)
 
     def _helper_idle(self) -> bool:
-        """No launch is queued or running on the helper, and none failed: an all-to-all whose split sizes are known
-        can then go out from the host at once, in program order still, without waking the helper (on 2 cores a
-        wake-up preempts compute)."""
+        """Nothing queued, running or failed on the helper: an all-to-all with known split sizes may go out from the
+        host, still in program order, without waking it (on 2 cores a wake-up preempts compute)."""
         return self._failed is None and (self._last_job is None or self._last_job.done())
 
     def _start(
@@ -311,8 +271,8 @@ class CudaLane(_Lane):
         self._events[microbatch] = event
 
     def _comm_waits_for(self, microbatch: int) -> torch.cuda.Stream:
-        """The comm stream waits for the microbatch's last compute node (or, before its first, all compute issued);
-        returns the compute stream."""
+        """The comm stream waits for the microbatch's last compute node (or all compute issued); returns the compute
+        stream."""
         compute_stream = torch.cuda.current_stream()
         ready = self._events.get(microbatch)
         if ready is not None:
@@ -338,8 +298,7 @@ class CudaLane(_Lane):
         return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
 
     def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
-        """``fn`` on the comm stream, after the microbatch's last compute node; its autograd backward, which a
-        later ``run_comm`` runs, stays on the stream its forward ran on."""
+        """``fn`` on the comm stream after the microbatch's compute; its autograd backward stays on that stream."""
         compute_stream = self._comm_waits_for(microbatch)
         with torch.cuda.stream(self.comm_stream), self.ranged("comm", op, layer, microbatch):
             record = self.record_comm(op, layer, microbatch, self.comm_stream)

@@ -1,28 +1,10 @@
 """The nodes of one microbatch in one model chunk, each its own autograd segment, with one method per program op.
 
-A node's inputs are detached from the previous node's outputs (keeping their ``requires_grad``), so each node
-can be back-propagated on its own: backward of a node runs ``torch.autograd.backward(outputs, grads)`` and
-hands the gradients of its detached inputs to the node before it.
-
-    node          lane     forward                                   backward
-    pre_dispatch  compute  attention, pre-MLP norm, router, permute  dgrad (+ attention wgrad, deferred if delayed)
-    dispatch      comm     split-size exchange, all-to-all          reverse all-to-all
-    experts       compute  sort by local expert, grouped GEMMs       dgrad (+ expert wgrad, deferred if delayed)
-    combine       comm     all-to-all back, unpermute, residual add  unpermute backward, reverse all-to-all
-
-A unit that moves its own tokens (``owns_comm``: a backend's fused permute and all-to-all, Megatron-Core's flex
-dispatcher) gives ``dispatch_comm``/``combine_comm`` instead of split sizes. The comm nodes then run those on the
-comm lane, between detached inputs and outputs like any node, and their backward runs the functions' own autograd
-backward there (a fused dispatch's backward is a combine, and the other way round).
-
-Each op of the schedule program (``program/steps.py``, ``(kind, name)``) is the method ``<kind>_<name>`` that
-``program.ops.OPS`` names for it: a comm node is a ``launch_`` (issue the all-to-all) and a ``wait_`` (in front of
-its consumer), so the program can put the other microbatch's compute in between. Dense layers run the same ops with
-no communication. The nodes run the ops in the order their lane issues them (``MicrobatchNodes.issue``).
-
-Bitwise equality with the plain path holds because every node runs exactly the ops of the layer's plain forward,
-and every tensor that crosses a node boundary and has two gradient contributions (the residual ``h``) gets them
-summed in one addition, which is exact whatever the order.
+A node's inputs are detached from the previous node's outputs (keeping ``requires_grad``); its backward hands their
+gradients to the node before it. Op ``(kind, name)`` is the method ``<kind>_<name>``; a comm node is a ``launch_``
+and a ``wait_``, so the other microbatch's compute fits between. A unit that ``owns_comm`` runs its fused
+``dispatch_comm``/``combine_comm`` (and their autograd backward) on the comm lane instead. Bitwise equal to the
+plain path: each node runs exactly the layer's plain ops, and the residual ``h`` gets its two gradients in one sum.
 """
 
 import time
@@ -67,22 +49,16 @@ def _free(t: torch.Tensor) -> None:
 
 
 def _release_early(t: torch.Tensor, lane) -> None:
-    """Frees an all-to-all's output once its consumer ran, unless a tensor saved for backward shares its storage
-    (then backward reads it); only its ``.grad`` is read later. Needs the step's count of saved tensors."""
+    """Frees an all-to-all's output after its consumer, unless a saved tensor shares its storage (``lane.saved``)."""
     if lane.saved is not None and not lane.saved.holds(t):
         _free(t)
 
 
 class LayerNodes:
-    """The nodes of ``layer`` (:class:`~megatron.bridge.training.ep_overlap.contract.LayerFunctions`) for one
-    microbatch. With ``grad`` False (a forward-only step) they build no autograd graph.
-
-    ``segment`` (full recompute, a training step): the recomputed segment ``(first, stop)`` the layer is in. Its
-    forward then builds no graph and keeps nothing but, on the segment's first layer, its input (held in the
-    step's activation count) and the split sizes it exchanged; the ``replay_`` ops run the same forward again with
-    autograd, reusing those split sizes (``replay_splits``: the router must route the same), just before the
-    backward, which then runs as without recompute.
-    """
+    """The nodes of ``layer`` (a ``contract.LayerFunctions``) for one microbatch; ``grad`` False builds no graph.
+    Within a recomputed ``segment`` ``(first, stop)``, the forward builds no graph and keeps only the segment's input
+    and the exchanged split sizes; the ``replay_`` ops rerun it with autograd before the backward, reusing those split
+    sizes so the router routes the same."""
 
     def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True, position: int = 0, segment=None):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
@@ -132,15 +108,13 @@ class LayerNodes:
         self._splits_known, self._exchange = False, None
 
     def launch_split(self) -> None:
-        """Sends the split sizes ahead without blocking the host, so they travel (and a slower peer catches up)
-        while the host computes something else."""
+        """Sends the split sizes without blocking: they travel (a slower peer catches up) while the host computes."""
         if self.routing is not None and not self.owns_comm and self._exchange is None:
             self._exchange = self.lane.record_comm("split_exchange", self.index, self.mb)
             self.layer.start_split_exchange(self.routing)
 
     def wait_split(self) -> None:
-        """Finishes the split-size exchange (a host sync), once. On a lane that launches off the host it is left
-        to the dispatch's launch, on the helper thread."""
+        """Finishes the split-size exchange (a host sync), once; an off-host lane leaves it to the dispatch."""
         if self.routing is None or self.owns_comm or self._splits_known or self.lane.launches_off_host:
             return
         self.launch_split()
@@ -239,8 +213,7 @@ class LayerNodes:
         return self.out
 
     def _forget_forward(self) -> torch.Tensor:
-        """A recomputed layer's forward is done: keeps only what its replay needs. Returns its output, which the
-        next layer (or the head, or the next stage) takes as an input that needs a gradient."""
+        """A recomputed layer's forward is done: keeps only what its replay needs; returns the output."""
         out = self.out.requires_grad_(True)
         self._exchanged = None if self.routing is None else self.routing.exchanged
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self.out = None
@@ -271,8 +244,7 @@ class LayerNodes:
     launch_replay_combine, wait_replay_combine = launch_combine, wait_combine
 
     def compute_replay_combine(self) -> torch.Tensor | None:
-        """The replayed output: the next replayed layer's input (None on the segment's last layer, whose backward
-        comes next)."""
+        """The replayed output, the next replayed layer's input (None on the segment's last layer)."""
         out = self.compute_combine()
         self._replaying = False
         return None if self.position == self.segment[1] - 1 else out
@@ -311,7 +283,6 @@ class LayerNodes:
         self.expert_out = self.back = self._grad_expert_out = None
 
     def launch_dispatch_bwd(self) -> None:
-        """The reverse all-to-all of the experts' input gradients."""
         grads = [_grad(t) for t in self.received]
         routing = self.routing
         self.received = None
@@ -359,11 +330,8 @@ class LayerNodes:
 
 
 class ChunkIO:
-    """Where a pipeline chunk's input comes from and its outputs go (set by the driver before each step).
-
-    ``input``/``grad``: the received activation / output gradient (a :class:`Pending`); ``send_output``/
-    ``send_grad``: callables that start sending the chunk's output activation / input gradient.
-    """
+    """Where a pipeline chunk's input comes from and its outputs go, set by the driver before each step: the received
+    ``input``/``grad`` (:class:`Pending`) and the ``send_output``/``send_grad`` callables."""
 
     def __init__(self):
         self.input: Pending | None = None
@@ -372,14 +340,9 @@ class ChunkIO:
 
 
 class MicrobatchNodes:
-    """All nodes of one unit in one model chunk (:class:`~megatron.bridge.training.ep_overlap.contract.ChunkModel`):
-    the chunk's two ends and ``layers``, one :class:`LayerNodes` each. Records are numbered by ``microbatch`` (the
-    unit). Chunks that are not the model's first/last receive and send through ``io`` (:class:`ChunkIO`).
-
-    ``loss`` is the head's output: the scalar loss, unless a driver computes the loss from it (Megatron-Core's
-    combined 1F1B does: the head then returns per-token losses, and the driver sets ``output_grad``, the gradient
-    of the head's output, before the backward starts).
-    """
+    """All nodes of one unit in one model chunk: its two ends and one :class:`LayerNodes` per layer, P2P through
+    ``io``. ``loss`` is the head's output; a driver that computes the loss from it (Megatron-Core's combined 1F1B)
+    sets ``output_grad`` before the backward."""
 
     def __init__(self, unit: UnitInput, lane, io: ChunkIO | None = None, grad: bool = True):
         model, microbatch = unit.chunk, unit.unit
@@ -395,8 +358,7 @@ class MicrobatchNodes:
 
     @property
     def issue(self):
-        """The order the lane wants the program's ops in (``program.interpreter.IssueOrder``): the CUDA lane's host
-        syncs after the work it can queue, the CPU lane's program order."""
+        """The lane's ``program.interpreter.IssueOrder``."""
         return self.lane.issue
 
     def compute_embedding(self) -> torch.Tensor:

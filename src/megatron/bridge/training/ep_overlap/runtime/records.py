@@ -1,13 +1,6 @@
-"""What the engine records per step: when each all-to-all was launched, finished and waited on, and when each
-compute node ran. From these it reports comm time, exposed comm time and the overlap fraction.
-
-Times are seconds from the start of the step. On CPU they are host clock readings; the finish time of an
-all-to-all comes from its future's completion callback (gloo runs it on its own thread). On CUDA the intervals
-come from CUDA events on the comm and compute streams, resolved at the end of the step.
-
-Exposed comm time is the part of the union of all-to-all intervals that no compute interval covers: the time
-communication alone was on the critical path. The same definition holds for both lanes.
-"""
+"""What the engine records per step (each all-to-all's launch, finish and wait; each compute node's run), and the
+comm time, exposed comm time (all-to-all time no compute covers) and overlap fraction it reports. Times are seconds
+from the step start: host clocks on CPU (a gloo completion callback marks a finish), CUDA events on CUDA."""
 
 import time
 from dataclasses import dataclass, field
@@ -49,13 +42,8 @@ class CudaClock:
 
 @dataclass
 class CommRecord:
-    """One all-to-all. ``phase`` is "warmup", "paired" or "cooldown" (see the schedule).
-
-    ``launch``/``done`` are clock marks (device time on CUDA) of when it went out and arrived; the ``*_host`` fields
-    are host perf_counter readings of when the host issued the op (asked for it: a CPU lane that launches off the
-    host may launch it later) and when a consumer waited for its result. ``bytes_sent`` and
-    ``bytes_received`` count what crossed the link (this rank's own slice stays local).
-    """
+    """One all-to-all: ``launch``/``done`` are clock marks of when it went out and arrived, ``*_host`` host readings of
+    when the host asked for it (an off-host launch may go later) and waited, ``bytes_*`` what crossed the link."""
 
     op: str
     layer: int
@@ -118,8 +106,7 @@ class StepRecorder:
         return StepStats(length(union(comm)), uncovered(comm, compute), length(union(compute)))
 
     def as_dict(self) -> dict:
-        """The step's records in plain numbers (seconds from the step start): what the planner reads
-        (the planner's ``costs_from_records``) and the harness's JSON holds; call after the step finished."""
+        """The records in seconds from the step start, as the planner and the harness's JSON read them."""
         seconds = self.clock.seconds
         return {
             "comm": [
