@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.utils.process_groups import set_alive_listener
+from megatron.bridge.utils.process_groups import EPGroups, set_alive_listener
 
 
 @dataclass
@@ -385,3 +385,62 @@ def _stop(procs: list) -> None:
 def launched_by_torchrun() -> bool:
     """True inside a process started by torchrun (or any launcher that sets the env:// variables)."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+# Process groups the lab and the tests create themselves (under Megatron-Bridge, Megatron-Core's parallel_state does).
+
+
+def single_process_groups() -> EPGroups:
+    """Groups for a model with EP = 1 and no process group (all communication is the identity)."""
+    return EPGroups(1, 0, None, None, None, None, timedelta(seconds=60))
+
+
+def init_ep_groups(
+    expert_model_parallel_size: int, timeout: timedelta = timedelta(minutes=5), pipeline_size: int = 1
+) -> EPGroups:
+    """Creates the EP, EP-metadata, expert-DP, DP and pipeline groups. Every rank must call this, in the same order.
+
+    The world is split into ``pipeline_size`` stages of consecutive ranks (the outermost dimension, as in
+    Megatron-Core), each stage into EP groups of consecutive ranks. A stage's ranks are data-parallel for its
+    non-expert weights (``dp_group``; the world without a pipeline); expert weights are replicated across
+    ``expert_dp_group`` (the stage's ranks with the same EP rank); ``pp_group`` joins the ranks at the same place in
+    every stage (gloo: pipeline P2P is matched by tag).
+
+    Raises:
+        ValueError: When the world size is not a multiple of ``pipeline_size * expert_model_parallel_size``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep, pp = expert_model_parallel_size, pipeline_size
+    if ep < 1 or pp < 1 or world % (ep * pp):
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep} must divide the world size "
+            f"{world}; launch a multiple of {ep * pp} ranks or change the sizes."
+        )
+    stage = world // pp
+    mine = {}
+    for start in range(0, world, ep):
+        ranks = list(range(start, start + ep))
+        bulk = dist.new_group(ranks, timeout=timeout)
+        meta = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if rank in ranks:
+            mine["ep"], mine["meta"] = bulk, meta
+    for first in range(0, world, stage):
+        for ep_rank in range(ep):
+            group = dist.new_group(list(range(first + ep_rank, first + stage, ep)), timeout=timeout)
+            if rank // stage == first // stage and rank % ep == ep_rank:
+                mine["expert_dp"] = group
+    if pp == 1:
+        return EPGroups(ep, rank % ep, mine["ep"], mine["meta"], mine["expert_dp"], dist.group.WORLD, timeout)
+    for first in range(0, world, stage):
+        group = dist.new_group(list(range(first, first + stage)), timeout=timeout)
+        if rank // stage == first // stage:
+            mine["dp"] = group
+    for offset in range(stage):
+        ranks = tuple(range(offset, world, stage))
+        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        if rank % stage == offset:
+            mine["pp"], mine["pp_ranks"] = group, ranks
+    return EPGroups(
+        ep, rank % ep, mine["ep"], mine["meta"], mine["expert_dp"], mine["dp"], timeout,
+        pp_size=pp, pp_rank=rank // stage, pp_group=mine["pp"], pp_ranks=mine["pp_ranks"],
+    )  # fmt: skip

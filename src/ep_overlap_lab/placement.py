@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ep_overlap_lab.planner import costs_from_records, step_by_wgrad_window
+from ep_overlap_lab.step_stats import records_as_dict
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.utils.process_groups import EPGroups, all_reduce
@@ -51,7 +52,7 @@ def choose_wgrad_window(
 ) -> WgradPlacement:
     """The planner's window for the costs of one plain step (``recorder``, ``step_s``), agreed on by every rank;
     ``options`` as the overlapped steps will run (``launch_off_host``: whether their lane does)."""
-    costs, link = costs_from_records([recorder.as_dict()], [step_s], None, num_layers, segments)
+    costs, link = costs_from_records([records_as_dict(recorder)], [step_s], None, num_layers, segments)
     mine = step_by_wgrad_window(costs, link, num_microbatches, options)
     windows = sorted(mine)
     totals = torch.tensor([mine[w] for w in windows], dtype=torch.float64, device=device)

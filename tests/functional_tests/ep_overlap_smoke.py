@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.utils.process_groups import init_ep_groups
+from ep_overlap_lab.multiprocess import init_ep_groups
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
-from ep_overlap_lab.multiprocess import report_progress
+from ep_overlap_lab.multiprocess import init_ep_groups, report_progress
+from ep_overlap_lab.step_stats import records_as_dict, step_intervals
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 
 @dataclass
@@ -198,9 +198,9 @@ class _Arm:
         self.losses.append(global_loss.item())
         self.comm.append(result.stats.comm_s)
         self.exposed.append(result.stats.exposed_comm_s)
-        comm_iv, compute_iv = result.recorder.intervals()
+        comm_iv, compute_iv = step_intervals(result.recorder)
         self.timeline = {"comm": comm_iv, "compute": compute_iv, "comm_ops": [r.op for r in result.recorder.comm]}
-        self.records.append(result.recorder.as_dict())
+        self.records.append(records_as_dict(result.recorder))
         report = {
             "arm": spec.name, "step": step + 1, "step_time_s": self.step_times[-1], "loss": self.losses[-1],
             "comm_s": self.comm[-1], "exposed_comm_s": self.exposed[-1],

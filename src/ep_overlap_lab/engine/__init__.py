@@ -5,6 +5,7 @@ calls it: Megatron-Core's driver does that job there (``megatron.bridge.training
 
 from ep_overlap_lab.engine.driver import Engine, StepResult
 from ep_overlap_lab.engine.ep_overlap_engine import EPOverlapEngine
-from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder, StepStats
+from ep_overlap_lab.step_stats import StepStats
+from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 
 __all__ = ["EPOverlapEngine", "Engine", "StepRecorder", "StepResult", "StepStats"]

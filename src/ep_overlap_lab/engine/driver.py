@@ -52,6 +52,7 @@ from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
 from ep_overlap_lab.engine.saved import SavedActivations
 from ep_overlap_lab.engine.step_hooks import step_hooks
 from ep_overlap_lab.step_loss import StepLoss
+from ep_overlap_lab.step_stats import StepStats, step_stats
 from ep_overlap_lab.wgrad_store import check_contract, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
@@ -61,7 +62,7 @@ from megatron.bridge.training.ep_overlap.program.units import Unit
 from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
 from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
-from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder, StepStats
+from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.training.ep_overlap.settings import Settings, resolve
 from megatron.bridge.utils.process_groups import EPGroups
 
@@ -269,7 +270,9 @@ class Engine:
                 hooks.update_router_biases(self.groups)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return StepResult([loss.detach() for loss in losses], lane.recorder.stats(), lane.recorder, saved.peak_bytes)
+        return StepResult(
+            [loss.detach() for loss in losses], step_stats(lane.recorder), lane.recorder, saved.peak_bytes
+        )
 
     def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         prefix = len(self.chunks) > 1

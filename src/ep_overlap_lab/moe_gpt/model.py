@@ -61,11 +61,12 @@ from ep_overlap_lab.moe_gpt.token_dispatcher import (
     start_split_exchange,
     unpermute,
 )
+from ep_overlap_lab.multiprocess import single_process_groups
 from ep_overlap_lab.pipeline_layout import chunk_layers_of
 from ep_overlap_lab.step_loss import StepHooks, StepLoss, StepScales, backward_scales
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce, single_process_groups
+from megatron.bridge.utils.process_groups import EPGroups, all_reduce
 
 
 class TransformerLayer(LayerHooks, torch.nn.Module):

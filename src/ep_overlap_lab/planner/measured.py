@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from ep_overlap_lab.planner.simulate import LayerCosts, Link, StepCosts
-from megatron.bridge.training.ep_overlap.intervals import uncovered
+from ep_overlap_lab.step_stats import uncovered
 
 
 def costs_from_records(

@@ -6,7 +6,7 @@ from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_func
 
 from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
 from ep_overlap_lab.moe_gpt.config import router_problems
-from megatron.bridge.utils.process_groups import single_process_groups
+from ep_overlap_lab.multiprocess import single_process_groups
 
 
 def _config(**overrides) -> MoEGPTConfig:

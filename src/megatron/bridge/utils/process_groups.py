@@ -1,19 +1,12 @@
-"""Expert-parallel process groups and collectives that never wait forever.
+"""Expert-parallel process groups (:class:`EPGroups`) and collectives that never wait forever.
 
 Contract:
-    * :func:`init_ep_groups` splits the world into ``pipeline_size`` pipeline stages of consecutive ranks (the
-      outermost dimension, as in Megatron-Core), and each stage into expert-parallel (EP) groups of consecutive
-      ranks. The ranks of a stage are data-parallel for its non-expert weights (``dp_group``; the world when
-      there is no pipeline). Expert weights are replicated across ``expert_dp_group`` (ranks of the stage with
-      the same EP rank). ``pp_group`` joins the ranks at the same place in every stage (a gloo group: pipeline
-      P2P is matched by tag, which gloo offers).
-    * Split-size exchanges run on ``ep_meta_group``, a separate gloo group over CPU tensors: on one shared group
-      the small exchange would queue behind bulk all-to-alls already in flight and block the host.
-    * Every wait goes through :func:`wait_work`, under the groups' timeout. A failure or timeout raises
-      :class:`CollectiveError` naming this rank and the op, so a rank whose peer died or raised stops instead
-      of hanging.
-    * Each finished wait, and each compute node the runtime finishes, calls :func:`tell_alive`: a no-op unless a
-      launcher watching for stalled ranks installed its listener with :func:`set_alive_listener`.
+    * Split-size exchanges run on ``ep_meta_group``, a gloo group of their own over CPU tensors, so they never queue
+      behind the bulk all-to-alls in flight.
+    * Every wait goes through :func:`wait_work`, under the groups' timeout: a failure or timeout raises
+      :class:`CollectiveError` naming this rank and the op, so a rank whose peer died stops instead of hanging.
+    * Each finished wait and compute node calls :func:`tell_alive`: a no-op unless a launcher watching for stalled
+      ranks installed a listener (:func:`set_alive_listener`).
 """
 
 import math
@@ -59,56 +52,6 @@ class EPGroups:
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
     pp_ranks: tuple[int, ...] = ()  # global rank of each pipeline stage's member of this rank's pp_group
-
-
-def single_process_groups() -> EPGroups:
-    """Groups for a model with EP = 1 and no process group (all communication is the identity)."""
-    return EPGroups(1, 0, None, None, None, None, timedelta(seconds=60))
-
-
-def init_ep_groups(
-    expert_model_parallel_size: int, timeout: timedelta = timedelta(minutes=5), pipeline_size: int = 1
-) -> EPGroups:
-    """Creates the EP, EP-metadata, expert-DP, DP and pipeline groups. Every rank must call this, in the same order.
-
-    Raises:
-        ValueError: When the world size is not a multiple of ``pipeline_size * expert_model_parallel_size``.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ep, pp = expert_model_parallel_size, pipeline_size
-    if ep < 1 or pp < 1 or world % (ep * pp):
-        raise ValueError(
-            f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep} must divide the world size "
-            f"{world}; launch a multiple of {ep * pp} ranks or change the sizes."
-        )
-    stage = world // pp
-    mine = {}
-    for start in range(0, world, ep):
-        ranks = list(range(start, start + ep))
-        bulk = dist.new_group(ranks, timeout=timeout)
-        meta = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        if rank in ranks:
-            mine["ep"], mine["meta"] = bulk, meta
-    for first in range(0, world, stage):
-        for ep_rank in range(ep):
-            group = dist.new_group(list(range(first + ep_rank, first + stage, ep)), timeout=timeout)
-            if rank // stage == first // stage and rank % ep == ep_rank:
-                mine["expert_dp"] = group
-    if pp == 1:
-        return EPGroups(ep, rank % ep, mine["ep"], mine["meta"], mine["expert_dp"], dist.group.WORLD, timeout)
-    for first in range(0, world, stage):
-        group = dist.new_group(list(range(first, first + stage)), timeout=timeout)
-        if rank // stage == first // stage:
-            mine["dp"] = group
-    for offset in range(stage):
-        ranks = tuple(range(offset, world, stage))
-        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
-        if rank % stage == offset:
-            mine["pp"], mine["pp_ranks"] = group, ranks
-    return EPGroups(
-        ep, rank % ep, mine["ep"], mine["meta"], mine["expert_dp"], mine["dp"], timeout,
-        pp_size=pp, pp_rank=rank // stage, pp_group=mine["pp"], pp_ranks=mine["pp_ranks"],
-    )  # fmt: skip
 
 
 def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:

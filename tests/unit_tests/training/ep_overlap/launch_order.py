@@ -215,7 +215,8 @@ def _reference_config(pp: int, **fields):
 def reference_orders(rank: int, world: int, pp: int, microbatch_counts: tuple, combinations: list[dict]) -> dict:
     """The reference MoE GPT (3 layers at PP 1, 4 at PP 2 x VPP 2), EP 2, one step per option set."""
     from ep_overlap_lab.moe_gpt import MoEGPTModel, build_pipeline_chunks
-    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    from .local_ranks import init_ep_groups
 
     install()
     config = _reference_config(pp)
@@ -234,7 +235,8 @@ def reference_on_both_lanes(rank: int, world: int, microbatches: int, combinatio
     from ep_overlap_lab.engine import EPOverlapEngine
     from ep_overlap_lab.moe_gpt import MoEGPTModel
     from megatron.bridge.training.ep_overlap.runtime import lanes
-    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    from .local_ranks import init_ep_groups
 
     install()
     groups = init_ep_groups(2, TIMEOUT)

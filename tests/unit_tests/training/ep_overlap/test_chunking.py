@@ -11,10 +11,9 @@ from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.units import Unit, units
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .bitwise import assert_bitwise
-from .local_ranks import RankFailure, run_local_ranks
+from .local_ranks import RankFailure, init_ep_groups, run_local_ranks
 from .test_numerics import EXPERT_BIAS
 from .workers import Case, batches, train_arms
 

@@ -9,10 +9,9 @@ import torch
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap.program.pipeline import pipeline_schedule
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .bitwise import assert_bitwise
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case, batches
 
 

@@ -9,9 +9,8 @@ import torch
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.comm_overlap import CommOverlapConfig, CommOverlapConfigError
-from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks, single_process_groups
 from .workers import Case, batches
 
 

@@ -9,10 +9,9 @@ import torch
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .bitwise import assert_bitwise
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_gpt
 from .workers import Case, attach_main_grads, batches

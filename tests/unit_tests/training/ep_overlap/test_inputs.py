@@ -10,9 +10,8 @@ import torch.distributed as dist
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap import IGNORE_INDEX
-from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case
 
 CASE = Case(layer_freq=(1, 0), microbatches=3)

@@ -12,9 +12,9 @@ import torch
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
-from megatron.bridge.utils.process_groups import CollectiveError, EPGroups, init_ep_groups, single_process_groups
+from megatron.bridge.utils.process_groups import CollectiveError, EPGroups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks, single_process_groups
 from .workers import Case
 
 DELAY_S = 0.4

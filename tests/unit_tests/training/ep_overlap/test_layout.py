@@ -19,8 +19,8 @@ MODEL = LAB / "moe_gpt"
 # What needs no torch: the program, the planner, and what they import.
 TORCH_FREE = (
     EP_OVERLAP / "program", LAB / "planner", EP_OVERLAP / "options.py", EP_OVERLAP / "contract.py",
-    EP_OVERLAP / "intervals.py", EP_OVERLAP / "segments.py", EP_OVERLAP / "settings.py", LAB / "storage_count.py",
-    LAB / "pipeline_layout.py",
+    EP_OVERLAP / "segments.py", EP_OVERLAP / "settings.py", LAB / "storage_count.py", LAB / "pipeline_layout.py",
+    LAB / "step_stats.py",
 )  # fmt: skip
 TORCH_FREE_MODULES = tuple(
     ".".join(path.relative_to(ROOT / "src").with_suffix("").parts) if path.suffix else

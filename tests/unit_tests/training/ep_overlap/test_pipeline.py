@@ -24,10 +24,9 @@ from megatron.bridge.training.ep_overlap.program.pipeline import (
     virtual_order,
     warmup_count,
 )
-from megatron.bridge.utils.process_groups import init_ep_groups, single_process_groups
 
 from .bitwise import assert_bitwise
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks, single_process_groups
 from .test_numerics import EXPERT_BIAS
 from .workers import Case, batches
 

@@ -10,9 +10,8 @@ from ep_overlap_lab.moe_gpt import MoEGPTModel
 from ep_overlap_lab.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case, batches
 
 

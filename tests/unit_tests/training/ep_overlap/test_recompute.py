@@ -17,10 +17,9 @@ import torch
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .bitwise import assert_same_training
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case, batches
 
 ARMS = {"plain": {}, "overlap": {"overlap": True}, "delayed": {"overlap": True, "delay_wgrad": True}}

@@ -38,7 +38,8 @@ def _engine_and_reference(rank: int, world: int, case: Case) -> dict:
 
     from ep_overlap_lab.engine import EPOverlapEngine
     from ep_overlap_lab.moe_gpt import MoEGPTModel
-    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    from .local_ranks import init_ep_groups
 
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
     data = batches(case, rank, 0)
@@ -68,7 +69,8 @@ def _engine_and_reference(rank: int, world: int, case: Case) -> dict:
 def _without_losses(rank: int, world: int, case: Case) -> dict:
     from ep_overlap_lab.engine import EPOverlapEngine
     from ep_overlap_lab.moe_gpt import MoEGPTModel
-    from megatron.bridge.utils.process_groups import init_ep_groups
+
+    from .local_ranks import init_ep_groups
 
     groups = init_ep_groups(case.ep, timedelta(seconds=30))
     model = MoEGPTModel(case.config(), groups, seed=7)

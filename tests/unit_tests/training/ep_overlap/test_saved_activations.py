@@ -11,9 +11,8 @@ from ep_overlap_lab.moe_gpt.grouped_linear import GroupedLinear
 from ep_overlap_lab.moe_gpt.model import MoEGPTModel
 from ep_overlap_lab.wgrad_store import DiscardedStorage
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
-from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case
 
 FP32 = 4

@@ -7,9 +7,8 @@ import torch
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from ep_overlap_lab.step import MicrobatchPlan, forward_step, train_step
 from megatron.bridge.training.comm_overlap import CommOverlapConfig
-from megatron.bridge.utils.process_groups import init_ep_groups
 
-from .local_ranks import run_local_ranks
+from .local_ranks import init_ep_groups, run_local_ranks
 from .workers import Case, batches
 
 

@@ -7,9 +7,9 @@ import torch
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel
-from megatron.bridge.utils.process_groups import init_ep_groups
 
 from .halves import as_units, summed_per_microbatch
+from .local_ranks import init_ep_groups
 
 # overlap off; overlap on; overlap on with delayed wgrad; the same with edge pairing (and, where a case adds it,
 # the attention wgrad in window 2)

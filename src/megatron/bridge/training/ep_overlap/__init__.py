@@ -10,7 +10,6 @@ _NAMES = {
     "program": "program.steps",
     "EPOverlapOptions": "options",
     "StepRecorder": "runtime.records",
-    "StepStats": "runtime.records",
 }
 __all__ = sorted(_NAMES)
 
