@@ -59,9 +59,8 @@ from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
-from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes, UnitInput
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.training.ep_overlap.settings import Settings, resolve
 from megatron.bridge.utils.process_groups import EPGroups

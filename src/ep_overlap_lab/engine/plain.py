@@ -7,7 +7,7 @@ overlapped path is recorded, so both arms of an A/B draw and compare alike.
 import time
 
 from megatron.bridge.training.ep_overlap.program.pipeline import Phase
-from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
+from megatron.bridge.training.ep_overlap.runtime.nodes import UnitInput
 from megatron.bridge.training.ep_overlap.runtime.records import CommRecord, ComputeRecord
 
 

@@ -27,7 +27,7 @@ class MoEGPTConfig(TransformerConfig):
     ``moe_aux_loss_coeff``, ``moe_z_loss_coeff`` (the router losses, ``router_losses.py``), shared experts
     (``moe_shared_expert_intermediate_size``), selective ``recompute_granularity``/``recompute_modules``, full
     recompute (``recompute_granularity="full"`` with ``recompute_method`` and ``recompute_num_layers``, as
-    ``ep_overlap/segments.py`` reads them), plus
+    ``ep_overlap/contract.py`` reads them), plus
     ``vocab_size`` and ``seq_length`` below (the set :data:`READ`).
 
     Refused by name, since the reference model does not compute them (``model_feature_problems``; a Megatron-Core

@@ -116,7 +116,7 @@ def costs_from_model(
 ) -> tuple[StepCosts, Link]:
     """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link.
 
-    ``segments`` (full recompute, ``segments.py``): the simulator charges each replayed layer its forward again.
+    ``segments`` (full recompute, ``segment_of``): the simulator charges each replayed layer its forward again.
 
     ``recompute`` (``recompute_modules``) charges each recomputed forward to the backward node that runs it: ``moe``
     the experts' GEMMs to the experts' backward, ``mlp`` a dense layer's MLP and ``core_attn`` the attention core to

@@ -27,7 +27,7 @@ def costs_from_records(
             all-to-alls' durations with no latency.
         num_layers: Layers of the model (dense ones have no all-to-all; their compute lies in the neighbouring
             segments, as the plain path records it).
-        segments: Full recompute's segments (``segments.py``), as the steps ran them: the replay's forward is priced
+        segments: Full recompute's segments (``segment_of``), as the steps ran them: the replay's forward is priced
             as the forward's; what the plain path recorded of it is taken off the backward (a dense layer's replay,
             which has no all-to-all to mark it, stays in its neighbours' backward).
     """

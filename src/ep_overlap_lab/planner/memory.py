@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 from ep_overlap_lab.pipeline_layout import chunk_layers
 from ep_overlap_lab.planner.holds import UnitHolds
 from ep_overlap_lab.storage_count import Count
+from megatron.bridge.training.ep_overlap.contract import segment_of
 from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
 from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.segments import segment_of
 from megatron.bridge.training.ep_overlap.settings import resolve
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels
@@ -67,7 +67,7 @@ class ActivationShape:
         load_balancing: The router's load-balancing loss, "aux_loss" or "seq_aux_loss" (None: none); it keeps the
             fp32 scores over all experts and their per-expert (per-sequence, per-expert) token counts.
         z_loss: The router's z-loss: it keeps the router logits and their log-sum-exp.
-        segments: Full recompute's segments of the (one) chunk (``segments.py``): each keeps only its input until
+        segments: Full recompute's segments of the (one) chunk (``segment_of``): each keeps only its input until
             its replay.
     """
 

@@ -73,7 +73,7 @@ class StepCosts:
     f_tail: float  # after the last combine: its unpermute, final norm, head and loss
     b_head: float  # loss and head backward, and the last layer's unpermute backward
     other_s: float = 0.0  # per step: gradient sync, optimizer
-    # Full recompute's segments (``segments.py``): each replays its layers' forward (their f_pre and f_exp, and
+    # Full recompute's segments (``contract.segment_of``): each replays its layers' forward (their f_pre and f_exp, and
     # their all-to-alls) before its last layer's backward
     segments: tuple[tuple[int, int], ...] = ()
 

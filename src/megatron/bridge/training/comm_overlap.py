@@ -15,9 +15,8 @@ import importlib.util
 import logging
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
-import torch
 from packaging.version import Version
 
 from megatron.bridge.training.comm_overlap_values import (
@@ -35,20 +34,8 @@ from megatron.bridge.training.moe_overlap_rules import (
     graph_modules,
 )
 from megatron.bridge.utils import versions
-from megatron.bridge.utils.logging import is_rank0, warn_rank0
+from megatron.bridge.utils.logging import warn_rank0
 from megatron.bridge.utils.process_groups import data_parallel_size_of
-
-__all__ = [
-    "BulkOverlapCfg",
-    "CommOverlapConfig",
-    "CommOverlapConfigError",
-    "PipelineOverlapCfg",
-    "RingExchangeOverlapCfg",
-    "TPOverlapCfg",
-    "TransformerLayerTPOverlapCfg",
-    "Violation",
-    "comm_overlap_violations",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -425,186 +412,115 @@ class _CommOverlapConfig:
     delay_wgrad_compute: bool = None
 
 
-_DP_BUCKET_SIZE = 128 * 1024 * 1024
-
-
 @dataclass(kw_only=True)
 class CommOverlapConfig:
-    """Which communications to overlap with compute. ``None`` means "auto".
+    """Configuration for communication overlap optimizations in distributed training.
 
-    This class enforces the EP-overlap rules itself (``checks_ep_overlap_rules``), so the plugin entry point
-    ``EPOverlapCommOverlapConfig`` defers to it.
-
-    Attributes:
-        tp_comm_overlap: Tensor-parallel comm overlap (Transformer Engine userbuffers). Required.
-        tp_comm_overlap_cfg: Per-GEMM TP overlap settings (a ``TransformerLayerTPOverlapCfg``, another dataclass,
-            or a dict), used when TP overlap is on. None lets Transformer Engine use its defaults.
-        tp_comm_bootstrap_backend: Backend used to bootstrap TP userbuffers: "nccl", "mpi" or "gloo".
-        overlap_p2p_comm: Overlap pipeline send/recv with compute (auto: on with PP > 1 and VPP).
-        batch_p2p_comm: Batch pipeline send/recv (auto: on with PP > 1 without VPP).
-        overlap_grad_reduce: Overlap DP gradient reduce-scatter (auto: on with DP > 1 and distributed optimizer).
-        overlap_param_gather: Overlap DP parameter all-gather (auto: as overlap_grad_reduce).
-        overlap_param_gather_with_optimizer_step: Overlap param all-gather with the optimizer step (auto: off).
-        align_param_gather: Align param all-gathers across virtual stages (auto: on with DP > 1, PP > 1 and VPP).
-        bucket_size: DP bucket size in elements (auto: 128 Mi with DP > 1 and distributed optimizer).
-        defer_embedding_wgrad_compute: Defer the embedding wgrad into the pipeline bubble (auto: off).
-        wgrad_deferral_limit: Number of microbatches the embedding wgrad may be deferred (auto: -1, no limit).
-        data_parallel_size: DP size (auto: world size / (TP * PP * CP) when a process group exists, else 1).
-        overlap_moe_expert_parallel_comm: Hide MoE expert-parallel all-to-all behind the other microbatch's
-            compute (1F1B-interleaved layer schedule). Auto keeps the model config's value, else off.
-        delay_wgrad_compute: Compute expert weight gradients under the dispatch-backward all-to-all.
-            Needs overlap_moe_expert_parallel_comm. Auto keeps the model config's value, else off.
+    This class manages tensor parallel, pipeline parallel, and data parallel
+    communication overlap settings to improve training performance.
+    ``None`` means "auto", resolved in ``setup()``. It checks the MoE expert-parallel overlap rules itself
+    (``checks_ep_overlap_rules``), so the plugin's ``EPOverlapCommOverlapConfig`` defers to it.
     """
 
     tp_comm_overlap: bool
-    tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | Any | None = None
-    tp_comm_bootstrap_backend: str | None = "nccl"
-    overlap_p2p_comm: bool | None = None
-    batch_p2p_comm: bool | None = None
-    overlap_grad_reduce: bool | None = None
-    overlap_param_gather: bool | None = None
-    overlap_param_gather_with_optimizer_step: bool | None = None
-    align_param_gather: bool | None = None
-    bucket_size: int | None = None
-    defer_embedding_wgrad_compute: bool | None = None
-    wgrad_deferral_limit: int | None = None
-    data_parallel_size: int | None = None
-    overlap_moe_expert_parallel_comm: bool | None = None
-    delay_wgrad_compute: bool | None = None
+    tp_comm_overlap_cfg: Optional[TransformerLayerTPOverlapCfg] = None
+    tp_comm_bootstrap_backend: Optional[str] = "nccl"
+    overlap_p2p_comm: Optional[bool] = None
+    batch_p2p_comm: Optional[bool] = None
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
+    overlap_param_gather_with_optimizer_step: Optional[bool] = None
+    align_param_gather: Optional[bool] = None
+    bucket_size: Optional[int] = None
+    defer_embedding_wgrad_compute: Optional[bool] = None
+    wgrad_deferral_limit: Optional[int] = None
+    data_parallel_size: Optional[int] = None
+    overlap_moe_expert_parallel_comm: Optional[bool] = None
+    delay_wgrad_compute: Optional[bool] = None
 
     checks_ep_overlap_rules = True  # a class attribute, not a field
 
-    def finalize(self) -> None:
-        """Checks this config's own values and records them as the user's request (``user_comm_overlap_cfg``).
-
-        Raises:
-            CommOverlapConfigError: Listing every field of the wrong type or out of range.
-        """
-        problems = self._own_violations()
+    def finalize(self):
+        problems = comm_overlap_value_violations(self)
         if problems:
             raise CommOverlapConfigError(problems)
-        # A re-run of finalize keeps the request recorded first (setup may have narrowed it, e.g. TP off).
-        if getattr(self, "user_comm_overlap_cfg", None) is not None:
+        # Don't recreate the user_comm_overlap_cfg if the post init is re-run
+        if hasattr(self, "user_comm_overlap_cfg") and self.user_comm_overlap_cfg is not None:
             return
+
         self.user_comm_overlap_cfg = _CommOverlapConfig(
-            **{f.name: getattr(self, f.name) for f in fields(_CommOverlapConfig)}
+            tp_comm_overlap=self.tp_comm_overlap,
+            tp_comm_overlap_cfg=self.tp_comm_overlap_cfg,
+            tp_comm_bootstrap_backend=self.tp_comm_bootstrap_backend,
+            overlap_p2p_comm=self.overlap_p2p_comm,
+            batch_p2p_comm=self.batch_p2p_comm,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            overlap_param_gather_with_optimizer_step=self.overlap_param_gather_with_optimizer_step,
+            align_param_gather=self.align_param_gather,
+            bucket_size=self.bucket_size,
+            defer_embedding_wgrad_compute=self.defer_embedding_wgrad_compute,
+            wgrad_deferral_limit=self.wgrad_deferral_limit,
+            overlap_moe_expert_parallel_comm=self.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=self.delay_wgrad_compute,
         )
 
-    def setup(self, model_config: Any, optimizer_config: Any = None, ddp_config: Any = None) -> None:
-        """Resolves every field, validates, then writes the values into the given configs.
+    def _get_model_comm_overlap_cfgs(
+        self,
+        model_cfg: Any,
+        ddp_config: Any,
+        problems: list[Violation] | None = None,
+        overlap_grad_reduce: bool | None = None,
+    ) -> _CommOverlapConfig:
+        """Resolved values for the model config. Every problem found is appended to ``problems`` or, without it,
+        raised as one CommOverlapConfigError. ``overlap_grad_reduce``: as DP resolves it (None: as asked for)."""
+        comm_overlap_cfg = _CommOverlapConfig()
 
-        Args:
-            model_config: The model config (a Megatron-Core ``TransformerConfig``, a Bridge model provider or
-                ``GPTModelConfig``, or any object with the same attribute names).
-            optimizer_config: Optional optimizer config; receives DP overlap values with a distributed optimizer.
-            ddp_config: Optional DDP config; receives DP overlap values with a distributed optimizer.
+        vp_size = model_cfg.virtual_pipeline_model_parallel_size
+        if vp_size is None:
+            vp_size = 1
 
-        Raises:
-            CommOverlapConfigError: One error listing every violated rule and every model/overlap conflict.
-        """
-        plan, problems = self._plan(model_config, optimizer_config, ddp_config)
-        if problems:
-            raise CommOverlapConfigError(problems)
-        for resolved, target in plan:
-            self._apply_cfgs(resolved, target)
-        defer_overlap_flag(model_config)
-        if getattr(model_config, "tp_comm_overlap", False):
-            model_config.tp_comm_overlap_cfg = self._tp_overlap_dict(plan[0][0].tp_comm_overlap_cfg)
-            model_config.tp_comm_bootstrap_backend = plan[0][0].tp_comm_bootstrap_backend
-        self._set_cuda_device_max_connections(model_config)
+        # Optimizations disabled by default, can be overriden by user
+        comm_overlap_cfg.tp_comm_overlap = False
+        comm_overlap_cfg.tp_comm_overlap_cfg = None
+        comm_overlap_cfg.defer_embedding_wgrad_compute = False
+        comm_overlap_cfg.wgrad_deferral_limit = -1
+        comm_overlap_cfg.overlap_moe_expert_parallel_comm = False
+        comm_overlap_cfg.delay_wgrad_compute = False
 
-    # --------------------------------------------------------------------------------------------------------
-    # Megatron-Bridge's resolution steps (upstream code calls and tests these directly)
+        # Check if TP overlap can be safely enabled
+        if self.user_comm_overlap_cfg.tp_comm_overlap is True:
+            if model_cfg.tensor_model_parallel_size < 2:
+                logging.warning("Disabling tensor parallel communication overlap due to TP size < 2.")
+                self.user_comm_overlap_cfg.tp_comm_overlap = False
+            elif not model_cfg.sequence_parallel:
+                logging.warning("Disabling tensor parallel communication overlap due to sequence_parallel=False.")
+                self.user_comm_overlap_cfg.tp_comm_overlap = False
+            elif not HAVE_TE:
+                logging.warning("Disabling tensor parallel communication overlap due to TE not detected.")
+                self.user_comm_overlap_cfg.tp_comm_overlap = False
 
-    def _get_model_comm_overlap_cfgs(self, model_cfg: Any, ddp_config: Any) -> _CommOverlapConfig:
-        """Resolved values for the model config. Raises CommOverlapConfigError for every problem found."""
-        resolved, problems = self._resolve_model(model_cfg, _grad_reduce_requested(self._user(), ddp_config))
-        if problems:
-            raise CommOverlapConfigError(problems)
-        return resolved
+        # PP overlap
+        if model_cfg.pipeline_model_parallel_size > 1:
+            if vp_size > 1:
+                comm_overlap_cfg.overlap_p2p_comm = True
+                comm_overlap_cfg.batch_p2p_comm = False
+            else:
+                comm_overlap_cfg.overlap_p2p_comm = False
+                comm_overlap_cfg.batch_p2p_comm = True
+        else:
+            comm_overlap_cfg.overlap_p2p_comm = False
+            comm_overlap_cfg.batch_p2p_comm = False
 
-    def _get_optimizer_overlap_cfgs(self, model_cfg: Any) -> _CommOverlapConfig:
-        """Resolved data-parallel values for the optimizer and DDP configs (distributed optimizer only)."""
-        dp = self.data_parallel_size or data_parallel_size_of(model_cfg)
-        pp, vpp = _pipeline_sizes(model_cfg)
-        cfg = _CommOverlapConfig(
-            bucket_size=None,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
-            # Left off upstream as well: with it, checkpointing of the optimizer state misbehaves.
-            overlap_param_gather_with_optimizer_step=False,
-            align_param_gather=False,
-        )
-        if dp > 1:
-            cfg.bucket_size = _DP_BUCKET_SIZE
-            cfg.overlap_grad_reduce = True
-            cfg.overlap_param_gather = True
-            cfg.align_param_gather = pp > 1 and vpp > 1
-        return self._override_user_cfgs(cfg)
-
-    def _apply_cfgs(self, src_cfg: Any, dest_cfg: Any) -> None:
-        """Copies every field of ``src_cfg`` that ``dest_cfg`` has onto it."""
-        for field in fields(src_cfg):
-            if hasattr(dest_cfg, field.name):
-                setattr(dest_cfg, field.name, getattr(src_cfg, field.name))
-
-    def _override_user_cfgs(self, comm_overlap_cfg: _CommOverlapConfig) -> _CommOverlapConfig:
-        """Replaces values of ``comm_overlap_cfg`` with every value the user set (not None)."""
-        user = getattr(self, "user_comm_overlap_cfg", None)
-        if isinstance(user, _CommOverlapConfig):
-            for field in fields(user):
-                value = getattr(user, field.name)
-                if value is not None:
-                    setattr(comm_overlap_cfg, field.name, value)
-        return comm_overlap_cfg
-
-    # --------------------------------------------------------------------------------------------------------
-    # Resolution with every problem collected
-
-    def _user(self) -> _CommOverlapConfig:
-        if getattr(self, "user_comm_overlap_cfg", None) is None:
-            self.finalize()
-        return self.user_comm_overlap_cfg
-
-    def _plan(
-        self, model_config: Any, optimizer_config: Any, ddp_config: Any
-    ) -> tuple[list[tuple[_CommOverlapConfig, Any]], list[Violation]]:
-        """What to write where, and every problem found; writes nothing."""
-        problems = self._own_violations()
-        if problems:
-            return [], problems
-        user = self._user()
-        dp_plan: list[tuple[_CommOverlapConfig, Any]] = []
-        grad_reduce = _grad_reduce_requested(user, ddp_config)
-        # Data-parallel overlap needs Megatron's DDP with the distributed optimizer.
-        if optimizer_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
-            dp_cfg = self._get_optimizer_overlap_cfgs(model_config)
-            for target in (optimizer_config, ddp_config):
-                dp_plan.append((self._keep_explicit(dp_cfg, target, DP_RESOLVED_FIELDS, problems), target))
-            grad_reduce = bool(dp_plan[-1][0].overlap_grad_reduce)
-        model_cfg, model_problems = self._resolve_model(model_config, grad_reduce)
-        return [(model_cfg, model_config), *dp_plan], model_problems + problems
-
-    def _resolve_model(self, model_cfg: Any, overlap_grad_reduce: bool) -> tuple[_CommOverlapConfig, list[Violation]]:
-        """Model-config values: defaults by layout, then explicit model values, then the user's; and the checks."""
-        user = self._user()
-        pp, vpp = _pipeline_sizes(model_cfg)
-        cfg = _CommOverlapConfig(
-            tp_comm_overlap=False,
-            tp_comm_overlap_cfg=None,
-            overlap_p2p_comm=pp > 1 and vpp > 1,
-            batch_p2p_comm=pp > 1 and vpp == 1,
-            defer_embedding_wgrad_compute=False,
-            wgrad_deferral_limit=-1,
-            overlap_moe_expert_parallel_comm=False,
-            delay_wgrad_compute=False,
-        )
-        if user.tp_comm_overlap is True and not self._tp_overlap_feasible(model_cfg):
-            user.tp_comm_overlap = False
-        problems: list[Violation] = []
-        cfg = self._keep_explicit(self._override_user_cfgs(cfg), model_cfg, MODEL_RESOLVED_FIELDS, problems)
-        if cfg.overlap_moe_expert_parallel_comm and not hasattr(model_cfg, "overlap_moe_expert_parallel_comm"):
-            problems.append(
+        # MoE expert-parallel comm overlap and delayed wgrad: a value set on the model config stands where the user
+        # said nothing; then every rule of moe_overlap_rules (Megatron-Core's TransformerConfig checks, relaxed where
+        # this project's schedule runs what Megatron-Core's refuses), all problems at once.
+        comm_overlap_cfg = self._override_user_cfgs(comm_overlap_cfg)
+        kept, found = explicit_values(self.user_comm_overlap_cfg, model_cfg, MODEL_RESOLVED_FIELDS)
+        comm_overlap_cfg = dataclasses.replace(comm_overlap_cfg, **kept)
+        overlap, delay = comm_overlap_cfg.overlap_moe_expert_parallel_comm, comm_overlap_cfg.delay_wgrad_compute
+        if overlap and not hasattr(model_cfg, "overlap_moe_expert_parallel_comm"):
+            found.append(
                 Violation(
                     "model_field",
                     {"model": type(model_cfg).__name__},
@@ -612,10 +528,12 @@ class CommOverlapConfig:
                     "use a model config derived from Megatron-Core's TransformerConfig.",
                 )
             )
-        options = EPOverlapOptions(overlap=cfg.overlap_moe_expert_parallel_comm, delay_wgrad=cfg.delay_wgrad_compute)
-        problems += resolve(
+        if overlap_grad_reduce is None:
+            asked = self.user_comm_overlap_cfg.overlap_grad_reduce
+            overlap_grad_reduce = bool(getattr(ddp_config, "overlap_grad_reduce", False) or asked)
+        found += resolve(
             model_cfg,
-            options,
+            EPOverlapOptions(overlap=overlap, delay_wgrad=delay),
             overlap_grad_reduce=overlap_grad_reduce,
             # Looked up at call time, so code that patches this module's version checks is honoured.
             torch_at_least=lambda minimum: is_torch_min_version(minimum),
@@ -623,71 +541,123 @@ class CommOverlapConfig:
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_cfg),
         ).violations
-        return cfg, problems
+        if problems is None and found:
+            raise CommOverlapConfigError(found)
+        problems = [] if problems is None else problems
+        problems += found
+        return comm_overlap_cfg
 
-    def _keep_explicit(
-        self, resolved: _CommOverlapConfig, target: Any, names: tuple[str, ...], problems: list[Violation]
-    ) -> _CommOverlapConfig:
-        """A copy of ``resolved`` in which values set explicitly on ``target`` stand where the user said nothing.
+    def _get_optimizer_overlap_cfgs(self, model_cfg: Any) -> _CommOverlapConfig:
+        vp_size = model_cfg.virtual_pipeline_model_parallel_size
+        if vp_size is None:
+            vp_size = 1
 
-        A user value that disagrees with an explicit target value is recorded as a ``conflict`` problem.
+        comm_overlap_cfg = _CommOverlapConfig()
+        comm_overlap_cfg.bucket_size = None
+        comm_overlap_cfg.overlap_grad_reduce = False
+        comm_overlap_cfg.overlap_param_gather = False
+        comm_overlap_cfg.overlap_param_gather_with_optimizer_step = False
+        comm_overlap_cfg.align_param_gather = False
+
+        if (self.data_parallel_size or data_parallel_size_of(model_cfg)) > 1:
+            comm_overlap_cfg.bucket_size = 128 * 1024 * 1024
+            comm_overlap_cfg.overlap_grad_reduce = True
+            comm_overlap_cfg.overlap_param_gather = True
+            if model_cfg.pipeline_model_parallel_size > 1 and vp_size > 1:
+                # Currently disabled due to an issue with checkpointing
+                # comm_overlap_cfg.overlap_param_gather_with_optimizer_step = True
+                comm_overlap_cfg.align_param_gather = True
+
+        comm_overlap_cfg = self._override_user_cfgs(comm_overlap_cfg)
+        return comm_overlap_cfg
+
+    def _apply_cfgs(self, src_cfg, dest_cfg):
+        # apply optimizations into dest_cfg
+        for field in fields(src_cfg):
+            if hasattr(dest_cfg, field.name):
+                setattr(dest_cfg, field.name, getattr(src_cfg, field.name))
+
+    def _override_user_cfgs(self, comm_overlap_cfg):
+        # override default configs with any user provided configs
+        if isinstance(self.user_comm_overlap_cfg, _CommOverlapConfig):
+            for field in fields(self.user_comm_overlap_cfg):
+                user_value = getattr(self.user_comm_overlap_cfg, field.name)
+                if user_value is not None:
+                    setattr(comm_overlap_cfg, field.name, user_value)
+
+        return comm_overlap_cfg
+
+    def _plan(
+        self, model_config: Any, optimizer_config: Any, ddp_config: Any
+    ) -> tuple[list[tuple[_CommOverlapConfig, Any]], list[Violation]]:
+        """What to write where, and every problem found; writes nothing."""
+        problems = comm_overlap_value_violations(self)
+        if problems:
+            return [], problems
+        if getattr(self, "user_comm_overlap_cfg", None) is None:
+            self.finalize()
+        dp_plan, grad_reduce = [], None
+        # Data parallel overlap is only available with the Megatron DDP and Distributed optimizer
+        if optimizer_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
+            dp_cfg = self._get_optimizer_overlap_cfgs(model_config)
+            for target in (optimizer_config, ddp_config):
+                kept, conflicts = explicit_values(self.user_comm_overlap_cfg, target, DP_RESOLVED_FIELDS)
+                problems += conflicts
+                dp_plan.append((dataclasses.replace(dp_cfg, **kept), target))
+            grad_reduce = bool(dp_plan[-1][0].overlap_grad_reduce)
+        model_problems: list[Violation] = []
+        model_cfg = self._get_model_comm_overlap_cfgs(model_config, ddp_config, model_problems, grad_reduce)
+        return [(model_cfg, model_config), *dp_plan], model_problems + problems
+
+    def setup(
+        self,
+        model_config: Any,
+        optimizer_config: Any = None,
+        ddp_config: Any = None,
+    ) -> None:
+        """Set up communication overlap configurations for the model, optimizer, and DDP.
+
+        Every value is resolved and checked before any is written: one CommOverlapConfigError lists every problem.
+
+        Args:
+            model_config: Model configuration containing parallelism settings
+            optimizer_config: Optimizer configuration for gradient overlap settings
+            ddp_config: Distributed data parallel configuration
         """
-        kept, conflicts = explicit_values(self._user(), target, names)
-        problems += conflicts
-        return dataclasses.replace(resolved, **kept)
-
-    def _tp_overlap_feasible(self, model_cfg: Any) -> bool:
-        """False, with upstream's warning, where TP overlap cannot work."""
-        reason = None
-        if (getattr(model_cfg, "tensor_model_parallel_size", 1) or 1) < 2:
-            reason = "TP size < 2"
-        elif not getattr(model_cfg, "sequence_parallel", False):
-            reason = "sequence_parallel=False"
-        elif not HAVE_TE:
-            reason = "TE not detected"
-        if reason is None:
-            return True
-        if is_rank0():
-            # The root logger, with upstream's exact wording: Bridge's tooling and tests match on it.
-            logging.warning(f"Disabling tensor parallel communication overlap due to {reason}.")
-        return False
-
-    @staticmethod
-    def _tp_overlap_dict(tp_cfg: Any) -> dict | None:
-        """The TP overlap settings as Transformer Engine takes them: a dict without None values."""
-        if tp_cfg is None:
-            if is_rank0():
+        plan, problems = self._plan(model_config, optimizer_config, ddp_config)
+        if problems:
+            raise CommOverlapConfigError(problems)
+        comm_overlap_cfg = plan[0][0]
+        self._apply_cfgs(comm_overlap_cfg, model_config)
+        if model_config.tp_comm_overlap:
+            if comm_overlap_cfg.tp_comm_overlap_cfg is None:
                 logging.warning(
                     "Tensor parallel overlap: No overlap config provided. "
                     "Initializing TP comm overlap with the default config."
                 )
-            return None
-        as_dict = asdict(tp_cfg) if dataclasses.is_dataclass(tp_cfg) else dict(tp_cfg)
-        return {key: value for key, value in as_dict.items() if value is not None}
+                model_config.tp_comm_overlap_cfg = None
+            else:
+                # ub_cfgs is a dataclass (or a dict), however TE needs a dict, so convert here
+                tp_cfg = comm_overlap_cfg.tp_comm_overlap_cfg
+                model_config.tp_comm_overlap_cfg = asdict(tp_cfg) if dataclasses.is_dataclass(tp_cfg) else dict(tp_cfg)
+                # remove keys with None values from dictionary to match TE's expectations
+                model_config.tp_comm_overlap_cfg = {
+                    key: value for key, value in model_config.tp_comm_overlap_cfg.items() if value is not None
+                }
+            model_config.tp_comm_bootstrap_backend = comm_overlap_cfg.tp_comm_bootstrap_backend
 
-    def _own_violations(self) -> list[Violation]:
-        return comm_overlap_value_violations(self)
-
-    def _set_cuda_device_max_connections(self, model_config: Any) -> None:
-        """Sets CUDA_DEVICE_MAX_CONNECTIONS as the overlap settings need it. No-op without CUDA."""
-        if not torch.cuda.is_available():
-            return
-        tp = getattr(model_config, "tensor_model_parallel_size", 1) or 1
-        cp = getattr(model_config, "context_parallel_size", 1) or 1
-        if getattr(model_config, "overlap_moe_expert_parallel_comm", False):
+        for dp_cfg, target in plan[1:]:  # the optimizer and DDP configs, with the distributed optimizer
+            self._apply_cfgs(dp_cfg, target)
+        defer_overlap_flag(model_config)
+        if getattr(model_config, "overlap_moe_expert_parallel_comm", False) and (
+            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+        ):
             # The comm stream needs its own hardware queue, or the all-to-all waits behind compute kernels.
-            if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-                warn_rank0(
-                    logger,
-                    "CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the comm and compute streams and shrinks EP "
-                    "overlap; unset it or set 32.",
-                )
-            return
-        major, _ = torch.cuda.get_device_capability()
-        if major <= 9 and (tp > 1 or cp > 1):
-            # Keep host issue order on the GPU, so TP comm kernels start before the GEMM they overlap.
-            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-            logger.info("Set CUDA_DEVICE_MAX_CONNECTIONS=1")
+            warn_rank0(
+                logger,
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the comm and compute streams and shrinks EP overlap; "
+                "unset it or set 32.",
+            )
 
 
 def comm_overlap_violations(
@@ -696,14 +666,3 @@ def comm_overlap_violations(
     """Every problem ``comm_overlap.setup`` would raise for these configs, as a list. Never raises or writes."""
     probe = copy.deepcopy(comm_overlap)  # resolution may narrow the recorded request (TP off); keep the user's
     return probe._plan(model_config, optimizer_config, ddp_config)[1]
-
-
-def _pipeline_sizes(model_cfg: Any) -> tuple[int, int]:
-    pp = getattr(model_cfg, "pipeline_model_parallel_size", 1) or 1
-    vpp = getattr(model_cfg, "virtual_pipeline_model_parallel_size", None) or 1
-    return pp, vpp
-
-
-def _grad_reduce_requested(user: _CommOverlapConfig, ddp_config: Any) -> bool:
-    """Upstream's reading of "DP grad reduce overlaps": on the DDP config, or asked for here."""
-    return bool(getattr(ddp_config, "overlap_grad_reduce", False) or user.overlap_grad_reduce)

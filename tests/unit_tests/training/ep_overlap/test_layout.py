@@ -19,7 +19,7 @@ MODEL = LAB / "moe_gpt"
 # What needs no torch: the program, the planner, and what they import.
 TORCH_FREE = (
     EP_OVERLAP / "program", LAB / "planner", EP_OVERLAP / "options.py", EP_OVERLAP / "contract.py",
-    EP_OVERLAP / "segments.py", EP_OVERLAP / "settings.py", LAB / "storage_count.py", LAB / "pipeline_layout.py",
+    EP_OVERLAP / "settings.py", LAB / "storage_count.py", LAB / "pipeline_layout.py",
     LAB / "step_stats.py",
 )  # fmt: skip
 TORCH_FREE_MODULES = tuple(
@@ -109,7 +109,6 @@ MODEL_MAY_IMPORT = (
     "megatron.bridge.training.ep_overlap.contract",
     "ep_overlap_lab.step_loss",
     "ep_overlap_lab.wgrad_store",  # the FIFO its delayable linears keep deferred wgrads in
-    "megatron.bridge.training.ep_overlap.segments",  # which layers full recompute replays: the model's plain path too
     "megatron.bridge.training.ep_overlap.settings",  # the resolved options and rules, as every consumer reads them
 )
 

@@ -21,7 +21,7 @@ NOT_READ_BY_THE_PLAN: dict[str, str] = {
     # Read by Megatron-Core's non-overlapped driver and stack forward only; its combined-1F1B driver (which runs any
     # schedule plan, Megatron-Core's own or this project's) reads them in neither place.
     "recompute_granularity": "the stack's forward reads it to pick its checkpointed path; the plan reads it when it "
-    "is built (its full-recompute segments, ep_overlap/segments.py)",
+    "is built (its full-recompute segments, ep_overlap/contract.py)",
     "cpu_offloading": "the stack's forward reads it for its offload context; the plan refuses it when it is built "
     "(rule activation_offloading)",
     "deallocate_pipeline_outputs": "the non-overlapped driver frees pipeline outputs with it; no pipeline here",

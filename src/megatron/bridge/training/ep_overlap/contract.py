@@ -7,9 +7,17 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any, NamedTuple, Protocol
 
-from megatron.bridge.training.ep_overlap.segments import segment_of
-
 IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
+
+
+def segment_of(segments: tuple[tuple[int, int], ...], layer: int) -> tuple[int, int] | None:
+    """The full-recompute segment that holds ``layer`` (a position in the chunk), or None when it is not recomputed.
+
+    A chunk's segments (``settings.Settings.segments``) follow ``recompute_method``: ``uniform`` cuts the layers into
+    segments of ``recompute_num_layers`` (the last may be shorter); ``block`` makes each of the first
+    ``recompute_num_layers`` layers its own segment.
+    """
+    return next((s for s in segments if s[0] <= layer < s[1]), None)
 
 
 class PreDispatch(NamedTuple):

@@ -2,7 +2,6 @@
 (:func:`use_ep_overlap_schedule`) and the forward-backward function (:func:`get_forward_backward_func`)."""
 
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import (
     forward_backward_pipelining_with_ep_overlap,
     get_forward_backward_func,
@@ -12,6 +11,7 @@ from megatron.bridge.training.ep_overlap.mcore.hook import (
     DEFAULT_TIMEOUT,
     EPOverlapPlanBuilder,
     EPOverlapSchedulePlan,
+    chunk_for,
     use_ep_overlap_schedule,
 )
 from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk

@@ -14,25 +14,28 @@ import logging
 from datetime import timedelta
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
 from megatron.bridge.training.ep_overlap.mcore.agreement import Agreement
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
-from megatron.bridge.training.ep_overlap.mcore.factory import chunk_for
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
+from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
+from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
     NOT_GIVEN,
     dropped_packed_sequence,
     packed_problems,
 )
+from megatron.bridge.training.ep_overlap.mcore.vision_language import McoreVisionLanguageChunk, is_vision_language
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, step_kind, windows_of
-from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
 from megatron.bridge.training.ep_overlap.runtime.lanes import Pending, done, make_lane
-from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes
+from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes, UnitInput
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.training.ep_overlap.settings import Settings, apply_deferred, resolve
 from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
@@ -220,6 +223,24 @@ class _DriverCall:
             self.post_forward(None)
         if self.b_plan is not None and BACKWARD not in self.posted:
             self.post_backward(None)
+
+
+PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
+
+
+def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
+    """The plan for ``model`` (a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``, whole or one chunk);
+    ValueError, one line with its fix, for another class or a feature the plan does not schedule."""
+    for model_class, plan_class in PLANS.items():
+        if isinstance(model, model_class):
+            return plan_class(model, delay_wgrad=delay_wgrad)
+    if is_vision_language(model):  # Bridge's class, recognized without importing Bridge's models here
+        return McoreVisionLanguageChunk(model, delay_wgrad=delay_wgrad)
+    raise ValueError(
+        f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel and "
+        "Megatron-Bridge's Qwen3VLModel (whole or a pipeline chunk), and no other model class yet; fix: build one of "
+        "those, or turn overlap_moe_expert_parallel_comm off for this model"
+    )
 
 
 def checked_chunk(

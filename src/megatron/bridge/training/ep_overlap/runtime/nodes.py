@@ -8,12 +8,25 @@ plain path: each node runs exactly the layer's plain ops, and the residual ``h``
 """
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from megatron.bridge.training.ep_overlap.runtime.inputs import UnitInput
+from megatron.bridge.training.ep_overlap.contract import segment_of
 from megatron.bridge.training.ep_overlap.runtime.lanes import Pending, done
-from megatron.bridge.training.ep_overlap.segments import segment_of
+
+
+@dataclass(frozen=True)
+class UnitInput:
+    """What one unit computes on one chunk: the chunk (or its packed view), the unit's number, its tokens and labels,
+    and the loss's normalizer (None: the driver normalizes, as Megatron-Core's does)."""
+
+    chunk: Any
+    unit: int
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    normalizer: Any
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
