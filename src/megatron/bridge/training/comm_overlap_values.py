@@ -1,8 +1,5 @@
-"""A ``CommOverlapConfig``'s own values (types, ranges), and values another config sets explicitly.
-
-Every problem is a ``Violation``; nothing is resolved silently. Shared by ``CommOverlapConfig`` and the plugin's
-``EPOverlapCommOverlapConfig``; a module of its own because the plugin wheel ships without ``comm_overlap.py``.
-"""
+"""A ``CommOverlapConfig``'s own values (types, ranges), and values another config sets explicitly; every problem is
+a ``Violation``. A module of its own because the plugin wheel ships without ``comm_overlap.py``."""
 
 from collections.abc import Iterable
 from typing import Any

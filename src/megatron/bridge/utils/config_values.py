@@ -1,15 +1,12 @@
-"""Telling a value the user set on a config apart from a default.
-
-A value is explicitly set when it differs from its default (the config's dataclass default, a nested dataclass's for
-a forwarded field, else that of Megatron-Core's model/DDP/optimizer config) or was marked with :func:`mark_explicit`.
-An attribute with no known default counts as set; a missing one does not.
-"""
+"""Telling a value the user set on a config apart from a default: it differs from its default (the config's dataclass
+default, a nested dataclass's, else Megatron-Core's model/DDP/optimizer config's) or was marked with
+:func:`mark_explicit`. An attribute with no known default counts as set; a missing one does not."""
 
 import dataclasses
 import functools
 from typing import Any
 
-_MARKS = "_explicitly_set_fields"  # where mark_explicit records names, on the config object itself
+_MARKS = "_explicitly_set_fields"
 
 
 def mark_explicit(config: Any, *names: str) -> None:
@@ -19,7 +16,6 @@ def mark_explicit(config: Any, *names: str) -> None:
 
 
 def _own_default(config: Any, name: str) -> tuple[bool, Any]:
-    """(whether ``config``'s dataclass declares a default for ``name``, that default)."""
     if not dataclasses.is_dataclass(config):
         return False, None
     own = {f.name: f for f in dataclasses.fields(config)}
@@ -40,7 +36,6 @@ def _own_default(config: Any, name: str) -> tuple[bool, Any]:
 
 @functools.cache
 def _reference_defaults() -> dict[str, Any]:
-    """Field defaults of Megatron-Core's model, DDP and optimizer configs (the first class to declare a name wins)."""
     try:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig
@@ -56,7 +51,7 @@ def _reference_defaults() -> dict[str, Any]:
 
 
 def is_explicitly_set(config: Any, name: str) -> bool:
-    """True when ``config.name`` was set explicitly (see the module docstring for the two signals)."""
+    """True when ``config.name`` was set explicitly (see the module docstring)."""
     if not hasattr(config, name):
         return False
     if name in getattr(config, _MARKS, ()):

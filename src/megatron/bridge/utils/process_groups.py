@@ -1,13 +1,7 @@
-"""Expert-parallel process groups (:class:`EPGroups`) and collectives that never wait forever.
-
-Contract:
-    * Split-size exchanges run on ``ep_meta_group``, a gloo group of their own over CPU tensors, so they never queue
-      behind the bulk all-to-alls in flight.
-    * Every wait goes through :func:`wait_work`, under the groups' timeout: a failure or timeout raises
-      :class:`CollectiveError` naming this rank and the op, so a rank whose peer died stops instead of hanging.
-    * Each finished wait and compute node calls :func:`tell_alive`: a no-op unless a launcher watching for stalled
-      ranks installed a listener (:func:`set_alive_listener`).
-"""
+"""Expert-parallel process groups (:class:`EPGroups`) and collectives that never wait forever. Split-size exchanges
+run on ``ep_meta_group`` (gloo, CPU tensors) so they never queue behind bulk all-to-alls; every wait goes through
+:func:`wait_work` under the groups' timeout, so a rank whose peer died raises :class:`CollectiveError` instead of
+hanging; finished waits and compute nodes call :func:`tell_alive`, a no-op unless a launcher installed a listener."""
 
 import math
 from collections.abc import Callable
@@ -114,9 +108,8 @@ def data_parallel_size_of(model_config: Any) -> int:
 
 
 def refuse_together(error: Exception | None) -> None:
-    """Every rank refuses when any rank does: ranks that found nothing wrong raise naming the first rank that did
-    (one small all-gather over the default group, which every rank must call), so none goes on to wait in a
-    collective for a peer that stopped. Raises ``error`` itself on a rank that has one."""
+    """Every rank refuses when any rank does (one all-gather over the default group, which every rank must call), so
+    none waits in a collective for a peer that stopped; ranks without an ``error`` raise naming the first that had."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error

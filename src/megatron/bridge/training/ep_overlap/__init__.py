@@ -1,6 +1,5 @@
-"""EP overlap: a rank's training step as one schedule program: ``program/`` (the schedule as data), ``runtime/`` (the
-nodes and lanes that execute it), ``mcore/`` (Megatron-Core models and the driver hook); the lab (``ep_overlap_lab``)
-is outside. Names load on first use, so importing the program loads no torch."""
+"""EP overlap: a rank's training step as one schedule program (``program/``), run by ``runtime/``; ``mcore/`` adapts
+Megatron-Core. Names load on first use, so importing the program loads no torch."""
 
 import importlib
 

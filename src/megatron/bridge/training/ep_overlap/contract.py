@@ -1,28 +1,22 @@
 """What a model offers the schedule's runtime (no torch here): it implements these protocols and never imports the
-runtime. :class:`LayerFunctions` cuts a layer into node functions, :class:`ChunkModel` is a model or pipeline chunk,
-:class:`ChunkHooks` and :class:`LayerHooks` give the rest with defaults. Losses are token-summed cross-entropies
-divided by the engine's normalizer; labels equal to :data:`IGNORE_INDEX` count in neither."""
+runtime. Losses are token-summed cross-entropies divided by the engine's normalizer; labels equal to
+:data:`IGNORE_INDEX` count in neither."""
 
 from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any, NamedTuple, Protocol
 
-IGNORE_INDEX = -100  # a label that counts neither in the loss nor in its token count (PyTorch's convention)
+IGNORE_INDEX = -100
 
 
 def segment_of(segments: tuple[tuple[int, int], ...], layer: int) -> tuple[int, int] | None:
-    """The full-recompute segment that holds ``layer`` (a position in the chunk), or None when it is not recomputed.
-
-    A chunk's segments (``settings.Settings.segments``) follow ``recompute_method``: ``uniform`` cuts the layers into
-    segments of ``recompute_num_layers`` (the last may be shorter); ``block`` makes each of the first
-    ``recompute_num_layers`` layers its own segment.
-    """
+    """The full-recompute segment that holds ``layer`` (a position in the chunk), or None."""
     return next((s for s in segments if s[0] <= layer < s[1]), None)
 
 
 class PreDispatch(NamedTuple):
-    """What ``pre_dispatch`` hands on: the residual ``h``, the tensors to ``send``, what it ``keep`` s for combine
-    (None, a tensor or a tuple) and its ``routing`` (None: dense). A tuple, so it unpacks too."""
+    """What ``pre_dispatch`` hands on: residual ``h``, tensors to ``send``, what it ``keep`` s for combine (None, a
+    tensor or a tuple) and its ``routing`` (None: dense)."""
 
     h: Any
     send: tuple
@@ -32,12 +26,9 @@ class PreDispatch(NamedTuple):
 
 class LayerFunctions(Protocol):
     """One layer's node functions; ``routing`` is None for dense layers and carries ``in_splits``/``out_splits``.
-
-    ``pre_dispatch``: attention, pre-MLP norm, router, permute; ``keep`` reaches ``combine`` (unpermute, residual add)
-    in the same structure. ``start_split_exchange`` sends the split sizes without blocking (may do nothing) and
-    ``exchange_splits`` finishes it. A layer that ``owns_comm`` gives differentiable ``dispatch_comm(send, routing)``
-    and ``combine_comm(expert_out, routing)``, run with their backward on the comm lane; its split-size ops do nothing.
-    """
+    ``keep`` reaches ``combine`` in the structure ``pre_dispatch`` gave it; ``start_split_exchange`` sends the split
+    sizes without blocking and ``exchange_splits`` finishes it. A layer that ``owns_comm`` gives differentiable
+    ``dispatch_comm(send, routing)`` and ``combine_comm(expert_out, routing)``; its split-size ops do nothing."""
 
     name: str
     is_moe: bool
@@ -60,9 +51,8 @@ class LayerFunctions(Protocol):
 
 
 class ChunkModel(Protocol):
-    """A whole model or one pipeline chunk: ``layers`` with global ``layer_numbers``, whether it holds the embedding
-    (``pre_process``) and head (``post_process``), ``embed``, ``head_loss`` (``tokens`` for a head that reads them, as
-    MTP does), ``hidden_shape(tokens)`` between chunks; a whole model also ``__call__(tokens, labels, normalizer)``."""
+    """A whole model or one pipeline chunk, with ``hidden_shape(tokens)`` between chunks; ``head_loss`` gets ``tokens``
+    for a head that reads them (MTP); a whole model is also called as ``(tokens, labels, normalizer)``."""
 
     config: Any
     vocab_size: int
@@ -82,12 +72,12 @@ class ChunkModel(Protocol):
 class ChunkHooks:
     """The engine's hooks on every chunk besides :class:`ChunkModel`'s functions, with no-op defaults."""
 
-    sequence_length: int | None = None  # the sequence length the chunk takes (None: any)
+    sequence_length: int | None = None
     # Full recompute: segments ``(first, stop)`` whose forward keeps only its input and is replayed in backward
     recompute_segments: tuple[tuple[int, int], ...] = ()
 
     def run_layers(self, x: Any) -> Any:
-        """The plain path through the layers (ordinary autograd), each recompute segment via :meth:`run_segment`."""
+        """The plain path through the layers, each recompute segment via :meth:`run_segment`."""
         j = 0
         while j < len(self.layers):
             segment = segment_of(self.recompute_segments, j)
@@ -99,13 +89,11 @@ class ChunkHooks:
         raise NotImplementedError(f"{type(self).__name__}: recompute_segments given, run_segment not")
 
     def step_context(self) -> Any:
-        """A context the engine enters around each overlapped step (the plain path's whole-chunk call enters its own):
-        Megatron-Core's fp8 delayed scaling opens one around a whole stack."""
+        """A context the engine enters around each overlapped step (the plain path's call enters its own)."""
         return nullcontext()
 
     def with_packed_sequences(self, packed_seq_params: Any) -> "ChunkModel":
-        """This chunk for one packed (THD) microbatch: a view whose attention reads the document boundaries. Refused
-        by default."""
+        """This chunk for one packed (THD) microbatch; refused by default."""
         raise ValueError(
             f"{type(self).__name__}: packed (THD) microbatches need a model whose attention runs them; fix: pad the "
             "sequences and pass (tokens, labels), or run a Megatron-Core model (ep_overlap.mcore.chunk_for)"
@@ -118,6 +106,5 @@ class LayerHooks:
     owns_comm: bool = False  # the layer's own functions run its all-to-alls (a fused dispatcher's), not the lane
     # exchange_splits touches only its routing and the EP metadata group: a lane may run it off the host thread
     exchange_splits_off_host: bool = False
-    # Full recompute may replay the forward; ``replay_splits(routing, exchanged)`` then gives a replayed routing the
-    # split sizes its first forward exchanged, without communicating
+    # full recompute may replay the forward; ``replay_splits(routing, exchanged)`` then reuses its first split sizes
     replays_forward: bool = False

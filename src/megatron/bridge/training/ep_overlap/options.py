@@ -1,5 +1,4 @@
-"""The EP-overlap schedule's options, in one frozen object (no torch here); ``settings.resolve`` checks them with a
-model config and says what they resolve to."""
+"""The EP-overlap schedule's options, in one frozen object (no torch here); ``settings.resolve`` checks them."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -12,15 +11,12 @@ class EPOverlapOptions:
     """How the schedule runs.
 
     Attributes:
-        overlap: Pair microbatches so each all-to-all hides behind the other's compute; False runs the plain path, the
-            bitwise reference.
+        overlap: Pair microbatches so each all-to-all hides behind the other's compute; False: the plain path.
         delay_wgrad: Defer expert and attention weight gradients into the windows that have comm to hide.
-        attention_wgrad_window: With delayed wgrad, the window that runs a layer's attention wgrad: 1 (beside B.combine
-            backward) or 2 (beside F.dispatch); None (auto, PP = 1): the planner picks it after a plain first step.
+        attention_wgrad_window: 1 (beside B.combine backward) or 2 (beside F.dispatch); None: the planner picks.
         edge_pairing: At PP = 1, pair the warm-up's two forwards and the cool-down's two backwards (bitwise).
         moe_ep_overlap_chunks: 2 splits each lone microbatch into two batch halves run as a pair (PP = 1; not bitwise).
-        launch_off_host: On CPU, launch all-to-alls from a helper thread when one must wait (None: where it applies).
-        high_priority_comm: On CUDA, give the comm stream high priority.
+        launch_off_host: On CPU, launch all-to-alls from a helper thread (None: where it applies).
         check_for_nan_in_loss_and_grad: After the backward, fail every rank at once on a non-finite loss or gradient.
     """
 

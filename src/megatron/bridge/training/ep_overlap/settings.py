@@ -1,11 +1,7 @@
-"""A model's EP-overlap settings, resolved once: the options and what they resolve to, full recompute's segments, the
-token dispatcher's kind, the broken rules (no torch here).
-
-:func:`resolve` is the only place these are derived; consumers read the frozen :class:`Settings`, never re-derive
-them. An invalid setting is a violation (one line, with its fix), never an empty result. :func:`defer_overlap_flag`
-keeps the overlap and delayed-wgrad flags off a Bridge provider whose Megatron-Core checks would refuse them (PP > 1
-without virtual stages); :func:`apply_deferred` sets them later.
-"""
+"""A model's EP-overlap settings, resolved once (no torch here). :func:`resolve` is the only place they are derived;
+consumers read the frozen :class:`Settings`. An invalid setting is a violation (one line, with its fix).
+:func:`defer_overlap_flag` keeps the overlap flags off a Bridge provider whose Megatron-Core checks would refuse them
+(PP > 1 without virtual stages); :func:`apply_deferred` sets them later."""
 
 import logging
 from dataclasses import dataclass, replace
@@ -22,7 +18,6 @@ from megatron.bridge.training.moe_overlap_rules import (
 
 logger = logging.getLogger(__name__)
 
-# The rules that say whether full recompute names its segments (method and layer count).
 _RECOMPUTE_RULES = ("full_recompute_method", "full_recompute_num_layers")
 # A model config's note of the fields the hook sets once the config is built (Megatron-Core's checks refuse them).
 DEFERRED = "ep_overlap_deferred"
@@ -30,8 +25,7 @@ DEFERRED = "ep_overlap_deferred"
 
 @dataclass(frozen=True)
 class Settings:
-    """What :func:`resolve` derived: the options, every broken rule (in the rules table's order), ``full_recompute``
-    as ``(recompute_method, recompute_num_layers)`` (None without it) and ``moe_token_dispatcher_type``."""
+    """What :func:`resolve` derived; ``full_recompute`` is ``(recompute_method, recompute_num_layers)`` or None."""
 
     options: EPOverlapOptions
     violations: tuple[Violation, ...] = ()
@@ -40,49 +34,40 @@ class Settings:
 
     @property
     def delay_wgrad(self) -> bool:
-        """Whether overlapped steps defer weight gradients (delayed wgrad runs only in the overlapped schedule)."""
         return self.options.overlap and self.options.delay_wgrad
 
     @property
     def wgrad_window_auto(self) -> bool:
-        """Whether the planner is still to choose the window (delayed wgrad with ``attention_wgrad_window=None``):
-        ``EPOverlapEngine`` measures a plain step first, then :meth:`placed` fixes it."""
+        """Delayed wgrad, window not chosen: ``EPOverlapEngine`` measures a plain step, :meth:`placed` fixes it."""
         return self.delay_wgrad and self.options.attention_wgrad_window is None
 
     @property
     def attention_wgrad_window(self) -> int:
-        """The attention wgrad's window (1 or 2): the options', else 1 (without delayed wgrad nothing is placed; while
-        the planner is to choose, only steps that place none run)."""
+        """The options' window, else 1 (while the planner is to choose, only steps that place none run)."""
         window = self.options.attention_wgrad_window
         return WGRAD_WINDOWS[0] if window is None else window
 
     @property
     def moe_layers_own_comm(self) -> bool:
-        """Whether MoE layers move their own tokens (``flex``); else the schedule's comm lane all-to-alls them."""
         return self.token_dispatcher == "flex"
 
     def placed(self, window: int) -> "Settings":
-        """These settings with the planner's chosen ``window`` (once, ``EPOverlapEngine``); ValueError outside
-        ``WGRAD_WINDOWS``."""
+        """These settings with the planner's chosen ``window``."""
         if window not in WGRAD_WINDOWS:
             raise ValueError(f"the planner chose attention wgrad window {window!r}, not one of {WGRAD_WINDOWS}")
         return replace(self, options=replace(self.options, attention_wgrad_window=window))
 
     def plain(self) -> "Settings":
-        """These settings for one plain-path step (overlap off): ``EPOverlapEngine``'s measured step. The violations
-        stay these settings'."""
+        """These settings for one plain-path step; the violations stay these settings'."""
         return replace(self, options=replace(self.options, overlap=False))
 
     def checked(self) -> "Settings":
-        """These settings; raises ``CommOverlapConfigError`` naming every violation, one line each."""
         if self.violations:
             raise CommOverlapConfigError(self.violations)
         return self
 
     def segments(self, num_units: int) -> tuple[tuple[int, int], ...]:
-        """Full recompute's ``(first, stop)`` segments of ``num_units`` units: ``uniform`` cuts segments of
-        ``recompute_num_layers``, ``block`` recomputes the first ``recompute_num_layers`` one by one; none without full
-        recompute. Raises ``CommOverlapConfigError`` when the fields name no segments."""
+        """Full recompute's ``(first, stop)`` segments of ``num_units`` units (none without full recompute)."""
         if self.full_recompute is None:
             return ()
         broken = [v for v in self.violations if v.name in _RECOMPUTE_RULES]
@@ -104,9 +89,8 @@ def resolve(
     te_at_least=None,
     model_config_built: bool = True,
 ) -> Settings:
-    """The settings of ``model_config`` with ``options`` (None: :meth:`EPOverlapOptions.from_config`). The keywords
-    are what a caller knows beyond them: the data-parallel overlap, a launcher's micro-batch size, version checks
-    (default: installed) and whether Megatron-Core's own checks of the config already ran."""
+    """The settings of ``model_config`` with ``options`` (None: from the config); the keywords are what a caller knows
+    beyond them (version checks default to what is installed)."""
     options = EPOverlapOptions.from_config(model_config) if options is None else options
     violations = check_moe_overlap(
         model_config,
@@ -127,9 +111,8 @@ def resolve(
 
 
 def defer_overlap_flag(model_config: Any) -> bool:
-    """After ``CommOverlapConfig.setup``: keeps ``overlap_moe_expert_parallel_comm`` (and ``delay_wgrad_compute``)
-    off a Bridge provider whose ``TransformerConfig`` checks would refuse them (the plain 1F1B pipeline under this
-    project's schedule), noted in ``ep_overlap_deferred``. Returns whether it deferred them."""
+    """After ``CommOverlapConfig.setup``: keeps the overlap (and delayed-wgrad) flags off a provider whose checks would
+    refuse them, noted in ``ep_overlap_deferred``; returns whether it did."""
     plain_pipeline = (getattr(model_config, "pipeline_model_parallel_size", 1) or 1) > 1 and (
         getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None
     )

@@ -1,9 +1,7 @@
-"""The EP-overlap rule table and its checker.
+"""The EP-overlap rule table (``MOE_OVERLAP_RULES``, one module per topic) and its checker.
 
-Every rule is one row of ``MOE_OVERLAP_RULES`` (one module per topic; the facts and ``Rule`` in ``facts``).
-:func:`check_moe_overlap` returns every violation and never raises. :class:`CommOverlapConfigError` (a ``ValueError``
-and an ``AssertionError``) lists them one per line, each with upstream's assert phrase for its rule. A
-``CommOverlapConfig``'s own field values are checked in ``comm_overlap_values.py``.
+:class:`CommOverlapConfigError` (a ``ValueError`` and an ``AssertionError``) lists violations one per line, each with
+upstream's assert phrase for its rule.
 """
 
 from collections.abc import Callable, Iterable
@@ -79,9 +77,7 @@ def check_moe_overlap(
 ) -> list[Violation]:
     """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
 
-    ``model_config`` is read by attribute name; the flags are comm_overlap's resolved values; ``*_at_least``
-    (minimum version -> bool) default to the installed versions; ``options`` is an ``EPOverlapOptions`` (None: its
-    defaults); ``model_config_built`` is False at a recipe's setup, before Megatron-Bridge builds the model config.
+    ``model_config_built`` is False at a recipe's setup, before Megatron-Bridge builds the model config.
     """
     facts = gather_facts(
         model_config,

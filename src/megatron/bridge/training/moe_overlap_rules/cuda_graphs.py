@@ -1,6 +1,5 @@
 """CUDA graphs with the overlap: both schedules replay Transformer Engine's per-layer graphs of the parts before the
-dispatch; no graph may hold the all-to-all the schedule splits, nor a whole step that waits on the host.
-"""
+dispatch; no graph may hold the all-to-all the schedule splits, nor a whole step that waits on the host."""
 
 from megatron.bridge.training.moe_overlap_rules.facts import (
     CHUNKS,
@@ -18,7 +17,6 @@ from megatron.bridge.training.moe_overlap_rules.facts import (
     whole_step_graphs,
 )
 
-# The flex backends whose dispatch needs nothing from the host.
 _STATIC_BACKENDS = (
     "moe_token_dispatcher_type='flex' with moe_flex_dispatcher_backend='hybridep' and moe_expert_rank_capacity_factor "
     "set, or 'ncclep' with moe_ncclep_static_shape=True"

@@ -1,8 +1,7 @@
 """What the EP-overlap rules read (:func:`gather_facts`), and what a rule and a violation are.
 
-Facts are one flat mapping keyed by source (``model.*``, ``comm_overlap.*``, ``installed.*``, ``ep_overlap.*``). A
-field Megatron-Core 0.19 also takes under a deprecated name is read as Megatron-Core will resolve it, under the current
-name; ``SPELLED`` keeps the name the user set, which violations show. :func:`schedule_of` picks the rules that apply.
+A field Megatron-Core 0.19 also takes under a deprecated name is read as Megatron-Core resolves it, under the current
+name; ``SPELLED`` keeps the name the user set, which violations show.
 """
 
 import functools
@@ -100,11 +99,8 @@ Text = str | Callable[[Mapping[str, Any]], str]
 
 @dataclass(frozen=True)
 class Rule:
-    """One requirement of EP overlap, as data.
-
-    ``fields`` are the fact keys a violation shows. ``message`` and ``fix`` are one sentence each, or a function of
-    the facts where they name a field the user may have set under a deprecated name (:func:`field_set`).
-    """
+    """One requirement of EP overlap, as data; ``message`` and ``fix`` may be functions of the facts where they name a
+    field the user may have set under a deprecated name (:func:`field_set`)."""
 
     name: str
     fields: tuple[str, ...]
@@ -114,7 +110,6 @@ class Rule:
     fix: Text
 
     def violation(self, facts: Mapping[str, Any]) -> "Violation":
-        """This rule broken by ``facts``: each field shown as the user set it (``SPELLED``), the texts for them."""
         spelled = facts.get(SPELLED, {})
         values = dict(spelled.get(key, (key, facts[key])) for key in self.fields)
         return Violation(self.name, values, _text(self.message, facts), _text(self.fix, facts))
@@ -162,7 +157,6 @@ def graph_modules(model_config: Any) -> tuple[str, ...]:
 
 
 def _module_names(raw: Any) -> tuple[str, ...]:
-    """A graph-modules field's value (a name, an enum member, a list of them, or None) as plain names."""
     if raw is None:
         return ()
     if isinstance(raw, str) or not isinstance(raw, Iterable):
@@ -273,8 +267,7 @@ def use_bridge_schedule(model_config: Any) -> Any:
 
 
 def schedule_of(model_config: Any) -> str:
-    """Which schedule runs the layers: "bridge" where the config is marked (:func:`use_bridge_schedule`) or a
-    registered pre-wrap hook (or a ``functools.partial`` of one) installs this project's schedule; else "mcore"."""
+    """Which schedule runs the layers: "bridge" if marked (:func:`use_bridge_schedule`) or hooked, else "mcore"."""
     if getattr(model_config, "ep_overlap_schedule", "mcore") == "bridge":
         return "bridge"
     for hook in getattr(model_config, "_pre_wrap_hooks", None) or ():

@@ -1,9 +1,7 @@
 """The expert-parallel ranks agree on each step's microbatch count before the step's first all-to-all.
 
-EP ranks pair their all-to-alls call by call, so different counts would hang until the collective timeout; instead
-:class:`Agreement` fails every rank at once, naming each rank's count. Where the count is known at the step's start
-(:func:`announced`, else Megatron-Core's num-microbatches calculator) that costs one host all-gather of one integer per
-step, outside any CUDA graph; otherwise every driver call is agreed (N + 1 host all-gathers per step at PP 1).
+Different counts would hang until the collective timeout; :class:`Agreement` fails every rank at once instead. A count
+known at the step's start costs one host all-gather per step; otherwise every driver call is agreed.
 """
 
 import contextlib
@@ -11,7 +9,6 @@ import contextvars
 
 import torch
 
-# The driver call's kinds, coded for the per-call agreement.
 FORWARD, PAIRED, BACKWARD = "forward", "paired", "backward"
 _KINDS = (FORWARD, PAIRED, BACKWARD)
 _ANNOUNCED: contextvars.ContextVar[int | None] = contextvars.ContextVar("ep_overlap_microbatches", default=None)
@@ -56,7 +53,6 @@ class Agreement:
         self.collectives = 0
 
     def start_step(self) -> None:
-        """A new step's first plan: agree on its count, where it is known."""
         self.count, source = step_microbatches()
         if self.count is None or self.size == 1:
             return
@@ -69,7 +65,6 @@ class Agreement:
             )
 
     def check_plan(self, microbatch: int) -> None:
-        """A plan built for ``microbatch`` of the step: within the agreed count (host only)."""
         if self.count is not None and microbatch >= self.count:
             raise MicrobatchCountsDiffer(
                 f"EP-overlap schedule: a plan was built for microbatch {microbatch} of a step agreed at {self.count} "
@@ -77,7 +72,6 @@ class Agreement:
             )
 
     def check_call(self, kind: str, vp_stage: int | None, f_mb: int | None, b_mb: int | None) -> None:
-        """One driver call; agreed across the ranks only where the step's count is unknown."""
         if self.count is not None or self.size == 1:
             return
         row = [_KINDS.index(kind), -1 if vp_stage is None else vp_stage]

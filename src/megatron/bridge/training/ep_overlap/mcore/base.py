@@ -1,8 +1,6 @@
 """What every Megatron-Core plan shares: the two ends, the loss, the EP groups (refusals: ``refusals.py``).
 
-:class:`McoreChunk` cuts a language model (or one pipeline chunk) into the schedule's node functions; the model classes
-differ only in their decoder stack and final norm. Whatever the plan does not schedule is refused when it is built. One
-MTP layer runs in the head as the model's ``_postprocess`` runs it (MTP block, ``process_mtp_loss``, output layer).
+Model classes differ only in decoder stack and final norm; one MTP layer runs in the head as ``_postprocess`` does.
 """
 
 import functools
@@ -25,8 +23,7 @@ from megatron.bridge.utils.process_groups import EPGroups
 
 
 class TiedWeight:
-    """A weight the embedding and the output layer share: the head computes with an alias whose gradient is
-    held, and the weight's hook adds it to the embedding's gradient of the same microbatch, in autograd's order."""
+    """A shared embedding/output weight: the head's alias gradient is added to the embedding's per microbatch."""
 
     def __init__(self, weight: torch.nn.Parameter):
         self.weight = weight
@@ -34,7 +31,6 @@ class TiedWeight:
         weight.register_hook(self._embedding_grad)
 
     def alias(self) -> torch.Tensor:
-        """The weight for one microbatch's head: same data, its gradient held instead of accumulated."""
         alias = self.weight.detach().requires_grad_(self.weight.requires_grad)
         alias.register_hook(self._hold)
         return alias
@@ -48,14 +44,10 @@ class TiedWeight:
 
 
 class McoreChunk(ChunkHooks):
-    """A Megatron-Core language model (or a pipeline chunk) for the engine; subclasses give :meth:`_build_units`,
-    :meth:`embed_microbatch`, :meth:`_rotary` and :meth:`_final_norm`.
+    """A Megatron-Core language model (or pipeline chunk) for the engine; subclasses give :meth:`_build_units`,
+    :meth:`embed_microbatch`, :meth:`_rotary`, :meth:`_final_norm`. Per-microbatch state lives in a MicrobatchView."""
 
-    The chunk holds only plan-wide state (the padded attention mask and rotary embedding of the plan's sequence
-    length); what differs per microbatch lives in its :class:`MicrobatchView`, as two forwards may be in flight. With
-    ``delay_wgrad``, layers whose weight gradients nothing would run are refused (``refusals.check_delayed_wgrad``)."""
-
-    multimodal_rotary = False  # whether the plan computes multimodal ('mrope') rotary positions (refusals.py)
+    multimodal_rotary = False
     # The forward's arguments besides the text model's that the plan binds to a microbatch (bind_inputs), by name.
     bound_inputs: tuple[str, ...] = ()
 
@@ -64,8 +56,8 @@ class McoreChunk(ChunkHooks):
         self.pre_process, self.post_process = model.pre_process, model.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
         refuse_unscheduled(model, self.mtp, multimodal_rotary=self.multimodal_rotary)
-        # The head's uses of embedding weights (tied output layer, MTP embedding) compute with TiedWeight aliases
-        # where the chunk also embeds; elsewhere the last stage holds a copy that finalize_model_grads sums.
+        # Head uses of embedding weights get TiedWeight aliases here; a stage without the embedding holds
+        # Megatron-Core's copy, which finalize_model_grads sums.
         shared = set()
         if self.pre_process and model.share_embeddings_and_output_weights and self.post_process:
             shared = {"word_embeddings.weight"}
@@ -74,18 +66,16 @@ class McoreChunk(ChunkHooks):
         self._tied = {name: TiedWeight(model.embedding.get_parameter(name)) for name in sorted(shared)}
         self.model, self.config = model, config
         self.vocab_size = model.vocab_size
-        self.sequence_length = model.max_sequence_length  # the plan's attention mask is built for it
-        use_bridge_schedule(config)  # this project's schedule runs these layers, with its own rules (fp32 included)
+        self.sequence_length = model.max_sequence_length
+        use_bridge_schedule(config)
         seq = model.max_sequence_length
         device = next(model.parameters()).device
         self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
-        # For the plan's sequence length; a microbatch's embed computes its own (MicrobatchView), writing nothing here.
         self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
-        # What the model config resolves to (settings.py): the dispatcher's kind, full recompute's segments.
         self.settings = resolve(config)
         self.layers, self.layer_numbers = self._build_units()
-        # Segments of units; the MTP layer is checkpointed by Megatron-Core's MTP block inside the head.
+        # The MTP layer is no unit: Megatron-Core's MTP block checkpoints it inside the head.
         self.recompute_segments = self.settings.segments(len(self.layers))
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
@@ -99,7 +89,6 @@ class McoreChunk(ChunkHooks):
     def embed(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
     ) -> torch.Tensor:
-        """One microbatch's hidden states, as the model's forward embeds them (writes nothing on the chunk)."""
         return self.embed_microbatch(tokens_BS, position_ids_BS, packed_seq_params)[0]
 
     def embed_microbatch(
@@ -109,7 +98,6 @@ class McoreChunk(ChunkHooks):
         raise NotImplementedError
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
-        """The rotary embedding the layers read for the hidden states ``x_SBH`` (None without one)."""
         raise NotImplementedError
 
     def parameters(self):
@@ -119,7 +107,6 @@ class McoreChunk(ChunkHooks):
         return self.model.named_parameters()
 
     def hidden_shape(self, tokens_BS: torch.Tensor) -> tuple[int, ...]:
-        """The activation between two chunks for ``tokens_BS``'s microbatch: [seq, batch, hidden]."""
         return (tokens_BS.shape[1], tokens_BS.shape[0], self.config.hidden_size)
 
     def _positions(self, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -132,11 +119,9 @@ class McoreChunk(ChunkHooks):
         return labels_BS.masked_fill(~keep_BS, 0), keep_BS
 
     def step_context(self):
-        """fp8 delayed scaling's whole-step context; the engine enters it around each program step."""
         return step_context(self.config)
 
     def run_layers(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """The plain path through a pipeline chunk's units, inside the step's context."""
         with self.step_context():
             return super().run_layers(x_SBH)
 
@@ -153,8 +138,7 @@ class McoreChunk(ChunkHooks):
         loss_mask_BS: torch.Tensor | None = None,
         microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
-        """What the model's forward returns given labels: final norm, MTP layer and its loss (given ``tokens_BS``),
-        output layer, cross-entropy. The MTP layer reads ``microbatch``'s inputs (None: the plan's own)."""
+        """The model forward's losses given labels: final norm, MTP layer and loss, output layer, cross-entropy."""
         position_ids_BS = attention_mask = packed_seq_params = None
         rotary_pos_emb = self.rotary_pos_emb
         if microbatch is not None:
@@ -163,7 +147,7 @@ class McoreChunk(ChunkHooks):
         model = self.model
         aliases = {name: tied.alias() for name, tied in self._tied.items()}
         weight = None
-        if model.share_embeddings_and_output_weights:  # as the model's forward passes it (an alias where tied here)
+        if model.share_embeddings_and_output_weights:
             weight = aliases.get("word_embeddings.weight", model.shared_embedding_or_output_weight())
         x_SBH = self._final_norm(x_SBH)
         if self.mtp:
@@ -206,7 +190,6 @@ class McoreChunk(ChunkHooks):
         tokens_BS: torch.Tensor | None = None,
         microbatch: "MicrobatchView | None" = None,
     ) -> torch.Tensor:
-        """The engine's loss of one microbatch: masked per-token losses summed over ``normalizer``."""
         labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.per_token_losses(x_SBH, labels_BS, tokens_BS, keep_BS.float(), microbatch)
         return (losses * keep_BS).sum() / normalizer
@@ -214,7 +197,6 @@ class McoreChunk(ChunkHooks):
     def __call__(
         self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: float, packed_seq_params=None
     ) -> torch.Tensor:
-        """The plain path: the model's own forward (a packed microbatch gets no attention mask)."""
         labels_BS, keep_BS = self._masked(labels_BS)
         losses = self.model(
             input_ids=tokens_BS,
@@ -227,8 +209,7 @@ class McoreChunk(ChunkHooks):
         return (losses * keep_BS).sum() / normalizer
 
     def run_segment(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
-        """A recomputed segment of a chunk's plain path, under a reentrant checkpoint as Megatron-Core's block
-        checkpoints its layers."""
+        """A recomputed segment, under a reentrant checkpoint as Megatron-Core's block checkpoints its layers."""
         if not (torch.is_grad_enabled() and x_SBH.requires_grad):
             return self._run_units(first, stop, x_SBH)
         run = functools.partial(self._run_units, first, stop)
@@ -244,7 +225,6 @@ class McoreChunk(ChunkHooks):
         return []
 
     def bind_inputs(self, view: "MicrobatchView", input_ids: torch.Tensor | None, inputs: dict):
-        """One microbatch's ``view`` with its ``inputs`` bound (a plan that binds none returns the view)."""
         return view
 
     def with_packed_sequences(self, packed_seq_params) -> "MicrobatchView":
@@ -258,8 +238,7 @@ class McoreChunk(ChunkHooks):
         return self._rotary(torch.empty(self._received_length(), 1, 0, device=device), packed_seq_params)
 
     def _received_length(self) -> int:
-        """Length of the activation a chunk receives (Megatron-Core's rotary embedding scales it back up by the TP
-        size with SP, and by the CP size)."""
+        """Received activation length (Megatron-Core's rotary embedding scales it back by TP size with SP, and CP)."""
         length = self.sequence_length
         if self.config.sequence_parallel:
             length //= self.config.tensor_model_parallel_size
@@ -267,22 +246,20 @@ class McoreChunk(ChunkHooks):
 
 
 class MicrobatchView:
-    """One microbatch's view of a plan: its index under Megatron-Core's driver (None under the engine), position
-    ids, attention mask, rotary embedding and packed-sequence parameters; the plan's layers are bound to it."""
+    """One microbatch's view of a plan (its inputs, rotary embedding, driver index); the plan's layers bound to it."""
 
     def __init__(
         self, chunk: McoreChunk, position_ids=None, attention_mask=None, packed_seq_params=None, microbatch=None
     ):
         self.chunk, self.position_ids, self.attention_mask = chunk, position_ids, attention_mask
         self.packed_seq_params, self.microbatch = packed_seq_params, microbatch
-        self.rotary_pos_emb = None if chunk.pre_process else chunk.rotary_for(packed_seq_params)  # first: embed
+        self.rotary_pos_emb = None if chunk.pre_process else chunk.rotary_for(packed_seq_params)
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
     def __getattr__(self, name: str):
         return getattr(self.chunk, name)
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """This microbatch's hidden states; its rotary embedding is kept here, for its own layers and MTP layer."""
         x_SBH, self.rotary_pos_emb = self.chunk.embed_microbatch(tokens_BS, self.position_ids, self.packed_seq_params)
         return x_SBH
 
@@ -312,8 +289,7 @@ def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple
 
 
 def mcore_ep_groups(timeout) -> EPGroups:
-    """``EPGroups`` over Megatron-Core's initialized expert-parallel (and pipeline) groups; with PP > 1 every
-    rank must call it (it creates the pipeline's gloo groups)."""
+    """``EPGroups`` over Megatron-Core's EP (and pipeline) groups; with PP > 1 every rank must call it."""
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep = torch.distributed.get_world_size(ep_group)
     pp = parallel_state.get_pipeline_model_parallel_world_size()

@@ -1,14 +1,8 @@
 """The forward-backward function for a training loop: Megatron-Core's, or ours where Megatron-Core has no EP overlap.
 
-Contract:
-    * :func:`get_forward_backward_func` returns Megatron-Core's function, except for PP > 1 without virtual stages
-      (where Megatron-Core's config refuses the overlap flag): :func:`forward_backward_pipelining_with_ep_overlap`,
-      with the same arguments and result. Training with the overlap on and N >= P, it runs Megatron-Core's
-      interleaved schedule over one chunk per rank, so each steady step pairs two microbatches; otherwise (overlap
-      off, N < P, forward-only) Megatron-Core's non-interleaved schedule.
-    * Losses and gradients are bitwise equal to the non-interleaved schedule with the overlap off.
-    * :func:`unpaired_loop_problem` says when Bridge's ``train()`` takes Megatron-Core's function instead (the hook
-      then refuses, naming the patch).
+For PP > 1 without virtual stages (where Megatron-Core's config refuses the overlap flag), training with the overlap on
+and N >= P runs Megatron-Core's interleaved schedule over one chunk per rank, so steady steps pair two microbatches;
+bitwise equal to the non-interleaved schedule with the overlap off.
 """
 
 import contextlib
@@ -24,9 +18,7 @@ from megatron.bridge.training.ep_overlap.mcore.agreement import announced
 
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kwargs):
-    """Megatron-Core's ``get_forward_backward_func`` (same arguments), but for PP > 1 without virtual
-    stages :func:`forward_backward_pipelining_with_ep_overlap`; each call announces its microbatch count
-    (``agreement.announced``)."""
+    """Megatron-Core's ``get_forward_backward_func``, with ours for PP > 1 without virtual stages."""
     mcore = schedules.get_forward_backward_func(pp_size, vp_size, **kwargs)
     if mcore is schedules.forward_backward_pipelining_without_interleaving:
         return forward_backward_pipelining_with_ep_overlap
@@ -34,14 +26,12 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
 
 
 def _announcing(function):
-    """``function`` (one of Megatron-Core's schedules), its microbatch count announced for the length of a call."""
-
     @functools.wraps(function)
     def call(*args, num_microbatches: int, **kwargs):
         with announced(num_microbatches):
             return function(*args, num_microbatches=num_microbatches, **kwargs)
 
-    call.schedule = function  # which of Megatron-Core's schedules it runs
+    call.schedule = function
     return call
 
 
@@ -88,18 +78,15 @@ def _overlap_off(config):
 
 @contextlib.contextmanager
 def _one_virtual_stage(config, num_microbatches: int):
-    """Megatron-Core's interleaved schedule over one chunk per rank, for one call: the config says one virtual
-    stage, every microbatch in one group, asynchronous P2P. ``parallel_state`` still says none: the chunks were built
-    without a ``vp_stage``, and Megatron-Core's layout and MTP helpers (``get_mtp_layer_offset`` with a
-    ``pipeline_model_parallel_layout``) assert one when it says there are virtual stages."""
+    """Megatron-Core's interleaved schedule over one chunk per rank. ``parallel_state`` still says no virtual stages:
+    the chunks have no ``vp_stage``, which ``get_mtp_layer_offset`` (with a layout) asserts when it says there are."""
     fields = {
         "virtual_pipeline_model_parallel_size": 1,
         "microbatch_group_size_per_vp_stage": num_microbatches,
         # Asynchronous P2P: Megatron-Core hands the plan its hooks, and the plan waits where the data is read.
         "overlap_p2p_comm": True,
         "batch_p2p_comm": False,
-        # The interleaved schedule starts the parameter sync of two chunks, and makes the grad sync function a list
-        # in the config; the plain schedule calls neither (the DDP's own hooks do the parameter gather).
+        # Else the interleaved schedule starts two chunks' param sync and makes grad_sync_func a list (plain: neither).
         "param_sync_func": None,
         "grad_sync_func": config.grad_sync_func,
     }
@@ -118,8 +105,7 @@ _BRIDGE_LOOP = "megatron.bridge.training.train"
 
 
 def unpaired_loop_problem(config) -> str | None:
-    """Why Bridge's ``train()`` would run ``config``'s model unpaired (the plain 1F1B pipeline with the overlap on,
-    and the imported loop does not take :func:`get_forward_backward_func` from here), with the fix; else None."""
+    """Why Bridge's ``train()`` would run ``config``'s plain 1F1B pipeline unpaired, with the fix; else None."""
     pipeline, virtual = config.pipeline_model_parallel_size or 1, config.virtual_pipeline_model_parallel_size
     plain_pipeline = pipeline > 1 and virtual is None
     loop = sys.modules.get(_BRIDGE_LOOP)

@@ -23,8 +23,7 @@ class McoreGPTChunk(McoreChunk):
         numbers = [layer.layer_number - 1 for layer in decoder.layers]  # Megatron-Core counts from 1
         units = [McoreLayer(layer, i, self) for i, layer in zip(numbers, decoder.layers)]
         if units and decoder.final_layernorm is not None and not self.post_process:
-            # With an MTP layer Megatron-Core puts the final norm on the stage of the last decoder layer, which a
-            # pipeline layout may keep apart from the loss's stage: the norm ends that stage's last layer there.
+            # With MTP, Megatron-Core puts the final norm on the last decoder layer's stage, maybe not the loss's.
             units[-1] = _FinalNormLayer(decoder.layers[-1], numbers[-1], self)
         return units, numbers
 
@@ -52,8 +51,7 @@ class McoreGPTChunk(McoreChunk):
 
 
 class _FinalNormLayer(McoreLayer):
-    """The last layer of a chunk holding the decoder's final norm but not the loss: its output normed after
-    ``combine`` (a replay's too), or after the whole layer in the plain path."""
+    """The last layer of a chunk holding the decoder's final norm but not the loss: normed after ``combine``."""
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self.chunk.model.decoder.final_layernorm(super().__call__(x_SBH))

@@ -1,9 +1,7 @@
 """Transformer Engine CUDA graphs of Megatron-Core layers, replayed by the plan where the plain path replays them.
 
-A layer's call replays graph ``current_microbatch % len(cuda_graphs)`` (Megatron-Core's ``GraphableMegatronModule``);
-:func:`set_microbatch` sets it before each replay, so two microbatches in flight each replay their own. A layer run
-whole replays through its call; an MoE layer cut into nodes through ``_te_cuda_graph_replay``, which stops at the
-dispatch with the overlap on, as in Megatron-Core's own plan. Only under Megatron-Core's driver (the engine refuses).
+A replay reads graph ``current_microbatch % len(cuda_graphs)``; :func:`set_microbatch` sets it per microbatch. An MoE
+layer cut into nodes replays through ``_te_cuda_graph_replay``, which stops at the dispatch with the overlap on.
 """
 
 import torch
@@ -31,8 +29,7 @@ def set_microbatch(layer: torch.nn.Module, microbatch: int | None) -> None:
 
 
 def replay_pre_dispatch(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> tuple:
-    """``layer``'s graphed forward up to its dispatch, with the inputs Megatron-Core's plan passes:
-    ``(residual, tokens, probs, shared)``, the last three None for a dense layer."""
+    """``layer``'s graph replayed up to its dispatch as Megatron-Core's plan does: residual, tokens, probs, shared."""
     out = layer._te_cuda_graph_replay(
         hidden_states=x_SBH,
         attention_mask=view.attention_mask,
@@ -49,22 +46,19 @@ def replay_pre_dispatch(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> tu
 
 
 def replays_split(layer: torch.nn.Module) -> bool:
-    """Whether ``layer``'s own call would stop at its dispatch: a ``TransformerLayer`` replaying a graph with
-    ``overlap_moe_expert_parallel_comm`` on returns its pre-dispatch outputs, not its output."""
+    """Whether ``layer``'s call returns pre-dispatch outputs (a graphed ``TransformerLayer`` with the overlap on)."""
     return replays(layer) and isinstance(layer, TransformerLayer) and layer.config.overlap_moe_expert_parallel_comm
 
 
 def run_whole(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> torch.Tensor:
-    """A graphed ``TransformerLayer`` the plan runs whole (a hybrid stack's attention layer): its graph, then the rest
-    of the layer as its replay runs it with the overlap off (``_forward_mlp`` of the graph's output)."""
+    """A graphed ``TransformerLayer`` run whole: its graph, then ``_forward_mlp`` (its replay with the overlap off)."""
     residual = replay_pre_dispatch(layer, x_SBH, view)[0]
     return layer._forward_mlp(residual)
 
 
 def pre_dispatch_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> None:
-    """The delayed wgrad of what ``layer`` computes before its dispatch (attention, shared experts):
-    eager where its graph does not cover it, then the graph's ``backward_dw``, split as Megatron-Core's
-    ``_BackwardDWWrapper`` splits it."""
+    """Delayed wgrad of ``layer`` before its dispatch: eager where no graph covers it, then the graph's
+    ``backward_dw``, split as Megatron-Core's ``_BackwardDWWrapper`` splits it."""
     replayed = replays(layer) and microbatch is not None
     scopes = graph_modules(layer) if replayed else set()
     mlp = getattr(layer, "mlp", None)

@@ -1,13 +1,8 @@
 """Megatron-Bridge pre-wrap hook that makes Megatron-Core's combined 1F1B driver run this project's layer schedule.
 
-Contract:
-    * :func:`use_ep_overlap_schedule` gives each ``GPTModel``/``HybridModel`` chunk an instance ``build_schedule_plan``
-      (Megatron-Core's driver looks it up by name; no class or upstream file changes).
-    * Its :class:`EPOverlapSchedulePlan` ``run`` executes the program's step of the kind asked (forward, backward or
-      both paired) with the engine's executor, calling Megatron-Core's P2P hooks where its own plan does; a chunk's
-      input gradient goes to the ``.grad`` of the tensor set by ``set_input_tensor``. Results are bitwise equal.
-    * A rank's chunks share one lane (one comm stream, one all-to-all order on every EP rank); a plan built while none
-      is in flight starts a new step, whose records ``build_schedule_plan.recorder`` holds.
+Each chunk gets an instance ``build_schedule_plan`` (Megatron-Core's driver looks it up by name); a plan's ``run``
+calls Megatron-Core's P2P hooks where its own plan does, and a chunk's input gradient goes to the ``.grad`` of the
+tensor set by ``set_input_tensor``. A rank's chunks share one lane (one all-to-all order). Results are bitwise equal.
 """
 
 import logging
@@ -45,7 +40,6 @@ from megatron.bridge.utils.process_groups import refuse_together
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # NCCL's default collective timeout
-# What Megatron-Core's driver asks of one call, and the phase its records carry.
 _PHASES = {StepKind.PAIRED: Phase.PAIRED, StepKind.FORWARD: Phase.WARMUP, StepKind.BACKWARD: Phase.COOLDOWN}
 
 
@@ -59,7 +53,6 @@ class _HostEvent:
         pass
 
 
-# A forward argument the plan does not take: why, and the fix (others: not scheduled by the plan; pass None).
 _UNSCHEDULED = {
     "decoder_input": (
         "the plan embeds input_ids on the first chunk and receives the activation on the others",
@@ -75,8 +68,6 @@ _UNSCHEDULED = {
 
 
 class _MicrobatchModel(MicrobatchView):
-    """One microbatch's view under Megatron-Core's driver, with its loss mask; the head returns per-token losses."""
-
     def __init__(
         self, chunk: McoreChunk, microbatch: int, position_ids, attention_mask, loss_mask=None, packed_seq_params=None
     ):
@@ -125,8 +116,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         post_forward=None,
         post_backward=None,
     ) -> torch.Tensor | None:
-        """Forward of ``f_schedule_plan`` paired with backward of ``b_schedule_plan`` (either may be None); returns
-        the forward's output (per-token losses on the last chunk, else hidden states), or None."""
+        """Forward of ``f_schedule_plan`` paired with backward of ``b_schedule_plan`` (either may be None)."""
         call = _DriverCall(f_schedule_plan, b_schedule_plan, (pre_forward, pre_backward, post_forward, post_backward))
         f, b = call.bind_forward(), call.bind_backward(b_grad)
         kind = step_kind(f is not None, b is not None)
@@ -155,8 +145,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
 
 
 class _DriverCall:
-    """One ``run`` call's chunk I/O and P2P hooks: each runs once per forward and backward, activation first (the
-    first and last chunks post None, as Megatron-Core's plan does)."""
+    """One ``run`` call's chunk I/O: each P2P hook runs once per forward and backward (None if nothing is sent)."""
 
     def __init__(self, f_plan, b_plan, hooks: tuple):
         self.f_plan, self.b_plan = f_plan, b_plan
@@ -177,7 +166,6 @@ class _DriverCall:
             self.post_backward_hook(grad, self.b_plan.vp_stage)
 
     def bind_forward(self) -> MicrobatchNodes | None:
-        """The forward's nodes; the first op that reads the received activation waits for it (``pre_forward``)."""
         if self.f_plan is None:
             return None
         f = self.f_plan.nodes
@@ -197,7 +185,6 @@ class _DriverCall:
         return f
 
     def bind_backward(self, b_grad: torch.Tensor | None) -> MicrobatchNodes | None:
-        """The backward's nodes; the first op that reads the received gradient waits for it (``pre_backward``)."""
         if self.b_plan is None:
             return None
         b = self.b_plan.nodes
@@ -218,7 +205,6 @@ class _DriverCall:
         return b
 
     def post_what_is_left(self) -> None:
-        """The hooks of a chunk that sent nothing (the first's backward, the last's forward) run with None."""
         if self.f_plan is not None and FORWARD not in self.posted:
             self.post_forward(None)
         if self.b_plan is not None and BACKWARD not in self.posted:
@@ -229,12 +215,11 @@ PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
 
 
 def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
-    """The plan for ``model`` (a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``, whole or one chunk);
-    ValueError, one line with its fix, for another class or a feature the plan does not schedule."""
+    """The plan for a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``; else ValueError naming the fix."""
     for model_class, plan_class in PLANS.items():
         if isinstance(model, model_class):
             return plan_class(model, delay_wgrad=delay_wgrad)
-    if is_vision_language(model):  # Bridge's class, recognized without importing Bridge's models here
+    if is_vision_language(model):
         return McoreVisionLanguageChunk(model, delay_wgrad=delay_wgrad)
     raise ValueError(
         f"{type(model).__name__}: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel and "
@@ -246,18 +231,16 @@ def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChun
 def checked_chunk(
     model: torch.nn.Module, attention_wgrad_window: int | None, high_priority: bool
 ) -> tuple[Settings, McoreChunk]:
-    """The settings and plan the hook runs ``model`` with, after every check (no collective): raises
-    ``CommOverlapConfigError`` for a broken rule, ValueError where ``chunk_for`` refuses or, with delayed wgrad, the
-    window is None."""
+    """The settings and plan the hook runs ``model`` with, after every check (no collective)."""
     config = model.config
     options = EPOverlapOptions(
         delay_wgrad=bool(config.delay_wgrad_compute),
         attention_wgrad_window=attention_wgrad_window,
         high_priority_comm=high_priority,
     )
-    use_bridge_schedule(config)  # the plan will run on this project's schedule: its rules, checked first
+    use_bridge_schedule(config)
     settings = resolve(config, options).checked()
-    if settings.wgrad_window_auto:  # the planner measures a plain step first, which this driver never runs
+    if settings.wgrad_window_auto:
         raise ValueError(
             f"attention_wgrad_window=None (auto): Megatron-Core's driver runs every step overlapped, so the hook "
             f"cannot let the planner choose; give one of {WGRAD_WINDOWS}"
@@ -273,8 +256,7 @@ def checked_chunk(
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one ``GPTModel``/``HybridModel`` or pipeline chunk; ``session``: what the rank's
-    chunks share; ``checked``: :func:`checked_chunk`'s result, when the hook already made it."""
+    """``build_schedule_plan`` for one model chunk; ``checked``: :func:`checked_chunk`'s result, if already made."""
 
     def __init__(
         self,
@@ -309,9 +291,7 @@ class EPOverlapPlanBuilder:
         video_grid_thw: torch.Tensor | None = None,
         **unsupported,
     ) -> EPOverlapSchedulePlan:
-        """Binds one microbatch (``run`` runs it); takes the model forward's arguments, a VL model's images and
-        videos too. ``packed_seq_params`` not passed (Bridge 0.6.2's forward steps) is None once
-        ``dropped_packed_sequence`` has checked that no packed microbatch lost it."""
+        """Binds one microbatch for ``run``; takes the model forward's arguments (a VL model's images too)."""
         multimodal = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                           pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)  # fmt: skip
         inputs = {k: v for k, v in multimodal.items() if v is not None and k in self.chunk.bound_inputs}
@@ -339,8 +319,7 @@ class EPOverlapPlanBuilder:
             ]
             raise ValueError("EP-overlap build_schedule_plan: " + "; ".join(problems))
         if getattr(self.chunk.config, "moe_paged_stash", False):
-            # Where Megatron-Core's build_schedule_plan calls it: this microbatch's expert groups are numbered from
-            # here, so the stash pushes and pops the paired microbatches' pages in the order it recorded.
+            # Where Megatron-Core's build_schedule_plan calls it, so the stash's pages keep the recorded order.
             self.chunk.model.preprocess_for_paged_stash()
         session = self.session
         device = next(self.chunk.parameters()).device
@@ -367,20 +346,13 @@ def use_ep_overlap_schedule(
     attention_wgrad_window: int | None = 1,
     full_recompute: tuple[str, int] | None = None,
 ) -> list[torch.nn.Module]:
-    """Megatron-Bridge pre-wrap hook: Megatron-Core's combined 1F1B driver then runs this project's layer schedule.
+    """Megatron-Bridge pre-wrap hook (``cfg.model.register_pre_wrap_hook``): Megatron-Core's driver runs our schedule.
 
-    Register with ``cfg.model.register_pre_wrap_hook`` (``functools.partial`` for the keywords); returns ``models``
-    (this rank's chunks) with their own ``build_schedule_plan``. ``attention_wgrad_window``: 1 or 2 with delayed wgrad
-    (None is refused: Megatron-Core's driver never runs the plain step the planner needs). ``full_recompute=(method,
-    layers)`` is set on the built config, since Megatron-Core's ``TransformerConfig`` refuses it with the overlap flag
-    when Bridge builds it; so are the plain 1F1B pipeline's deferred flags (``settings.apply_deferred``).
-
-    Raises:
-        CommOverlapConfigError: When the config breaks an EP-overlap rule.
-        ValueError: When the plan does not schedule the model (``chunk_for``), Bridge's ``train()`` would run the plain
-            1F1B pipeline unpaired, or another rank refused. Every rank raises, before any collective.
+    ``full_recompute=(method, layers)`` is set on the built config, since Megatron-Core's ``TransformerConfig`` refuses
+    it beside the overlap flag when Bridge builds it. A refusal (``CommOverlapConfigError``/ValueError) is raised on
+    every rank, before any collective.
     """
-    config = models[0].config  # the chunks share it
+    config = models[0].config
     if full_recompute is not None:
         config.recompute_granularity = "full"
         config.recompute_method, config.recompute_num_layers = full_recompute
@@ -394,8 +366,7 @@ def use_ep_overlap_schedule(
             raise ValueError(loop)
     except ValueError as error:  # a CommOverlapConfigError is one
         refusal = error
-    # A pipeline stage may refuse what another accepts (a chunk's MTP layer): all refuse together, or one would
-    # wait for a peer that is gone.
+    # A stage may refuse what another accepts (a chunk's MTP layer): all refuse, or one would wait for a gone peer.
     refuse_together(refusal)
     groups = mcore_ep_groups(timeout)
     agreement = Agreement()

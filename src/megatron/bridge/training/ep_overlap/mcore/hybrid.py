@@ -1,11 +1,6 @@
 """Megatron-Core's ``HybridModel`` under the EP-overlap schedule: each MoE group is one unit.
 
-Contract:
-    * A unit is an MoE group: the layers after one MoE layer, run whole as ``HybridStack.forward`` calls them
-      (``layer.run_stack_layer``), then the next MoE layer, cut into nodes; the layers after the last MoE layer are
-      one dense unit. Every layer runs its own forward's ops in the stack's order, so results are bitwise equal.
-    * Full recompute counts units (a segment of N is N MoE groups); one MTP depth runs in the head, as for a
-      ``GPTModel``.
+A unit is the layers after one MoE layer (run whole, as ``HybridStack.forward`` calls them), then the next MoE layer.
 """
 
 import torch

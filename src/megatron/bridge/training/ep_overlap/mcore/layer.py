@@ -1,17 +1,9 @@
-"""Megatron-Core decoder layers as the schedule's units: an MoE layer cut into node functions, with the compute layers
-that run before it.
+"""Megatron-Core decoder layers as the schedule's units: an MoE layer cut into nodes, with the layers before it.
 
-Contract:
-    * :class:`McoreLayer` builds the nodes from Megatron-Core 0.19.x's own sub-steps, in the stack's op order, so
-      losses and gradients stay bitwise equal: pre_dispatch (the ``before`` layers whole, ``_forward_attention``,
-      ``_forward_pre_mlp_layernorm``, shared experts, ``route``, ``preprocess``), dispatch, experts
-      (``routed_experts_compute``), combine (``postprocess``, ``_forward_post_mlp``).
-    * With the ``flex`` dispatcher a layer ``owns_comm``: dispatch and combine are its ``token_dispatch`` and
-      ``token_combine``, run with their autograd backward on the schedule's comm lane.
-    * A unit is an MoE group (the compute layers after one MoE layer, then the next MoE layer); a trailing run of
-      compute layers is one :class:`McoreComputeRun`.
-    * The dispatcher keeps a microbatch's routing state on itself; with two microbatches of a layer in flight, each
-      :class:`McoreRouting` saves and puts back only what the dispatcher's own steps wrote (:class:`StepWritten`).
+Nodes are Megatron-Core 0.19.x's own sub-steps in the stack's op order (bitwise equal): pre_dispatch
+(``_forward_attention``, ``_forward_pre_mlp_layernorm``, shared experts, ``route``, ``preprocess``), dispatch, experts
+(``routed_experts_compute``), combine (``postprocess``, ``_forward_post_mlp``). The dispatcher keeps routing state on
+itself, so each microbatch's :class:`McoreRouting` puts back what the dispatcher's own steps wrote.
 """
 
 import contextlib
@@ -51,8 +43,7 @@ def uses_transformer_engine(module: torch.nn.Module) -> bool:
 def run_stack_layer(
     layer: torch.nn.Module, x_SBH: torch.Tensor, attention_mask, rotary_pos_emb, packed_seq_params=None
 ) -> torch.Tensor:
-    """One decoder layer whole, as ``TransformerBlock``/``HybridStack`` call it: a ``MambaLayer`` gets no
-    rotary embedding; both kinds get ``packed_seq_params`` (Mamba's ``seq_idx``, GDN's ``cu_seqlens``)."""
+    """One decoder layer whole, as ``TransformerBlock``/``HybridStack`` call it (a ``MambaLayer`` gets no rotary)."""
     if isinstance(layer, TransformerLayer):
         out, _ = layer(
             hidden_states=x_SBH,
@@ -66,8 +57,6 @@ def run_stack_layer(
 
 
 def _in_layer_context(node):
-    """A node function of :class:`McoreLayer`, run inside its layer's low-precision context (``quantization.py``)."""
-
     @functools.wraps(node)
     def run(self, *args, **kwargs):
         with layer_context(self.layer.config, self.layer):
@@ -93,19 +82,17 @@ def _undelayable(layers) -> list[str]:
     ]
 
 
-_ABSENT = object()  # an attribute a snapshot did not have
+_ABSENT = object()
 
 
 def _attributes(dispatcher) -> tuple[dict, dict]:
-    """The dispatcher's attributes and its backend manager's (empty without one), as they are now."""
     manager = getattr(dispatcher, "_comm_manager", None)
     return dict(vars(dispatcher)), dict(getattr(manager, "__dict__", {}))
 
 
 @dataclass
 class StepWritten:
-    """The attributes a dispatcher's own steps wrote on it and its backend manager: the routing state. One per
-    layer; everything else on them is a setting, which a restore never touches."""
+    """The attributes a dispatcher's own steps wrote on it and its backend manager (routing state, not settings)."""
 
     dispatcher: set[str] = field(default_factory=set)
     manager: set[str] = field(default_factory=set)
@@ -125,8 +112,7 @@ def _put_back(owner, state: dict, written: set[str]) -> None:
 
 @dataclass
 class McoreRouting:
-    """One microbatch's dispatch in one layer: its split sizes and the routing state it left on the dispatcher and
-    its backend manager (if any)."""
+    """One microbatch's dispatch in one layer: its split sizes and the routing state it left on the dispatcher."""
 
     dispatcher: object
     written: StepWritten = field(default_factory=StepWritten)
@@ -138,7 +124,6 @@ class McoreRouting:
 
     @classmethod
     def of(cls, dispatcher, written: StepWritten | None = None, before: tuple[dict, dict] | None = None):
-        """The dispatcher's state now; what the step that just ran wrote since ``before`` joins ``written``."""
         routing = cls(dispatcher, written if written is not None else StepWritten())
         if before is not None:
             routing.written.learn(before, _attributes(dispatcher))
@@ -165,8 +150,6 @@ class McoreRouting:
 
 
 class _Unit(LayerHooks):
-    """What every unit shares: a name, the plan it reads masks from (or one microbatch's view), the stack call."""
-
     name: str
     chunk: object
     replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
@@ -179,11 +162,9 @@ class _Unit(LayerHooks):
 
     @property
     def microbatch(self) -> int | None:
-        """This microbatch's index in the step under Megatron-Core's driver (the graph a replay reads)."""
         return getattr(self.chunk, "microbatch", None)
 
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
-        """``layers`` whole, each inside its low-precision context and replaying its graph, as the stacks run them."""
         chunk = self.chunk
         for layer in layers:
             set_microbatch(layer, self.microbatch)
@@ -207,7 +188,6 @@ class McoreLayer(_Unit):
         self.name = f"layer{index}"
         self.is_moe = isinstance(layer.mlp, MoELayer)
         config = layer.config
-        # The dispatcher's kind comes from the chunk's settings (the rules say which ones the overlap takes).
         self.owns_comm = self.is_moe and chunk.settings.moe_layers_own_comm
         # Where a new microbatch starts: the state the last combine left (first: as built); bound_to copies share it.
         self._combined = [McoreRouting.of(layer.mlp.token_dispatcher, StepWritten())] if self.is_moe else None
@@ -218,10 +198,7 @@ class McoreLayer(_Unit):
         self.undelayable = _undelayable(self.before)
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        """The plain path: the layers as the stack runs them."""
         return self._run([*self.before, self.layer], x_SBH)
-
-    # ---- node functions -----------------------------------------------------------------------------
 
     def pre_dispatch(self, x_SBH: torch.Tensor):
         layer = self.layer
@@ -230,7 +207,7 @@ class McoreLayer(_Unit):
                 f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
                 f"got {tuple(x_SBH.shape)}"
             )
-        x_SBH = self._run(self.before, x_SBH)  # each in its own context
+        x_SBH = self._run(self.before, x_SBH)
         with layer_context(layer.config, layer):
             return self._layer_pre_dispatch(x_SBH)
 
@@ -238,8 +215,7 @@ class McoreLayer(_Unit):
         layer = self.layer
         before = None
         if self.is_moe:
-            # Start from the state the last combine left (a backend resets what its combine consumed, e.g.
-            # HybridEP's row count), as the stack's forward does, not from a microbatch still in flight.
+            # Start from the state the last combine left (a backend resets what it consumed: HybridEP's row count).
             start = self._combined[0]
             start.restore()
             before = _attributes(start.dispatcher)
@@ -267,7 +243,6 @@ class McoreLayer(_Unit):
         return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
 
     def _routing(self, before: tuple[dict, dict]) -> McoreRouting:
-        """The new microbatch's routing, once its ``pre_dispatch`` ran (what that wrote is routing state too)."""
         return McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
 
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
@@ -286,8 +261,7 @@ class McoreLayer(_Unit):
         routing.exchanged = (routing.in_splits, routing.out_splits)
 
     def replay_splits(self, routing: McoreRouting | None, exchanged) -> None:
-        """Full recompute's replay (``preprocess`` exchanged the counts again): the sync, and a check that the
-        replayed router routes as the first forward did."""
+        """Full recompute's replay (``preprocess`` exchanged the counts again): the sync, and a routing check."""
         self.exchange_splits(routing, op=f"{self.name} replay")
         if routing is not None and not self.owns_comm and routing.exchanged != tuple(exchanged):
             raise RuntimeError(
@@ -308,7 +282,6 @@ class McoreLayer(_Unit):
 
     @_in_layer_context
     def dispatch_comm(self, sent: tuple[torch.Tensor, ...], routing: McoreRouting) -> tuple[torch.Tensor, ...]:
-        """The flex dispatcher's fused permute and all-to-all of ``sent`` (tokens, top-k probabilities)."""
         tokens, probs = sent
         with routing.active() as dispatcher:
             dispatcher._comm_manager.token_probs = probs  # the backend sends the probabilities it holds
@@ -316,7 +289,6 @@ class McoreLayer(_Unit):
 
     @_in_layer_context
     def combine_comm(self, expert_out: torch.Tensor, routing: McoreRouting) -> torch.Tensor:
-        """The flex dispatcher's fused all-to-all back and unpermute."""
         with routing.active() as dispatcher:
             return dispatcher.token_combine(expert_out)
 
@@ -331,11 +303,8 @@ class McoreLayer(_Unit):
             h = h.float()
         return self.layer._forward_post_mlp((output, None), h)
 
-    # ---- delayed weight gradients -------------------------------------------------------------------
-
     def attention_backward_dw(self) -> None:
-        """What ``pre_dispatch`` computed: the layers before, this layer's attention and shared experts (a
-        dense layer's MLP too)."""
+        """What ``pre_dispatch`` computed: the layers before, attention and shared experts (a dense layer's MLP)."""
         for layer in self.before:
             whole_layer_backward_dw(layer, self.microbatch)
         if self.is_moe:
@@ -344,14 +313,12 @@ class McoreLayer(_Unit):
             whole_layer_backward_dw(self.layer, self.microbatch)
 
     def expert_backward_dw(self) -> None:
-        """The routed experts' (the call Megatron-Core's plan makes)."""
         if self.is_moe:
             self.layer.mlp.backward_dw()
 
 
 class McoreComputeRun(_Unit):
-    """Compute layers with no MoE layer after them: a dense unit, all but the last layer in ``pre_dispatch``, the
-    last in ``experts``."""
+    """Compute layers with no MoE layer after them: all but the last in ``pre_dispatch``, the last in ``experts``."""
 
     is_moe = False
     expert_wgrad_delayable = False
@@ -382,7 +349,6 @@ class McoreComputeRun(_Unit):
         return back  # the last layer added its own residual
 
     def attention_backward_dw(self) -> None:
-        """Every layer's: they ran whole."""
         for layer in self.layers:
             whole_layer_backward_dw(layer, self.microbatch)
 

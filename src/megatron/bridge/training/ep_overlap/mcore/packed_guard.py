@@ -1,10 +1,7 @@
 """A packed microbatch must not train unpacked: stock Megatron-Bridge 0.6.2's forward step drops its parameters.
 
-0.6.2's ``gpt_step._forward_step_common`` calls ``model.build_schedule_plan`` without the ``packed_seq_params`` it
-builds for the plain forward, so each document would silently attend to the ones packed before it.
-:func:`dropped_packed_sequence` flags a microbatch whose caller did not pass the keyword at all (:data:`NOT_GIVEN`),
-with no attention mask and position ids that restart inside a row; it reads only its arguments. Its trade-offs are in
-``docs/training/install.md``.
+0.6.2's ``gpt_step._forward_step_common`` calls ``model.build_schedule_plan`` without ``packed_seq_params``;
+:func:`dropped_packed_sequence` flags such a microbatch (trade-offs: ``docs/training/install.md``).
 """
 
 import torch
@@ -47,8 +44,7 @@ def dropped_packed_sequence(packed_seq_params, position_ids, attention_mask) -> 
 
 
 def packed_problems(plan, packed_seq_params, input_ids) -> list[str]:
-    """Why the plan cannot run this packed microbatch as the model's forward would (it runs THD only); empty
-    when it can."""
+    """Why the plan cannot run this packed microbatch (it runs THD only); empty when it can."""
     problems = []
     layout = getattr(packed_seq_params, "qkv_format", None)
     if layout != "thd":

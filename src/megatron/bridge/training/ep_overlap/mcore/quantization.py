@@ -1,9 +1,7 @@
 """The low-precision (fp8, fp4) contexts Megatron-Core's stacks give each layer, for the plan's node functions.
 
-:func:`layer_context` is ``get_fp8_context``/``get_fp4_context(config, n)`` for the layer's 0-based number (none with
-fp8 ``delayed``), entered around every node function (so full recompute's replay too) and every layer run whole;
-:func:`step_context` is fp8 ``delayed``'s one context around a whole step, whose amax reduction runs when the
-outermost context exits. Both are looked up on Megatron-Core's modules at each call, as its stacks do.
+:func:`layer_context` is ``get_fp8_context``/``get_fp4_context`` for the layer's 0-based number (none with fp8
+``delayed``, whose one :func:`step_context` wraps a whole step); looked up on Megatron-Core's modules at each call.
 """
 
 from contextlib import AbstractContextManager, nullcontext

@@ -1,10 +1,7 @@
 """What the Megatron-Core plan refuses, each with one line naming the fix.
 
-:func:`config_refusals` gives what a model config alone decides (a Bridge provider before ``finalize()`` or a built
-config) as ``(name, line)``, for a recipe check beside the rules; it repeats no rule but ``mtp_layers``, whose name is
-the rule's on purpose (the plan refuses it wherever it is built, the rule only with the overlap on).
-:func:`refuse_unscheduled` and :func:`refuse_vision_language` raise, when a plan is built, the first of those or of
-the refusals that need the built model.
+:func:`config_refusals` gives what a config alone decides, for a recipe check beside the rules; it repeats no rule but
+``mtp_layers`` (the plan refuses it wherever built, the rule only with the overlap on). ``refuse_*`` raise at build.
 """
 
 import logging
@@ -16,19 +13,14 @@ from megatron.bridge.utils.logging import warn_rank0
 logger = logging.getLogger(__name__)
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off for this model"
-# Megatron-Bridge's providers that build its Qwen3VLModel, the one model around a language model the plan runs
-# (vision_language.py). A provider is recognized by the names of its classes: Bridge's models are not imported here.
+# Bridge's providers of its Qwen3VLModel, recognized by class name: Bridge's models are not imported here.
 _QWEN3_VL_PROVIDERS = frozenset(
     {"Qwen3VLModelProvider", "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider", "Qwen35VLMoEModelProvider"}
 )
 
 
 def config_refusals(config) -> list[tuple[str, str]]:
-    """The plan's refusals that ``config`` (a Bridge provider, finalized or not, or a ``TransformerConfig``) decides.
-
-    Returns:
-        ``(name, line)`` per refusal, in the order the plan checks them; empty when the plan would build.
-    """
+    """``(name, line)`` per refusal that ``config`` (a Bridge provider or a ``TransformerConfig``) decides."""
     classes = {cls.__name__ for cls in type(config).__mro__}
     vision_language = bool(classes & _QWEN3_VL_PROVIDERS)
     refusals = []
@@ -70,7 +62,6 @@ def zero_copy_refusal(config) -> str | None:
 
 
 def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bool) -> list[tuple[str, str]]:
-    """The config-only refusals of a language model's plan (``position_embedding_type``: the model's)."""
     refusals = []
     mtp_layers = getattr(config, "mtp_num_layers", None)
     if mtp_layers and mtp_layers > 1:
@@ -93,8 +84,6 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
             )
         )
     if position_embedding_type == "mrope" and not multimodal_rotary:
-        # Their position ids come from a microbatch's images (their grids), which only the vision-language model
-        # around this language model holds.
         refusals.append(
             (
                 "mrope",
@@ -142,7 +131,6 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: 
 
 
 def _vision_language_refusals(config) -> list[tuple[str, str]]:
-    """The config-only refusals of the vision-language plan (Megatron-Bridge's ``Qwen3VLModel``)."""
     refusals = []
     if getattr(config, "sequence_parallel", False):
         refusals.append(
@@ -176,8 +164,7 @@ def _vision_language_refusals(config) -> list[tuple[str, str]]:
 
 
 def refuse_vision_language(model: torch.nn.Module) -> None:
-    """Raises ValueError (one line, with its fix) for the first ``Qwen3VLModel`` feature the VL plan does not
-    schedule (the language model's: :func:`refuse_unscheduled`)."""
+    """Raises ValueError (one line, with its fix) for the first ``Qwen3VLModel`` feature the plan does not schedule."""
     if getattr(model, "use_dist_train", False) or not model.add_decoder:
         raise ValueError(
             "dist_train.use_dist_train: Qwen3VLModel's vision tower and language model on different ranks are not "
@@ -189,8 +176,7 @@ def refuse_vision_language(model: torch.nn.Module) -> None:
 
 
 def _standalone_mtp_stage(config) -> int | None:
-    """The pipeline rank whose last virtual stage holds the MTP layer, when that stage has no loss (a layout
-    Megatron-Core cannot parse is its to refuse)."""
+    """The pipeline rank whose last virtual stage holds the MTP layer but not the loss (unparsable layout: None)."""
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if not getattr(config, "mtp_num_layers", None) or layout is None:
         return None
@@ -218,8 +204,7 @@ def _local_attention_layers(model: torch.nn.Module) -> list[int]:
 
 
 def check_delayed_wgrad(units: list) -> None:
-    """With delayed wgrad: refuses layers that would lose weight gradients, warns once about experts that delay
-    nothing."""
+    """With delayed wgrad: refuses layers that would lose weight gradients, warns about experts that delay nothing."""
     lost = sorted({name for unit in units for name in unit.undelayable})
     if lost:
         raise ValueError(

@@ -1,13 +1,8 @@
 """Megatron-Bridge's ``Qwen3VLModel`` (Qwen3-VL, Qwen3.5-VL) under the EP-overlap schedule (Megatron-Core's driver).
 
-Contract:
-    * The language model's decoder layers are the units, with a ``GPTModel``'s head (one MTP layer included); Bridge's
-      VL classes are never imported here (:func:`is_vision_language` looks the class up in ``sys.modules``).
-    * On the chunk with the embedding, the embed step runs the vision tower (unpaired) and merges the image embeddings
-      as ``Qwen3VLModel.forward`` does. Multimodal rotary positions are computed per microbatch on every chunk
-      (Bridge's ``get_rope_index``); deepstack features are added after the layers where the language block adds them.
-    * What the plan does not schedule is refused, one line with its fix, when it is built
-      (``refusals.refuse_vision_language``) or a microbatch is bound (``McoreVisionLanguageChunk.input_problems``).
+The language model's layers are the units, with a ``GPTModel``'s head; the embed step runs the vision tower and merges
+images as ``Qwen3VLModel.forward`` does; mrope positions are computed per microbatch (Bridge's ``get_rope_index``).
+Bridge's VL classes are never imported here (:func:`is_vision_language` looks them up in ``sys.modules``).
 """
 
 import sys
@@ -32,8 +27,7 @@ def is_vision_language(model: torch.nn.Module) -> bool:
 
 
 class _WithDeepstackGrads(torch.autograd.Function):
-    """The embed step's output; its backward also gives the deepstack features their cut copies' gradients, so the
-    vision tower runs one backward per microbatch, as in the plain path."""
+    """The embed output; its backward also returns the deepstack copies' gradients (one vision tower backward)."""
 
     @staticmethod
     def forward(ctx, x_SBH, cut, *features):
@@ -46,8 +40,7 @@ class _WithDeepstackGrads(torch.autograd.Function):
 
 
 class _DeepstackLayer(McoreLayer):
-    """A layer that adds the ``feature``-th deepstack feature at the image tokens, as the language block does: after
-    ``combine`` (a replay's too), or after the whole layer in the plain path."""
+    """Adds deepstack feature ``feature`` at the image tokens after ``combine``, as the language block does."""
 
     def __init__(self, layer: torch.nn.Module, index: int, chunk, feature: int):
         super().__init__(layer, index, chunk)
@@ -60,7 +53,7 @@ class _DeepstackLayer(McoreLayer):
         return self._with_feature(super().combine(back, shared, h, routing))
 
     def _with_feature(self, x_SBH: torch.Tensor) -> torch.Tensor:
-        features = getattr(self.chunk, "deepstack", None)  # the microbatch's (None: no images)
+        features = getattr(self.chunk, "deepstack", None)
         if not features or self.feature >= len(features):
             return x_SBH
         decoder = self.chunk.model.decoder
@@ -68,8 +61,7 @@ class _DeepstackLayer(McoreLayer):
 
 
 class VisionLanguageMicrobatch:
-    """One microbatch of a VL plan: the driver's view with its multimodal inputs and rotary embedding, and after
-    the embed step its image positions and deepstack features."""
+    """One microbatch of a VL plan: the driver's view with its multimodal inputs, image mask and deepstack features."""
 
     def __init__(self, chunk: "McoreVisionLanguageChunk", view, input_ids: torch.Tensor, inputs: dict):
         self.view, self.input_ids, self.inputs = view, input_ids, inputs
@@ -90,10 +82,9 @@ class VisionLanguageMicrobatch:
 
 
 class McoreVisionLanguageChunk(McoreGPTChunk):
-    """Megatron-Bridge's ``Qwen3VLModel`` (whole or one pipeline chunk) as the plan runs it; ``self.model`` is its
-    language model (a ``GPTModel``), ``self.vision_language`` the whole model."""
+    """Bridge's ``Qwen3VLModel`` as the plan runs it; ``self.model`` is its language model (a ``GPTModel``)."""
 
-    multimodal_rotary = True  # refusals: this plan computes 'mrope' positions
+    multimodal_rotary = True
     bound_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
     def __init__(self, model: torch.nn.Module, *, delay_wgrad: bool = False):
@@ -107,7 +98,6 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         super().__init__(model.language_model, delay_wgrad=delay_wgrad)
 
     def _build_units(self) -> tuple[list, list[int]]:
-        """The language model's decoder layers; on the vision tower's chunk, the first ones add deepstack features."""
         layers = self.model.decoder.layers
         if self.pre_process and self.deepstack_count > len(layers):
             raise ValueError(
@@ -131,10 +121,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
     def named_parameters(self):
         return self.vision_language.named_parameters()
 
-    # ---- one microbatch -----------------------------------------------------------------------------------------
-
     def input_problems(self, input_ids: torch.Tensor | None, inputs: dict, packed_seq_params=None) -> list[str]:
-        """What keeps the plan from running this microbatch as the model's forward would (empty when it can)."""
         if input_ids is None:
             return [
                 "input_ids are required on every chunk of a vision-language model (its multimodal rotary positions "
@@ -152,7 +139,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
             ("video", vl.video_token_id, "pixel_values_videos", "video_grid_thw"),
         ):
             count = int((input_ids == token).sum())
-            needed = ([pixels] if self.pre_process else []) + [grid]  # the pixels where the vision tower runs
+            needed = ([pixels] if self.pre_process else []) + [grid]
             absent = [name for name in needed if inputs.get(name) is None]
             if count and absent:
                 problems.append(
@@ -166,12 +153,10 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         return problems
 
     def bind_inputs(self, view, input_ids: torch.Tensor, inputs: dict) -> VisionLanguageMicrobatch:
-        """The microbatch ``view`` with its multimodal inputs bound (see :class:`VisionLanguageMicrobatch`)."""
         return VisionLanguageMicrobatch(self, view, input_ids, inputs)
 
     def rotary_for_microbatch(self, input_ids: torch.Tensor, position_ids, inputs: dict):
-        """This microbatch's multimodal rotary embedding: from 3 x B x S ``position_ids``, else from its input ids
-        and grids (``get_rope_index``), as the model's forward computes it."""
+        """The multimodal rotary embedding, from 3 x B x S ``position_ids`` or else ``get_rope_index``."""
         rope = sys.modules[_ROPE_MODULE]
         if not (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 3):
             vl = self.vision_language
@@ -191,8 +176,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         return rotary_pos_emb
 
     def embed_images(self, tokens_BS: torch.Tensor, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None, list]:
-        """``Qwen3VLModel.forward`` before the first layer: hidden states [S, B, H] with the image embeddings merged,
-        the image positions [B, S] (None without images) and the deepstack features."""
+        """``Qwen3VLModel.forward`` before the first layer: hidden states, image mask [B, S], deepstack features."""
         vl, utils = self.vision_language, sys.modules[_UTILS_MODULE]
         pixels, grid, mask_BS = utils.reorganize_inputs(
             input_ids=tokens_BS,
@@ -227,5 +211,4 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         return self.embed_images(tokens_BS, {})[0], rotary_pos_emb
 
     def _rotary(self, x_SBH: torch.Tensor, packed_seq_params=None):
-        """None: the rotary embedding is each microbatch's (:meth:`rotary_for_microbatch`)."""
         return None

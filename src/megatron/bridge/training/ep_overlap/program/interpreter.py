@@ -1,13 +1,7 @@
-"""One loop over a program's ops for all its consumers, and the one place that decides a lane's issue order.
-
-Contract:
-    * :func:`run_ops` calls op ``(kind, name)`` of unit ``u`` as the method :data:`OPS` names, on ``runners[u]`` (the
-      chunk's ends) or ``runners[u].layers[j]`` (layer j); what an op writes goes to the next op of its unit that
-      reads it. Runners differ (engine nodes, planner cost and memory); the loop does not.
-    * :func:`issue_order`: ``IssueOrder.HOST`` (CPU: compute blocks the host) is program order;
-      ``IssueOrder.DEVICE`` (CUDA: work is only queued) keeps each stream's order and issues each host sync once
-      nothing left can be queued without it, so every number stays the same. No torch here.
-"""
+"""One loop over a program's ops for all its consumers (:func:`run_ops`: what an op writes goes to the next op of
+its unit that reads it), and the one place that decides a lane's issue order (:func:`issue_order`). A device lane
+keeps each unit's and lane's order and issues a host sync only once nothing else can be queued, so every number stays
+the same. No torch here."""
 
 import heapq
 from collections.abc import Iterable, Mapping
@@ -17,18 +11,15 @@ from megatron.bridge.training.ep_overlap.program.ops import OPS, Op
 
 
 class IssueOrder(StrEnum):
-    """How a lane runs what the host issues, and so the order it wants the ops in."""
+    """How a lane runs what the host issues: HOST (compute blocks it; program order) or DEVICE (work is queued)."""
 
-    HOST = "host"  # compute blocks the host: program order
-    DEVICE = "device"  # compute is queued asynchronously: host syncs after the work that does not need them
+    HOST = "host"
+    DEVICE = "device"
 
 
 def issue_order(ops: Iterable[Op], order: IssueOrder) -> tuple[Op, ...]:
-    """``ops`` (a program step, or one call of Megatron-Core's driver) in the order a lane of kind ``order`` wants.
-
-    On a device lane, a list schedule: the first ready op in program order that is not a host sync (ready: its unit's
-    and lane's earlier ops issued); a ready host sync only when no other op is ready.
-    """
+    """``ops`` in the order a lane of kind ``order`` wants; on a device lane, the first ready op (its unit's and lane's
+    earlier ops issued) in program order, a ready host sync only when no other op is ready."""
     ops = tuple(ops)
     if order == IssueOrder.HOST or not any(op.spec.host_sync for op in ops):
         return ops
@@ -42,8 +33,8 @@ def issue_order(ops: Iterable[Op], order: IssueOrder) -> tuple[Op, ...]:
             unblocks[j].append(i)
         waiting_for[i] = len(needs)
         latest.update((key, i) for key in mine)
-    work: list[int] = []  # ready ops that queue, by position in program order
-    syncs: list[int] = []  # ready host syncs, likewise
+    work: list[int] = []
+    syncs: list[int] = []
 
     def ready(i: int) -> None:
         heapq.heappush(syncs if ops[i].spec.host_sync else work, i)

@@ -1,10 +1,6 @@
 """The schedule program's words: every op declared once (:data:`OPS`), the op and window records, and the short runs
-of ops one unit's layer goes through.
-
-Contract: an op is ``(kind, name)`` on one unit, at a layer of its chunk or at its ends; its :class:`OpSpec` names
-the runner method, what it reads and writes, and whether it syncs the host. The runner protocols are generated from
-:data:`OPS`, and a test checks every runner against them. No torch here.
-"""
+of ops a unit's layer goes through. The runner protocols are generated from :data:`OPS`; a test checks every runner
+against them. No torch here."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +27,8 @@ LAYER, ENDS, WHOLE = "layer", "ends", "whole"
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op of the vocabulary: its runner ``method`` (named literally, so a search finds this table), what of its
-    unit it ``reads`` and ``writes`` (``"x"`` activation, ``"g"`` gradient, ``"r"`` replayed one; None: nothing), and
-    whether it is a ``host_sync`` (the host blocks until a peer or the device answers, even on a device lane)."""
+    """One op: its runner ``method``, what of its unit it ``reads``/``writes`` (``"x"`` activation, ``"g"`` gradient,
+    ``"r"`` replayed one), and whether it is a ``host_sync`` (the host blocks, even on a device lane)."""
 
     method: str
     reads: str | None = None
@@ -42,22 +37,19 @@ class OpSpec:
     host_sync: bool = False
 
 
-# Every op, declared once. ``replay_`` ops replay a recomputed segment's forward before its last layer's backward.
 OPS: dict[tuple[OpKind, str], OpSpec] = {
     (OpKind.COMPUTE, "embedding"): OpSpec("compute_embedding", writes="x", at=ENDS),
     # the engine's pipeline P2P goes through host memory, so a receive blocks the host on any lane
     (OpKind.WAIT, "recv_activation"): OpSpec("wait_recv_activation", writes="x", at=ENDS, host_sync=True),
-    # attention, pre-MLP norm, router, permute
     (OpKind.COMPUTE, "pre_dispatch"): OpSpec("compute_pre_dispatch", reads="x"),
-    (OpKind.LAUNCH, "split"): OpSpec("launch_split"),  # the split sizes go out
-    # ... and are known: the dispatcher's device-to-host sync, which blocks the host on any lane
+    (OpKind.LAUNCH, "split"): OpSpec("launch_split"),
+    # the split sizes are known: the dispatcher's device-to-host sync blocks the host on any lane
     (OpKind.WAIT, "split"): OpSpec("wait_split", host_sync=True),
     (OpKind.LAUNCH, "dispatch"): OpSpec("launch_dispatch"),
     (OpKind.WAIT, "dispatch"): OpSpec("wait_dispatch"),
     (OpKind.COMPUTE, "experts"): OpSpec("compute_experts"),
     (OpKind.LAUNCH, "combine"): OpSpec("launch_combine"),
     (OpKind.WAIT, "combine"): OpSpec("wait_combine"),
-    # unpermute, residual add: the layer's output
     (OpKind.COMPUTE, "combine"): OpSpec("compute_combine", writes="x"),
     (OpKind.COMPUTE, "head"): OpSpec("compute_head", reads="x", at=ENDS),
     (OpKind.LAUNCH, "send_activation"): OpSpec("launch_send_activation", reads="x", at=ENDS),
@@ -66,7 +58,7 @@ OPS: dict[tuple[OpKind, str], OpSpec] = {
     (OpKind.COMPUTE, "combine_bwd"): OpSpec("compute_combine_bwd", reads="g"),
     (OpKind.LAUNCH, "combine_bwd"): OpSpec("launch_combine_bwd"),
     (OpKind.WAIT, "combine_bwd"): OpSpec("wait_combine_bwd"),
-    (OpKind.COMPUTE, "experts_bwd"): OpSpec("compute_experts_bwd"),  # dgrad, and wgrad unless delayed
+    (OpKind.COMPUTE, "experts_bwd"): OpSpec("compute_experts_bwd"),
     (OpKind.LAUNCH, "dispatch_bwd"): OpSpec("launch_dispatch_bwd"),
     (OpKind.WGRAD, "experts"): OpSpec("wgrad_experts"),
     (OpKind.WAIT, "dispatch_bwd"): OpSpec("wait_dispatch_bwd"),
@@ -123,9 +115,8 @@ class Op:
 
     @property
     def lane(self) -> str | None:
-        """Whose order the op keeps across units: ``"compute"`` for computations (their order is the numbers:
-        shared gradients, RNG) and the waits a device lane queues among them; ``"comm"`` for launches (peers pair
-        collectives by issue order); None for a host sync, which holds up only the host."""
+        """Whose order the op keeps across units: ``"compute"`` (compute, whose order is the numbers, and the waits
+        queued among it), ``"comm"`` (peers pair collectives by issue order), None for a host sync."""
         if self.spec.host_sync:
             return None
         return "comm" if self.kind == OpKind.LAUNCH else "compute"
@@ -184,21 +175,19 @@ def _replay_output(u: int, j: int) -> list[Op]:
 
 
 def _replay_layer(u: int, j: int) -> list[Op]:
-    """One layer's forward replayed, each all-to-all waited for at once."""
     return _replay_to_dispatch(u, j) + _replay_to_combine(u, j) + _replay_output(u, j)
 
 
 def _replay_below(u: int, segment: tuple[int, int]) -> list[Op]:
-    """A segment's replay up to (not including) its last layer: its kept input, then each layer below the last."""
+    """A segment's replay up to (not including) its last layer."""
     first, stop = segment
     return [Op(COMPUTE, "replay_input", u, first)] + [op for j in range(first, stop - 1) for op in _replay_layer(u, j)]
 
 
 def _replay_start(u: int, k: int) -> list[Op]:
-    """Layer ``k``'s replay (a one-layer segment) from its kept input up to its dispatch, left in flight."""
+    """Layer ``k``'s replay (a one-layer segment) up to its dispatch, left in flight."""
     return [Op(COMPUTE, "replay_input", u, k)] + _replay_to_dispatch(u, k)
 
 
 def _replay_ahead(u: int, k: int) -> list[Op]:
-    """Layer ``k``'s replay (a one-layer segment) up to its combine, which is left in flight for the next step."""
     return _replay_start(u, k) + _replay_to_combine(u, k)

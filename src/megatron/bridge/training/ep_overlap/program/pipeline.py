@@ -1,13 +1,8 @@
-"""The per-rank order of a training step under interleaved pipeline parallelism, as data.
-
-Contract:
-    * :func:`pipeline_schedule` lists one rank's steps (a forward, a backward, or both paired) with their P2P
-      transfers, in Megatron-Core's layout (rank r holds chunk ``v * P + r``), for any N >= 1; PP = 1 is P = V = 1.
-    * Warm-up is Megatron-Core's count plus one forward with overlap, so no step pairs a microbatch's forward with
-      its own backward; steady step k pairs forward W + k with backward k; cool-down runs the rest.
-    * Deadlock freedom: sends never block (tags unique within the step), receives are posted a step ahead, and an
-      all-to-all spans one pipeline stage, whose ranks run the same list. :func:`simulate` checks it.
-"""
+"""The per-rank order of a training step under interleaved pipeline parallelism, as data, in Megatron-Core's layout
+(rank r holds chunk ``v * P + r``); PP = 1 is P = V = 1. Warm-up is Megatron-Core's count plus one forward with
+overlap, so no step pairs a microbatch's forward with its own backward. Deadlock freedom: sends never block (tags
+unique within the step), receives are posted a step ahead, and an all-to-all spans one pipeline stage, whose ranks
+run the same list; :func:`simulate` checks it."""
 
 from dataclasses import dataclass
 from enum import StrEnum
@@ -24,8 +19,7 @@ FORWARD, BACKWARD = Role.FORWARD, Role.BACKWARD
 
 
 class Phase(StrEnum):
-    """Where a step sits, as its records carry it: warm-up, steady (``PAIRED`` with overlap, ``STEADY`` without),
-    cool-down, forward-only, or plain (overlap off)."""
+    """Where a step sits: warm-up, steady (``PAIRED`` with overlap, ``STEADY`` without), cool-down, forward, plain."""
 
     WARMUP = "warmup"
     PAIRED = "paired"
@@ -39,10 +33,10 @@ class Phase(StrEnum):
 class Transfer:
     """One P2P transfer of a step: activation (``F``) or gradient (``B``) of (microbatch, chunk) to/from a rank."""
 
-    kind: str  # FORWARD: the activation entering ``chunk``; BACKWARD: the gradient leaving ``chunk``'s output
+    kind: str
     microbatch: int
     chunk: int  # global model chunk id: F, the chunk the activation enters; B, the chunk whose output it is
-    peer: int  # pipeline rank on the other end
+    peer: int
 
     def tag(self, num_chunks: int) -> int:
         """Unique within a training step, equal on both ends."""
@@ -63,12 +57,10 @@ class PipelineStep:
 
     @property
     def paired(self) -> bool:
-        """Forward and backward interleaved (the steady state)."""
         return self.forward is not None and self.backward is not None
 
     @property
     def overlapped(self) -> bool:
-        """Two microbatches interleaved: forward with backward, or two of one direction."""
         return self.paired or self.partner is not None
 
 
@@ -89,14 +81,13 @@ def warmup_count(pipeline_size: int, virtual_size: int, num_microbatches: int, r
     position = {f: i for i, f in enumerate(forwards)}
     # Backward k must come after its own forward; paired with forward W + k it needs a strictly earlier one.
     lag = max(position[(m, virtual_size - 1 - v)] - k for k, (m, v) in enumerate(forwards))
-    if virtual_size == 1 and not overlap:  # plain 1F1B
+    if virtual_size == 1 and not overlap:
         return min(pipeline_size - rank - 1, len(forwards))
     count = 2 * (pipeline_size - rank - 1) + max((virtual_size - 1) * pipeline_size, lag) + int(overlap)
     return min(count, len(forwards))
 
 
 def _forward_transfers(m: int, v: int, rank: int, P: int, V: int) -> tuple[Transfer | None, Transfer | None]:
-    """(what the forward of (m, v) receives, what it sends); None at the model's first/last chunk."""
     chunk = v * P + rank
     recv = None if chunk == 0 else Transfer(FORWARD, m, chunk, (rank - 1) % P)
     send = None if chunk == P * V - 1 else Transfer(FORWARD, m, chunk + 1, (rank + 1) % P)
@@ -104,7 +95,6 @@ def _forward_transfers(m: int, v: int, rank: int, P: int, V: int) -> tuple[Trans
 
 
 def _backward_transfers(m: int, v: int, rank: int, P: int, V: int) -> tuple[Transfer | None, Transfer | None]:
-    """(the output gradient the backward of (m, v) receives, the input gradient it sends)."""
     chunk = v * P + rank
     recv = None if chunk == P * V - 1 else Transfer(BACKWARD, m, chunk, (rank + 1) % P)
     send = None if chunk == 0 else Transfer(BACKWARD, m, chunk - 1, (rank - 1) % P)
@@ -121,8 +111,7 @@ def pipeline_schedule(
     forward_only: bool = False,
     edge_pairing: bool = False,
 ) -> list[PipelineStep]:
-    """The ordered steps of pipeline rank ``rank``; ``forward_only``: the forwards alone (two by two at PP = 1 with
-    overlap). ``edge_pairing`` (PP = 1, overlap on, N >= 2) pairs what would run alone."""
+    """The ordered steps of pipeline rank ``rank``; ``edge_pairing`` (PP = 1, overlap, N >= 2) pairs lone steps."""
     P, V, N = pipeline_size, virtual_size, num_microbatches
     if P < 1 or V < 1 or N < 1 or not 0 <= rank < P:
         raise ValueError(f"no schedule for pipeline_size={P}, virtual_size={V}, microbatches={N}, rank={rank}")
@@ -152,7 +141,7 @@ def pipeline_schedule(
     for k in range(total - warmup):
         if overlap:
             steps.append(step(Phase.PAIRED, forwards[warmup + k], backwards[k]))
-        else:  # the same order, forward then backward, nothing paired
+        else:
             steps.append(step(Phase.STEADY, forwards[warmup + k], None))
             steps.append(step(Phase.STEADY, None, backwards[k]))
     steps += [step(Phase.COOLDOWN, None, backwards[k]) for k in range(total - warmup, total)]
@@ -160,11 +149,8 @@ def pipeline_schedule(
 
 
 def simulate(pipeline_size: int, virtual_size: int, num_microbatches: int, *, overlap: bool) -> None:
-    """Runs every rank's list against the others': a step waits until each transfer it receives was sent.
-
-    Raises:
-        RuntimeError: If the lists deadlock (naming each blocked rank and transfer) or a backward precedes its forward.
-    """
+    """Runs every rank's list against the others' (a step waits until each transfer it receives was sent); a
+    RuntimeError on deadlock (naming each blocked rank and transfer) or a backward before its forward."""
     schedules = [
         pipeline_schedule(pipeline_size, virtual_size, num_microbatches, r, overlap=overlap)
         for r in range(pipeline_size)

@@ -1,10 +1,6 @@
-"""Full recompute in the program: where a recomputed segment's forward is replayed, and beside what (no torch).
-
-A segment is replayed before its last layer's backward: its kept input (``compute replay_input``), then each layer's
-``replay_`` ops. In a paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`), a longer one
-just in time (:func:`replay_step`); lone backwards replay ahead when every segment is one layer
-(:func:`backwards_ahead`), else just before the backward (:func:`replay_before_backward`).
-"""
+"""Full recompute in the program (no torch): a segment's forward is replayed before its last layer's backward. In a
+paired step a one-layer segment is replayed a layer ahead (:func:`replayed_step`), a longer one just in time
+(:func:`replay_step`); lone backwards replay ahead when every segment is one layer (:func:`backwards_ahead`)."""
 
 from collections.abc import Sequence
 
@@ -38,10 +34,8 @@ def replay_before_backward(u: int, k: int, shape) -> list[Op]:
 
 
 def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
-    """The paired layer step whose B layer ends a segment replayed just in time, in five windows: B replays it beside
-    F's nodes (lower layers first, their all-to-alls waited for at once), then runs the layer's backward, whose own
-    all-to-alls hide only behind delayed wgrads (the attention wgrad goes in window 4 whatever
-    ``attention_wgrad_window`` says)."""
+    """The paired layer step whose B layer ends a segment replayed just in time, in five windows; the attention
+    wgrad goes in window 4 whatever ``attention_wgrad_window`` says."""
     j, k, moe_f, delay_wgrad = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad
     f = [out.unit for out in outs]
     w1 = [op for u in b for op in _replay_below(u, pair.replay) + _replay_to_dispatch(u, k)]
@@ -63,8 +57,7 @@ def replay_step(outs, b: Sequence[int], pair) -> list[Window]:
 
 
 def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
-    """The paired layer step whose B layer was replayed a step ahead (one-layer segments), in four windows: B finishes
-    that replay, runs the layer's backward and starts the replay of the layer below (``replay_next``)."""
+    """The paired layer step whose B layer was replayed a step ahead; it starts the replay of ``replay_next``."""
     j, k, moe_f, delay_wgrad, below = pair.forward, pair.backward, pair.forward_moe, pair.delay_wgrad, pair.replay_next
     f = [out.unit for out in outs]
     w1 = [op for out in outs for op in out.take() + [Op(COMPUTE, "pre_dispatch", out.unit, j)]]
@@ -87,8 +80,7 @@ def replayed_step(outs, b: Sequence[int], pair) -> list[Window]:
 
 
 def backward_begin(b: Sequence[int], shape, *, replay_top: bool) -> Window:
-    """The start of B's backward (head backward or gradient receive); with ``replay_top`` the top layer's replay
-    (a one-layer segment) runs around it, its combine left in flight."""
+    """The start of B's backward; with ``replay_top`` the top layer's replay runs around it, its combine in flight."""
     top = len(shape.moe) - 1
     begin = [op for u in b for op in _replay_start(u, top)] if replay_top else []
     begin += [_backward_begin(u, shape) for u in b]
@@ -102,9 +94,8 @@ def replays_ahead(shape) -> bool:
 
 
 def backwards_ahead(b: Sequence[int], shape, delay_wgrad: bool) -> list[Window]:
-    """One or two backwards with no forward beside them, one-layer segments replayed a layer ahead so each all-to-all
-    hides behind B's compute. The first B's contributions come first; a delayed attention wgrad goes beside the next
-    layer's combine backward."""
+    """One or two lone backwards, one-layer segments replayed a layer ahead. The first B's contributions come first;
+    a delayed attention wgrad goes beside the next layer's combine backward."""
     top = len(shape.moe) - 1
     ahead = {first for first, _ in shape.segments}
     windows, pending = [backward_begin(b, shape, replay_top=top in ahead)], None

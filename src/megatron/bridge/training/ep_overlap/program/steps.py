@@ -1,16 +1,7 @@
 """The schedule program: a rank's training step as data, read by the engine, the planner and Megatron-Core's driver.
-
-Contract:
-    * :func:`program` yields the rank's :class:`Step` s in order, each with its kind, units, P2P transfers and
-      windows of :class:`Op` s (ops that may overlap). Edge pairing, chunking, forward-only steps and pipeline
-      parallelism are inputs here; nothing downstream branches on them.
-    * The paired layer step (:func:`layer_step`, F's layer j with B's layer L-1-j) has four windows:
-
-          1. B.combine backward (comm)   ||  F.pre_dispatch, [B's previous attention wgrad]
-          2. F.dispatch (comm)           ||  [B's previous attention wgrad], B.experts backward (dgrad)
-          3. B.dispatch backward (comm)  ||  B.experts wgrad (delayed), F.experts
-          4. F.combine (comm)            ||  B.pre_dispatch backward (dgrad)
-"""
+:func:`program` yields the rank's :class:`Step` s, each with its units, P2P transfers and windows of :class:`Op` s
+(ops that may overlap). Edge pairing, chunking, forward-only steps and pipeline parallelism are inputs here; nothing
+downstream branches on them."""
 
 import functools
 from collections.abc import Iterator, Sequence
@@ -72,20 +63,18 @@ class ChunkShape:
 
     @classmethod
     def of(cls, chunk) -> "ChunkShape":
-        """From anything with ``pre_process``, ``post_process``, ``layers`` (``is_moe``), ``recompute_segments``."""
         segments = tuple(tuple(s) for s in getattr(chunk, "recompute_segments", ()))
         moe = tuple(bool(x.is_moe) for x in chunk.layers)
         return cls(bool(chunk.pre_process), bool(chunk.post_process), moe, segments)
 
     def replayed(self, layer: int) -> tuple[int, int] | None:
-        """The recomputed segment whose last layer is ``layer``: its replay runs before that layer's backward."""
+        """The recomputed segment whose last layer is ``layer``."""
         return next((s for s in self.segments if s[1] - 1 == layer), None)
 
 
 @dataclass(frozen=True)
 class StepUnit:
-    """A unit a step runs: role (``F``/``B``), microbatch, half, its chunk's virtual stage on this rank, and
-    whether this step is the unit's last on that chunk."""
+    """A unit a step runs; ``done``: this step is the unit's last on that chunk."""
 
     role: str
     unit: int
@@ -100,7 +89,7 @@ class Step:
     """One step of the program: its kind, units, P2P transfers and windows of ops."""
 
     kind: StepKind
-    phase: "Phase"  # as recorded (PLAIN: overlap off)
+    phase: "Phase"
     units: tuple[StepUnit, ...]
     recv: tuple[Transfer, ...]
     send: tuple[Transfer, ...]
@@ -114,15 +103,11 @@ class Step:
 
     @functools.cached_property
     def plain(self) -> bool:
-        """Runs whole chunks through ordinary autograd (overlap off); cached, as consumers read it per op."""
+        """Overlap off: whole chunks through ordinary autograd (cached: consumers read it per op)."""
         return any(op.kind == PLAIN for op in self.ops)
 
     def unit_for(self, transfer: Transfer) -> StepUnit:
-        """The unit a P2P transfer belongs to: the forward's for an activation, the backward's for a gradient."""
         return next(u for u in self.units if u.role == transfer.kind and u.microbatch == transfer.microbatch)
-
-
-# ---- the layer steps, per kind -----------------------------------------------------------------------------
 
 
 class _Output:
@@ -149,7 +134,6 @@ class _Output:
 
 
 def _to_dispatch(out: _Output, j: int, moe: bool) -> list[Op]:
-    """F's input, attention, router and permute, then the dispatch (after its split sizes, on an MoE layer)."""
     u = out.unit
     split = [Op(LAUNCH, "split", u, j), Op(WAIT, "split", u, j)] if moe else []
     return out.take() + [Op(COMPUTE, "pre_dispatch", u, j), *split, Op(LAUNCH, "dispatch", u, j)]
@@ -186,8 +170,7 @@ def unit_ops(role: str, u: int, shape: ChunkShape, delay_wgrad: bool) -> list[Op
 
 @dataclass(frozen=True)
 class StepWork:
-    """What one step lays out: forward units ``f`` (chunk shape ``fs``), backward units ``b`` (``bs``; either may
-    be empty, its shape None), delayed wgrad, and the attention wgrad's window (None: nothing to place)."""
+    """What one step lays out: forward units ``f`` (chunk shape ``fs``), backward units ``b`` (``bs``), wgrad."""
 
     f: tuple[int, ...]
     b: tuple[int, ...]
@@ -206,9 +189,8 @@ def _alone(w: StepWork) -> list[Window]:
 
 @dataclass(frozen=True)
 class LayerPair:
-    """One paired layer step: F's layer ``forward`` and B's layer ``backward`` (positions in their chunks),
-    whether each is MoE, B's layer whose attention wgrad is still to run (``pending``), delayed wgrad and its
-    ``window``; full recompute: the segment B's layer ends, replayed in this step (``replay``)."""
+    """One paired layer step: F's layer ``forward`` with B's layer ``backward`` (chunk positions); ``pending``: B's
+    layer whose attention wgrad is still to run; ``replay``: the segment B's layer ends, replayed in this step."""
 
     forward: int
     backward: int
@@ -255,8 +237,7 @@ def _layer_step(outs, b: Sequence[int], pair: LayerPair) -> list[Window]:
 
 
 def f_dispatch_beside_b_experts_bwd(f: Sequence[int], b: Sequence[int], pair: LayerPair, wgrad: list[Op]) -> list[Op]:
-    """Window 2 of the paired layer step: F's dispatch beside B's expert backward (and B's previous attention wgrad).
-    Program order (a host lane's) puts F's split-size sync first; a device lane moves it after B's expert backward."""
+    """Window 2: F's dispatch beside B's expert backward; a device lane moves F's split-size sync after the latter."""
     j, k = pair.forward, pair.backward
     ops = [Op(WAIT, "split", u, j) for u in f] if pair.forward_moe else []
     ops += [Op(LAUNCH, "dispatch", u, j) for u in f] + wgrad
@@ -269,7 +250,6 @@ def _paired(w: StepWork) -> list[Window]:
     outs = [_Output(u, fs) for u in f]
     nf, nb = len(fs.moe), len(bs.moe)
     paired = min(nf, nb)
-    # One-layer segments of B's paired layers are replayed a step ahead (the top one around the head's backward)
     ahead = {k for k in range(nb - paired, nb) if (k, k + 1) in bs.segments}
     windows = [backward_begin(b, bs, replay_top=nb - 1 in ahead)]
     pending = None
@@ -283,12 +263,12 @@ def _paired(w: StepWork) -> list[Window]:
         windows += layer_step(outs, b, pair)
         pending = k
     extra = []
-    for j in range(min(nf, nb), nb):  # B's chunk is longer
+    for j in range(min(nf, nb), nb):
         k = nb - 1 - j
         extra += _attention_wgrad(b, pending, delay_wgrad)
         extra += [op for u in b for op in _layer_backward(u, k, bs, delay_wgrad)]
         pending = None
-    for j in range(min(nf, nb), nf):  # F's chunk is longer: each extra layer's output is finished at once
+    for j in range(min(nf, nb), nf):
         extra += [op for out in outs for op in _layer_forward(out, j, fs.moe[j]) + out.take()]
     # P2P in Megatron-Core's order (activation, then gradient); B's last attention wgrad beside F's last combine
     end = [] if fs.last else [op for out in outs for op in out.end()]
@@ -298,7 +278,6 @@ def _paired(w: StepWork) -> list[Window]:
 
 
 def _forward_pair(w: StepWork) -> list[Window]:
-    """Two forwards interleaved layer by layer: each one's all-to-alls run while the other computes."""
     f, fs = w.f, w.fs
     outs = [_Output(u, fs) for u in f]
     windows = []
@@ -320,7 +299,7 @@ def _backward_pair(w: StepWork) -> list[Window]:
     pending = None
     for k in reversed(range(len(bs.moe))):
         moe = bs.moe[k]
-        ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)  # segments of several layers
+        ops = replay_before_backward(x, k, bs) + replay_before_backward(y, k, bs)
         ops += _combine_bwd(x, k) + _attention_wgrad(b, pending, delay_wgrad) + _combine_bwd(y, k)
         ops += _experts_bwd(x, k, moe, delay_wgrad) + _experts_bwd(y, k, moe, delay_wgrad)
         windows.append(Window(f"B L{k} x2", tuple(ops + _pre_dispatch_bwd(x, k) + _pre_dispatch_bwd(y, k))))
@@ -350,12 +329,8 @@ def step_kind(forwards: int, backwards: int) -> StepKind:
 def windows_of(
     kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int | None
 ) -> list[Window]:
-    """The windows of one step of ``kind``: forward units ``f`` of shape ``fs``, backward units ``b`` of shape
-    ``bs`` (what Megatron-Core's driver runs per call). ``window`` (1 or 2) places a delayed attention wgrad.
-
-    Raises:
-        ValueError: When a backward defers its wgrad and ``window`` is not 1 or 2 (auto is resolved before).
-    """
+    """The windows of one step of ``kind`` (what Megatron-Core's driver runs per call); a ValueError when a backward
+    defers its wgrad and ``window`` is not 1 or 2 (resolve auto before)."""
     if delay_wgrad and b:
         _check_window(window)
     return _BUILD[kind](StepWork(tuple(f), tuple(b), fs, bs, delay_wgrad, window))
@@ -369,11 +344,7 @@ def _check_window(window) -> None:
         )
 
 
-# ---- the generator -----------------------------------------------------------------------------------------
-
-
 def _members(s, of: dict[int, list[tuple[int, Unit]]], forward_only: bool) -> list[StepUnit]:
-    """The units pipeline step ``s`` runs (``of``: each microbatch's units with their numbers), each once."""
     sides = [(FORWARD, s.forward), (BACKWARD, s.backward), (FORWARD if s.forward else BACKWARD, s.partner)]
     members = [
         StepUnit(role, u, unit.microbatch, unit.half, at[1], role == BACKWARD or forward_only)
@@ -397,12 +368,8 @@ def program(
     delay_wgrad: bool | None = None,
     window: int | None = None,
 ) -> Iterator[Step]:
-    """This rank's step: ``shapes`` are its chunks in virtual-stage order, ``options`` an ``EPOverlapOptions``;
-    ``delay_wgrad``/``window`` as the settings resolved them (None: the options'). Overlap off: all steps ``plain``.
-
-    Raises:
-        ValueError: When an overlapped training step defers its wgrad and the window is not 1 or 2.
-    """
+    """This rank's steps; ``shapes``: its chunks in virtual-stage order; ``delay_wgrad``/``window`` as the settings
+    resolved them (None: the options'). A ValueError when a deferred wgrad's window is not 1 or 2."""
     overlap = options.overlap and not (forward_only and pipeline_size > 1)
     chunks = options.moe_ep_overlap_chunks if overlap else 1
     delay_wgrad = overlap and (options.delay_wgrad if delay_wgrad is None else delay_wgrad)

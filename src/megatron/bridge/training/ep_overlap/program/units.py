@@ -1,12 +1,6 @@
-"""The schedule's units: a whole microbatch, or (chunked unpaired phases) one half of it.
-
-Contract:
-    * With ``moe_ep_overlap_chunks = 2`` (PP = 1, overlap on) each microbatch the schedule runs alone somewhere is
-      split along the batch (the first ``ceil(B / 2)`` sequences, then the rest); :func:`units` numbers units in
-      microbatch order, and records number nodes by unit.
-    * A chunked microbatch's gradients reach each parameter in two contributions: not bitwise equal to the plain
-      path, hence opt-in.
-"""
+"""The schedule's units: a whole microbatch, or (``moe_ep_overlap_chunks = 2``, PP = 1) one batch half of a
+microbatch the schedule runs alone. A chunked microbatch's gradients reach each parameter in two contributions: not
+bitwise equal to the plain path, hence opt-in."""
 
 from dataclasses import dataclass
 

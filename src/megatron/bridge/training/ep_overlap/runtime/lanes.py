@@ -1,12 +1,7 @@
-"""Compute and comm lanes behind one small interface: ``compute`` wraps a node, ``all_to_all`` returns a
-:class:`Pending`, ``launch`` first finds out its split sizes, ``run_comm`` runs a unit's own communication.
-
-* CPU (gloo): compute on the host thread, all-to-alls as gloo async work. With ``launch_off_host`` they go out from
-  one helper thread in the order asked for, so a dispatch waiting for its split sizes no longer stops the host; one
-  thread keeps every rank's launch order the program order, which is how collectives match across ranks.
-* CUDA: compute on the current stream, all-to-alls on one comm stream, chained by one event per microbatch; no
-  event is shared across microbatches, so the host issue order is the schedule. NVTX ranges: :func:`range_name`.
-"""
+"""Compute and comm lanes behind one interface. CPU (gloo): compute on the host, all-to-alls as gloo async work; with
+``launch_off_host`` they go out from one helper thread in the order asked for, which keeps every rank's launch order
+the program order (how collectives match across ranks). CUDA: all-to-alls on one comm stream, chained to compute by
+one event per microbatch; no event is shared across microbatches, so the host issue order is the schedule."""
 
 import time
 from collections.abc import Callable, Iterator
@@ -80,8 +75,7 @@ def done(tensor: torch.Tensor) -> Pending:
 
 
 def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> str:
-    """The NVTX range of a node: ``ep_overlap/<compute|comm|p2p>/<F|B>.<node>/L<layer>/mb<microbatch>``; backward and
-    wgrad nodes are ``B`` unless ``role`` says; the embedding (layer -1) and P2P have no ``L``."""
+    """A node's NVTX range, ``ep_overlap/<kind>/<F|B>.<node>[/L<layer>]/mb<microbatch>`` (no ``L`` for layer -1)."""
     role = role or (BACKWARD if name.endswith(("_bwd", "wgrad")) else FORWARD)
     base = name[: -len("_bwd")] if name.endswith("_bwd") else name
     where = f"/L{layer}" if layer >= 0 else ""
@@ -89,13 +83,10 @@ def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | No
 
 
 class _Lane:
-    # The order the program's ops are issued in (program.interpreter.issue_order): compute blocks a CPU host
     issue = IssueOrder.HOST
     launches_off_host = False
     # The step's count of saved tensors (engine/saved.py), if kept: a buffer is freed early only if none shares it
     saved = None
-
-    # Where NVTX ranges go (``range_push``/``range_pop``): torch.cuda.nvtx on the CUDA lane, none on the CPU lane.
     nvtx = None
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder):
@@ -104,7 +95,6 @@ class _Lane:
 
     @contextmanager
     def ranged(self, kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> Iterator[None]:
-        """The enclosed work inside the node's NVTX range (:func:`range_name`), where the lane has NVTX."""
         if self.nvtx is None:
             yield
             return
@@ -116,7 +106,7 @@ class _Lane:
 
     @contextmanager
     def compute(self, node: str, layer: int, microbatch: int) -> Iterator[None]:
-        """Records a compute node of ``microbatch`` around the enclosed work."""
+        """Records the enclosed work as a compute node."""
         clock = self.recorder.clock
         record = ComputeRecord(node, layer, microbatch, self.recorder.phase, clock.mark(), time.perf_counter())
         with self.ranged("compute", node, layer, microbatch):
@@ -136,7 +126,7 @@ class _Lane:
         return [self.all_to_all(t, out_splits, in_splits, op=op, layer=layer, microbatch=microbatch) for t in tensors]
 
     def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
-        """Runs ``fn`` (a unit's own communication: it returns a tensor or a list of them) now, on the host."""
+        """Runs ``fn`` (a unit's own communication) now, on the host."""
         record = self.record_comm(op, layer, microbatch)
         out = fn()
         record.done = self.recorder.clock.mark()
@@ -154,8 +144,7 @@ class _Lane:
         exchanged: tuple[int, int] = (0, 0),
         asked: tuple[str, float] | None = None,
     ) -> CommRecord:
-        """Records an all-to-all launched now (on ``stream``): ``exchanged`` is (bytes sent, received); ``asked`` the
-        phase and host time the host asked for it, when earlier (a launch off the host)."""
+        """Records an all-to-all launched now; ``asked``: (phase, host time) the host asked for it, when earlier."""
         phase, issued_host = (self.recorder.phase, time.perf_counter()) if asked is None else asked
         record = CommRecord(op, layer, microbatch, phase, self.recorder.clock.mark(stream), issued_host)
         record.bytes_sent, record.bytes_received = exchanged
@@ -164,9 +153,8 @@ class _Lane:
 
 
 class CpuLane(_Lane):
-    """gloo async all-to-all; the host computes meanwhile. With ``launch_off_host`` launches and their ``splits()`` run
-    on one helper thread (``splits()`` must touch nothing the host uses meanwhile); a failed launch fails every later
-    one of the step at once, so none pairs with a different all-to-all of the peer."""
+    """gloo async all-to-all. With ``launch_off_host`` launches and their ``splits()`` (which must touch nothing the
+    host uses) run on one helper thread; a failed launch fails every later one, so none pairs with a wrong peer op."""
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, launch_off_host: bool = False):
         super().__init__(groups, recorder)
@@ -216,8 +204,7 @@ class CpuLane(_Lane):
         return self._start(x, out_splits, in_splits, op, layer, microbatch)
 
     def _helper_idle(self) -> bool:
-        """Nothing queued, running or failed on the helper: an all-to-all with known split sizes may go out from the
-        host, still in program order, without waking it (on 2 cores a wake-up preempts compute)."""
+        """Nothing queued, running or failed on the helper: the host may launch, in order, without waking it."""
         return self._failed is None and (self._last_job is None or self._last_job.done())
 
     def _start(
@@ -238,7 +225,7 @@ class CpuLane(_Lane):
             out, x.contiguous(), out_splits, in_splits, group=self.groups.ep_group, async_op=True
         )
 
-        def finished(_future) -> None:  # runs on a gloo thread when the data has arrived
+        def finished(_future) -> None:
             if record.done is None:
                 record.done = clock.mark()
 
@@ -256,7 +243,6 @@ class CpuLane(_Lane):
 class CudaLane(_Lane):
     """All-to-all on a dedicated comm stream, chained to compute by one event per microbatch."""
 
-    # Compute and all-to-alls are only queued: a host sync goes after the queued work that does not need it
     issue = IssueOrder.DEVICE
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, high_priority: bool = False, nvtx=None):
@@ -271,8 +257,7 @@ class CudaLane(_Lane):
         self._events[microbatch] = event
 
     def _comm_waits_for(self, microbatch: int) -> torch.cuda.Stream:
-        """The comm stream waits for the microbatch's last compute node (or all compute issued); returns the compute
-        stream."""
+        """The comm stream waits for the microbatch's last compute (else all compute); returns the compute stream."""
         compute_stream = torch.cuda.current_stream()
         ready = self._events.get(microbatch)
         if ready is not None:

@@ -1,11 +1,7 @@
-"""The nodes of one microbatch in one model chunk, each its own autograd segment, with one method per program op.
-
-A node's inputs are detached from the previous node's outputs (keeping ``requires_grad``); its backward hands their
-gradients to the node before it. Op ``(kind, name)`` is the method ``<kind>_<name>``; a comm node is a ``launch_``
-and a ``wait_``, so the other microbatch's compute fits between. A unit that ``owns_comm`` runs its fused
-``dispatch_comm``/``combine_comm`` (and their autograd backward) on the comm lane instead. Bitwise equal to the
-plain path: each node runs exactly the layer's plain ops, and the residual ``h`` gets its two gradients in one sum.
-"""
+"""The nodes of one microbatch in one model chunk, each its own autograd segment, one method per program op
+(``<kind>_<name>``). A unit that ``owns_comm`` runs its fused dispatch/combine (and their backward) on the comm lane.
+Bitwise equal to the plain path: each node runs exactly the layer's plain ops, and the residual ``h`` gets its two
+gradients in one sum."""
 
 import time
 from dataclasses import dataclass
@@ -19,8 +15,7 @@ from megatron.bridge.training.ep_overlap.runtime.lanes import Pending, done
 
 @dataclass(frozen=True)
 class UnitInput:
-    """What one unit computes on one chunk: the chunk (or its packed view), the unit's number, its tokens and labels,
-    and the loss's normalizer (None: the driver normalizes, as Megatron-Core's does)."""
+    """What one unit computes on one chunk; ``normalizer`` None: the driver normalizes (as Megatron-Core's does)."""
 
     chunk: Any
     unit: int
@@ -30,19 +25,16 @@ class UnitInput:
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A node input: cut from the producer's graph, keeping whether it needs a gradient."""
     return None if t is None else t.detach().requires_grad_(t.requires_grad)
 
 
 def _kept(keep) -> list:
-    """What ``pre_dispatch`` keeps for combine (None, one tensor or a tuple of them), as a list of tensors."""
     if keep is None:
         return []
     return list(keep) if isinstance(keep, tuple) else [keep]
 
 
 def _leaves(keep):
-    """Node inputs cut from each kept tensor, in the structure ``pre_dispatch`` gave them."""
     return tuple(_leaf(t) for t in keep) if isinstance(keep, tuple) else _leaf(keep)
 
 
@@ -68,10 +60,9 @@ def _release_early(t: torch.Tensor, lane) -> None:
 
 
 class LayerNodes:
-    """The nodes of ``layer`` (a ``contract.LayerFunctions``) for one microbatch; ``grad`` False builds no graph.
-    Within a recomputed ``segment`` ``(first, stop)``, the forward builds no graph and keeps only the segment's input
-    and the exchanged split sizes; the ``replay_`` ops rerun it with autograd before the backward, reusing those split
-    sizes so the router routes the same."""
+    """The nodes of ``layer`` for one microbatch; ``grad`` False builds no graph. Within a recomputed ``segment`` the
+    forward builds no graph and keeps only the segment's input and the exchanged split sizes, which the ``replay_``
+    ops reuse so the router routes the same."""
 
     def __init__(self, layer, index: int, microbatch: int, lane, grad: bool = True, position: int = 0, segment=None):
         self.layer, self.index, self.mb, self.lane, self.grad = layer, index, microbatch, lane, grad
@@ -80,7 +71,7 @@ class LayerNodes:
         self.position = position  # in the chunk (``index`` is the layer's global number)
         self.segment = segment if grad else None
         self._replaying = False
-        self._input = self._exchanged = None  # what a recomputed forward keeps for its replay
+        self._input = self._exchanged = None
 
     @property
     def _autograd(self) -> bool:
@@ -107,21 +98,19 @@ class LayerNodes:
             for t in tensors
         ]
 
-    # ---- forward ------------------------------------------------------------------------------------
-
     def compute_pre_dispatch(self, x_in: torch.Tensor) -> None:
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
             if not self._autograd and self.segment is not None and self.segment[0] == self.position:
-                self._input = self.x  # the segment's input: all its forward keeps
+                self._input = self.x
                 if self.lane.saved is not None:
                     self.lane.saved.hold([self._input])
             with torch.set_grad_enabled(self._autograd):
-                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)  # a PreDispatch
+                self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
         self._splits_known, self._exchange = False, None
 
     def launch_split(self) -> None:
-        """Sends the split sizes without blocking: they travel (a slower peer catches up) while the host computes."""
+        """Sends the split sizes without blocking: they travel while the host computes."""
         if self.routing is not None and not self.owns_comm and self._exchange is None:
             self._exchange = self.lane.record_comm("split_exchange", self.index, self.mb)
             self.layer.start_split_exchange(self.routing)
@@ -134,7 +123,6 @@ class LayerNodes:
         self._finish_exchange()
 
     def _finish_exchange(self) -> tuple[list[int], list[int]]:
-        """Waits for the split sizes (on the host or on the lane's helper thread); returns the dispatch's splits."""
         routing = self.routing
         if not self._splits_known:
             record = self._exchange
@@ -208,7 +196,6 @@ class LayerNodes:
             self._combine_out, self.back = self.back, _leaf(self.back)
 
     def compute_combine(self) -> torch.Tensor:
-        """Unpermute and add the residual. Returns the layer output."""
         back = self.back
         with self._compute("combine"):
             if self._fused:
@@ -226,7 +213,6 @@ class LayerNodes:
         return self.out
 
     def _forget_forward(self) -> torch.Tensor:
-        """A recomputed layer's forward is done: keeps only what its replay needs; returns the output."""
         out = self.out.requires_grad_(True)
         self._exchanged = None if self.routing is None else self.routing.exchanged
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self.out = None
@@ -234,10 +220,7 @@ class LayerNodes:
         self._dispatch_out = self._sent = self._expert_out_in = self._combine_out = None
         return out
 
-    # ---- full recompute: the forward again, before the backward -------------------------------------
-
     def compute_replay_input(self) -> torch.Tensor:
-        """The recomputed segment's input, kept by its forward: where the replay starts."""
         x, self._input = self._input, None
         if self.lane.saved is not None:
             self.lane.saved.release([x])  # the replay's own ops save it again
@@ -261,8 +244,6 @@ class LayerNodes:
         out = self.compute_combine()
         self._replaying = False
         return None if self.position == self.segment[1] - 1 else out
-
-    # ---- backward -----------------------------------------------------------------------------------
 
     def compute_combine_bwd(self, grad_out: torch.Tensor) -> None:
         with self._compute("combine_bwd"):
@@ -290,7 +271,6 @@ class LayerNodes:
         self._grad_expert_out = self._combine_grad.wait()
 
     def compute_experts_bwd(self) -> None:
-        """Expert dgrad (and wgrad, unless delayed)."""
         with self._compute("experts_bwd"):
             _backward([self.expert_out], [self._grad_expert_out])
         self.expert_out = self.back = self._grad_expert_out = None
@@ -317,7 +297,6 @@ class LayerNodes:
         self._dispatch_grads = [None if g is None else next(launched) for g in grads]
 
     def wgrad_experts(self) -> None:
-        """Delayed expert weight gradients (the program puts them beside the dispatch backward in flight)."""
         with self._compute("expert_wgrad"):
             self.layer.expert_backward_dw()
 
@@ -328,7 +307,6 @@ class LayerNodes:
         self._grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
 
     def compute_pre_dispatch_bwd(self) -> torch.Tensor:
-        """Attention/router/norm dgrad (attention wgrad too, unless delayed). Returns the layer input's gradient."""
         with self._compute("pre_dispatch_bwd"):
             kept, kept_grads = _kept(self.keep), [_grad(t) for t in _kept(self.keep_in)]
             _backward([self.h, *self.send, *kept], [self.h_in.grad, *self._grad_send, *kept_grads])
@@ -337,14 +315,12 @@ class LayerNodes:
         return grad_in
 
     def wgrad_attention(self) -> None:
-        """Delayed attention weight gradients (after attention dgrad, where the program puts them)."""
         with self._compute("attention_wgrad"):
             self.layer.attention_backward_dw()
 
 
 class ChunkIO:
-    """Where a pipeline chunk's input comes from and its outputs go, set by the driver before each step: the received
-    ``input``/``grad`` (:class:`Pending`) and the ``send_output``/``send_grad`` callables."""
+    """Where a pipeline chunk's input comes from and its outputs go, set by the driver before each step."""
 
     def __init__(self):
         self.input: Pending | None = None
@@ -353,9 +329,8 @@ class ChunkIO:
 
 
 class MicrobatchNodes:
-    """All nodes of one unit in one model chunk: its two ends and one :class:`LayerNodes` per layer, P2P through
-    ``io``. ``loss`` is the head's output; a driver that computes the loss from it (Megatron-Core's combined 1F1B)
-    sets ``output_grad`` before the backward."""
+    """All nodes of one unit in one model chunk: its two ends and one :class:`LayerNodes` per layer. A driver that
+    computes the loss from ``loss`` (Megatron-Core's combined 1F1B) sets ``output_grad`` before the backward."""
 
     def __init__(self, unit: UnitInput, lane, io: ChunkIO | None = None, grad: bool = True):
         model, microbatch = unit.chunk, unit.unit
@@ -371,7 +346,6 @@ class MicrobatchNodes:
 
     @property
     def issue(self):
-        """The lane's ``program.interpreter.IssueOrder``."""
         return self.lane.issue
 
     def compute_embedding(self) -> torch.Tensor:

@@ -1,6 +1,5 @@
-"""What a step records: each all-to-all's launch, finish and wait, each compute node's run (clock marks: host times on
-CPU, where a gloo completion callback marks a finish; CUDA events on CUDA). What they add up to is the lab's
-(``ep_overlap_lab.step_stats``)."""
+"""What a step records: each all-to-all's launch, finish and wait, each compute node's run, as clock marks (host times
+on CPU, CUDA events on CUDA). The lab adds them up (``ep_overlap_lab.step_stats``)."""
 
 import time
 from dataclasses import dataclass, field
@@ -41,8 +40,7 @@ class CudaClock:
 
 @dataclass
 class CommRecord:
-    """One all-to-all: ``launch``/``done`` are clock marks of when it went out and arrived, ``*_host`` host readings of
-    when the host asked for it (an off-host launch may go later) and waited, ``bytes_*`` what crossed the link."""
+    """One all-to-all: clock marks ``launch``/``done``; ``launch_host`` is when the host asked (it may go later)."""
 
     op: str
     layer: int
@@ -59,7 +57,7 @@ class CommRecord:
 
 @dataclass
 class ComputeRecord:
-    """One compute node; ``start``/``end`` are clock marks, the ``*_host`` fields host readings."""
+    """One compute node's run."""
 
     node: str
     layer: int
