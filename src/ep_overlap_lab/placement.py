@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ep_overlap_lab.collectives import all_reduce
 from ep_overlap_lab.planner import costs_from_records, step_by_wgrad_window
 from ep_overlap_lab.step_stats import records_as_dict
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 logger = logging.getLogger(__name__)
 

@@ -126,7 +126,7 @@ def _long_step_with_heartbeats(rank: int, world: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron.bridge.utils.process_groups import all_reduce
+    from ep_overlap_lab.collectives import all_reduce
 
     # One "step" of about 3 s made of many short collectives, under a 1 s stall timeout, with no report_progress.
     start = time.monotonic()
@@ -147,7 +147,7 @@ def _stall_after_a_collective(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron.bridge.utils.process_groups import all_reduce
+    from ep_overlap_lab.collectives import all_reduce
 
     all_reduce(torch.ones(1), dist.group.WORLD, op="the last collective", timeout=timedelta(seconds=30))
     time.sleep(60)

@@ -2,7 +2,8 @@
 
 import torch
 
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from ep_overlap_lab.collectives import all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 
 def delayable_linears(chunks) -> list:

@@ -10,8 +10,9 @@ gradient is not.
 
 import torch
 
+from ep_overlap_lab.collectives import all_reduce
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 # (tokens [B, S], labels [B, S]), or with the packed-sequence parameters of a packed (THD) microbatch (B = 1)
 Microbatch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, object]

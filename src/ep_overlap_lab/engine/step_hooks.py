@@ -15,11 +15,12 @@ Contract:
 import torch
 from megatron.core import parallel_state
 
+from ep_overlap_lab.collectives import all_reduce
 from ep_overlap_lab.step_loss import StepHooks, StepLoss, StepScales, backward_scales
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
 from megatron.bridge.training.ep_overlap.mcore.graphs import replays
 from megatron.bridge.training.ep_overlap.mcore.vision_language import McoreVisionLanguageChunk
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 _UNDER_THE_DRIVER = "fix: run under Megatron-Core's driver (use_ep_overlap_schedule)"
 

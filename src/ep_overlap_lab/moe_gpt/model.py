@@ -46,6 +46,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ep_overlap_lab.collectives import all_reduce
 from ep_overlap_lab.moe_gpt import recompute
 from ep_overlap_lab.moe_gpt.attention import Attention, Linear, activation, norm
 from ep_overlap_lab.moe_gpt.config import MoEGPTConfig, refuse_unbuildable, router_problems
@@ -66,7 +67,7 @@ from ep_overlap_lab.pipeline_layout import chunk_layers_of
 from ep_overlap_lab.step_loss import StepHooks, StepLoss, StepScales, backward_scales
 from megatron.bridge.training.ep_overlap.contract import ChunkHooks, LayerHooks, PreDispatch
 from megatron.bridge.training.ep_overlap.settings import resolve
-from megatron.bridge.utils.process_groups import EPGroups, all_reduce
+from megatron.bridge.utils.process_groups import EPGroups
 
 
 class TransformerLayer(LayerHooks, torch.nn.Module):

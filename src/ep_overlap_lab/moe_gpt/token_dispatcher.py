@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.utils.process_groups import EPGroups, all_to_all, exchanged_bytes, wait_work
+from ep_overlap_lab.collectives import all_to_all
+from megatron.bridge.utils.process_groups import EPGroups, exchanged_bytes, wait_work
 
 
 @dataclass

@@ -69,28 +69,6 @@ def wait_error(op: str, timeout: timedelta, cause: Exception | None) -> Collecti
     )
 
 
-def all_to_all(
-    x: torch.Tensor,
-    out_splits: list[int],
-    in_splits: list[int],
-    group: dist.ProcessGroup,
-    *,
-    op: str,
-    timeout: timedelta,
-) -> torch.Tensor:
-    """Blocking uneven all-to-all of rows under a timeout."""
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    wait_work(work, op=op, timeout=timeout)
-    return out
-
-
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, *, op: str, timeout: timedelta) -> None:
-    """Blocking sum all-reduce under a timeout."""
-    work = dist.all_reduce(x, group=group, async_op=True)
-    wait_work(work, op=op, timeout=timeout)
-
-
 def exchanged_bytes(x: torch.Tensor, out_splits: list[int], in_splits: list[int], rank: int) -> tuple[int, int]:
     """Bytes an all-to-all of ``x`` sends to other ranks and receives from them (the own slice stays local)."""
     row = x[0].numel() * x.element_size() if x.shape[0] else math.prod(x.shape[1:]) * x.element_size()

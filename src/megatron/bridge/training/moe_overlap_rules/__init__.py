@@ -9,19 +9,12 @@ from typing import Any
 
 from megatron.bridge.training.moe_overlap_rules.cuda_graphs import CUDA_GRAPH_RULES
 from megatron.bridge.training.moe_overlap_rules.facts import (
-    DELAY_WGRAD,
-    MCORE_FULL_RECOMPUTE,
-    OVERLAP,
-    SCHEDULE,
-    TE_GROUPED_GEMM,
-    TORCH_GROUPED_GEMM,
     CommOverlapConfigError,
     Rule,
     Violation,
     defers_mcore_checks,
     gather_facts,
     graph_modules,
-    grouped_gemm_backend,
     schedule_of,
     use_bridge_schedule,
 )
@@ -42,13 +35,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
 )
 
 __all__ = [
-    "DELAY_WGRAD",
-    "MCORE_FULL_RECOMPUTE",
     "MOE_OVERLAP_RULES",
-    "OVERLAP",
-    "SCHEDULE",
-    "TE_GROUPED_GEMM",
-    "TORCH_GROUPED_GEMM",
     "CommOverlapConfigError",
     "Rule",
     "Violation",
@@ -56,7 +43,6 @@ __all__ = [
     "defers_mcore_checks",
     "gather_facts",
     "graph_modules",
-    "grouped_gemm_backend",
     "schedule_of",
     "use_bridge_schedule",
 ]

@@ -53,7 +53,6 @@ MODEL_FEATURE_RULES: tuple[Rule, ...] = (
 )
 
 
-_OFF = "or turn overlap_moe_expert_parallel_comm off."
 # Megatron-Core 0.19's attention variants; the plan runs each through the attention module's own forward.
 _KNOWN_VARIANTS = (None, "gated_delta_net", "dsa")
 

@@ -83,9 +83,8 @@ class _MicrobatchModel(MicrobatchView):
 class _RankSession:
     """What a rank's chunks share: the current step's lane, the plans in flight, the EP ranks' :class:`Agreement`."""
 
-    def __init__(self, groups, high_priority: bool, agreement: Agreement | None = None):
-        self.groups, self.high_priority = groups, high_priority
-        self.agreement = agreement or Agreement()
+    def __init__(self, groups, high_priority: bool, agreement: Agreement):
+        self.groups, self.high_priority, self.agreement = groups, high_priority, agreement
         self.lane = None
         self.step = 0
         self.in_flight: set[tuple[int, int]] = set()  # (builder, microbatch)
@@ -256,18 +255,10 @@ def checked_chunk(
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one model chunk; ``checked``: :func:`checked_chunk`'s result, if already made."""
+    """``build_schedule_plan`` for one model chunk, with :func:`checked_chunk`'s settings and plan."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        session: _RankSession,
-        *,
-        attention_wgrad_window: int | None = 1,
-        checked: tuple[Settings, McoreChunk] | None = None,
-    ):
-        self.settings, self.chunk = checked or checked_chunk(model, attention_wgrad_window, session.high_priority)
-        self.session = session
+    def __init__(self, session: _RankSession, settings: Settings, chunk: McoreChunk):
+        self.settings, self.chunk, self.session = settings, chunk, session
         self.shape = ChunkShape.of(self.chunk)
         self._step, self._next_microbatch = 0, 0
 
@@ -374,7 +365,7 @@ def use_ep_overlap_schedule(
         agreement = Agreement(gloo_group_like(groups.ep_group, timeout)[0])
     session = _RankSession(groups, high_priority, agreement)
     for model, (settings, plan) in zip(models, checked):
-        model.build_schedule_plan = EPOverlapPlanBuilder(model, session, checked=(settings, plan))
+        model.build_schedule_plan = EPOverlapPlanBuilder(session, settings, plan)
     return models
 
 
