@@ -7,8 +7,9 @@ from dataclasses import replace
 from ep_overlap_lab.pipeline_layout import chunk_layers_of
 from ep_overlap_lab.planner import costs_from_records, exposed_by_phase, predict
 from ep_overlap_lab.planner.memory import ActivationShape, pipeline_peaks
+from ep_overlap_lab.program.steps import format_program, program
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, format_program, program
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 from megatron.bridge.training.ep_overlap.settings import resolve
 from utils.launch import run_config
 from utils.recipe import RecipeConfig

@@ -1,7 +1,7 @@
 """The engine: executes a rank's schedule program, one training (or forward-only) step at a time.
 
 Contract:
-    * :class:`Engine` runs the steps :func:`~megatron.bridge.training.ep_overlap.program.program` yields for this
+    * :class:`Engine` runs the steps :func:`~ep_overlap_lab.program.steps.program` yields for this
       rank: it binds each unit to its nodes (or, with overlap off, to the plain path) and calls every op's method
       in the program's order (``program.interpreter.run_ops``, the planner's loop too). It knows no variant of the
       schedule: edge pairing, chunking, forward-only steps and pipeline parallelism are inputs of the program.
@@ -47,19 +47,20 @@ import torch
 
 from ep_overlap_lab.engine.grads import HeldGradients, delayable_linears, sync_grads
 from ep_overlap_lab.engine.inputs import Microbatch, check_finite, loss_token_count
+from ep_overlap_lab.engine.off_host_lane import lane_for
 from ep_overlap_lab.engine.p2p import PipelineP2P
 from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
 from ep_overlap_lab.engine.saved import SavedActivations
 from ep_overlap_lab.engine.step_hooks import step_hooks
+from ep_overlap_lab.program.steps import Step, program
+from ep_overlap_lab.program.units import Unit
 from ep_overlap_lab.step_loss import StepLoss
 from ep_overlap_lab.step_stats import StepStats, step_stats
 from ep_overlap_lab.wgrad_store import check_contract, check_no_pending_wgrads
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
-from megatron.bridge.training.ep_overlap.program.units import Unit
-from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 from megatron.bridge.training.ep_overlap.runtime.nodes import ChunkIO, MicrobatchNodes, UnitInput
 from megatron.bridge.training.ep_overlap.runtime.records import StepRecorder
 from megatron.bridge.training.ep_overlap.settings import Settings, resolve
@@ -231,7 +232,7 @@ class Engine:
             raise ValueError("attention_wgrad_window=None (auto) is chosen by EPOverlapEngine; give 1 or 2 here")
         options = settings.options
         device = next(self.chunks[0].parameters()).device
-        lane = make_lane(
+        lane = lane_for(
             self.groups,
             device,
             high_priority=options.high_priority_comm,

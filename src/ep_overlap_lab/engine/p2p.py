@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD, Transfer
+from ep_overlap_lab.program.pipeline import Transfer
+from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD
 from megatron.bridge.training.ep_overlap.runtime.lanes import Pending
 from megatron.bridge.utils.process_groups import EPGroups, wait_work
 

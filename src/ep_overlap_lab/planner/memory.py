@@ -25,11 +25,13 @@ from dataclasses import dataclass, replace
 
 from ep_overlap_lab.pipeline_layout import chunk_layers
 from ep_overlap_lab.planner.holds import UnitHolds
+from ep_overlap_lab.program.runners import NoComm
+from ep_overlap_lab.program.steps import Step, program
+from ep_overlap_lab.program.units import Unit
 from ep_overlap_lab.storage_count import Count
 from megatron.bridge.training.ep_overlap.contract import segment_of
-from megatron.bridge.training.ep_overlap.program.interpreter import NoComm, run_ops
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
-from megatron.bridge.training.ep_overlap.program.units import Unit
+from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 from megatron.bridge.training.ep_overlap.settings import resolve
 
 INDEX_BYTES = 8  # int64 routing indices, token ids and labels

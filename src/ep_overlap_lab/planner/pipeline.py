@@ -26,10 +26,12 @@ from ep_overlap_lab.planner.simulate import (
     _Sim,
     _UnitCharge,
 )
+from ep_overlap_lab.program.pipeline import Transfer, pipeline_schedule
+from ep_overlap_lab.program.steps import Step, program
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Transfer, pipeline_schedule
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, Step, program
+from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 
 _RECV, _SEND = "recv", "send"
 

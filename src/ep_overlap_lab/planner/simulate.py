@@ -1,7 +1,7 @@
 """Predicts a training step with and without EP overlap: prices the engine's own schedule program.
 
 Contract:
-    * The simulated order is the engine's: the steps :func:`~megatron.bridge.training.ep_overlap.program.program`
+    * The simulated order is the engine's: the steps :func:`~ep_overlap_lab.program.steps.program`
       yields for PP = 1 and the given :class:`~megatron.bridge.training.ep_overlap.options.EPOverlapOptions`, op by
       op. Each op is charged a cost by its runner (:class:`_UnitCharge`, :class:`_LayerCharge`), in the loop that
       runs the engine's nodes (``program.interpreter.run_ops``); a chunked microbatch's halves cost half of its
@@ -29,10 +29,12 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from ep_overlap_lab.program.runners import NoPipeline
+from ep_overlap_lab.program.steps import program
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.interpreter import NoPipeline, run_ops
+from megatron.bridge.training.ep_overlap.program.interpreter import run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, unit_ops
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, unit_ops
 
 PHASES = (Phase.WARMUP, Phase.PAIRED, Phase.COOLDOWN, Phase.PLAIN)
 DEFAULT_OPTIONS = EPOverlapOptions()  # overlap on, nothing else

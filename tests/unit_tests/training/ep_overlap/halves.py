@@ -3,7 +3,7 @@ chunking's units to a run that has no chunking."""
 
 import torch
 
-from megatron.bridge.training.ep_overlap.program.units import Unit, units
+from ep_overlap_lab.program.units import Unit, units
 
 
 def as_units(microbatches: list) -> tuple[list, list[Unit]]:

@@ -84,7 +84,11 @@ def install() -> None:
 
         return hooked
 
-    for cls, name in ((lanes._Lane, "launch"), (lanes.CpuLane, "launch"), (lanes.CpuLane, "all_to_all")):
+    off_host = _lab_off_host_lane()
+    hooked_launches = [(lanes._Lane, "launch"), (lanes.CpuLane, "all_to_all")]
+    if off_host is not None:
+        hooked_launches += [(off_host.OffHostCpuLane, "launch"), (off_host.OffHostCpuLane, "all_to_all")]
+    for cls, name in hooked_launches:
         setattr(cls, name, launcher(cls.__dict__[name]))
     record_comm = lanes._Lane.record_comm
 
@@ -107,7 +111,7 @@ def install() -> None:
 
         return hooked
 
-    for cls in (lanes.Pending, lanes._LaunchedLater):
+    for cls in (lanes.Pending,) + (() if off_host is None else (off_host._LaunchedLater,)):
         cls.wait = waiter(cls.__dict__["wait"])
 
     def transfer(t) -> str:
@@ -137,6 +141,15 @@ def install() -> None:
         )  # fmt: skip
 
     mcore_hook.EPOverlapSchedulePlan.run = staticmethod(hooked_run)
+
+
+def _lab_off_host_lane():
+    """The lab engine's off-host CPU lane module, or None in upstream's tree (no lab)."""
+    try:
+        from ep_overlap_lab.engine import off_host_lane
+    except ModuleNotFoundError:
+        return None
+    return off_host_lane
 
 
 def _hook_engine_p2p(transfer) -> None:

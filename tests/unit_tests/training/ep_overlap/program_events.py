@@ -25,7 +25,7 @@ from dataclasses import replace
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder, run_ops
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program, windows_of
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, windows_of
 
 _WGRAD_NODE = {"experts": "expert_wgrad", "attention": "attention_wgrad"}
 
@@ -276,6 +276,8 @@ def engine_step_events(
     """The host events of one engine step with ``options`` (``EPOverlapEngine``'s keywords, plus ``forward_only``),
     as ``launch_order.run_engine`` records it: with the auto attention-wgrad window, its first (plain) step; issued
     as a lane of kind ``order`` issues them."""
+    from ep_overlap_lab.program.steps import program
+
     options = dict(options)
     forward_only = options.pop("forward_only")
     chosen = EPOverlapOptions(**options)

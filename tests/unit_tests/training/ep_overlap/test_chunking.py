@@ -8,8 +8,8 @@ import pytest
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
+from ep_overlap_lab.program.units import Unit, units
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.units import Unit, units
 from megatron.bridge.training.ep_overlap.settings import resolve
 
 from .bitwise import assert_bitwise

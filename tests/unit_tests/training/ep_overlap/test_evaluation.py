@@ -8,7 +8,7 @@ import torch
 
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap.program.pipeline import pipeline_schedule
+from ep_overlap_lab.program.pipeline import pipeline_schedule
 
 from .bitwise import assert_bitwise
 from .local_ranks import init_ep_groups, run_local_ranks

@@ -15,10 +15,11 @@ from dataclasses import replace
 
 import pytest
 
+from ep_overlap_lab.program.steps import program
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
 from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder, lane_order, run_ops
 from megatron.bridge.training.ep_overlap.program.ops import OPS, Op
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, program, windows_of
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, windows_of
 
 from .program_events import rank_chunks
 

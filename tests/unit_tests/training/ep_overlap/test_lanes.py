@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.engine.off_host_lane import lane_for
 from ep_overlap_lab.moe_gpt import MoEGPTModel
-from megatron.bridge.training.ep_overlap.runtime.lanes import make_lane
 from megatron.bridge.utils.process_groups import CollectiveError, EPGroups
 
 from .local_ranks import init_ep_groups, run_local_ranks, single_process_groups
@@ -34,7 +34,7 @@ def _arriving(rank: int, op: int, send_splits_of) -> torch.Tensor:
 
 def _slow_then_fast(rank: int, world: int) -> dict:
     groups = init_ep_groups(2, timedelta(seconds=20))
-    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    lane = lane_for(groups, torch.device("cpu"), launch_off_host=True)
     # rank r sends 1 + r + d rows to rank d in op 0, and 2 rows everywhere in op 1
     send0 = [1 + rank + d for d in range(world)]
     recv0 = [1 + s + rank for s in range(world)]
@@ -78,7 +78,7 @@ def _who_launches(rank: int, world: int) -> dict:
     from megatron.bridge.training.ep_overlap.runtime import lanes
 
     groups = init_ep_groups(2, timedelta(seconds=20))
-    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    lane = lane_for(groups, torch.device("cpu"), launch_off_host=True)
     launched_by = []
     real = lanes.dist.all_to_all_single
 
@@ -116,7 +116,7 @@ def test_with_nothing_queued_on_the_helper_an_all_to_all_goes_out_from_the_host(
 
 def _failed_launch(rank: int, world: int) -> dict:
     groups = init_ep_groups(2, timedelta(seconds=20))
-    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    lane = lane_for(groups, torch.device("cpu"), launch_off_host=True)
 
     def no_splits():
         raise RuntimeError("the split sizes never came")
@@ -145,7 +145,7 @@ def test_a_failed_launch_fails_every_later_launch_of_the_step_at_once():
 
 def test_without_a_peer_group_the_lane_launches_on_the_host():
     groups = single_process_groups()
-    lane = make_lane(groups, torch.device("cpu"), launch_off_host=True)
+    lane = lane_for(groups, torch.device("cpu"), launch_off_host=True)
     assert not lane.launches_off_host
 
 
@@ -255,7 +255,7 @@ def test_each_lane_says_how_it_issues_the_program_and_the_nodes_follow_it():
     from megatron.bridge.training.ep_overlap.runtime.nodes import MicrobatchNodes
 
     assert CpuLane.issue == IssueOrder.HOST and CudaLane.issue == IssueOrder.DEVICE
-    lane = make_lane(single_process_groups(), torch.device("cpu"), launch_off_host=True)
+    lane = lane_for(single_process_groups(), torch.device("cpu"), launch_off_host=True)
     nodes = MicrobatchNodes.__new__(MicrobatchNodes)
     nodes.lane = lane
     assert nodes.issue == IssueOrder.HOST

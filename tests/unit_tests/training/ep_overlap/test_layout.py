@@ -18,7 +18,7 @@ LAB = ROOT / "src/ep_overlap_lab"
 MODEL = LAB / "moe_gpt"
 # What needs no torch: the program, the planner, and what they import.
 TORCH_FREE = (
-    EP_OVERLAP / "program", LAB / "planner", EP_OVERLAP / "options.py", EP_OVERLAP / "contract.py",
+    EP_OVERLAP / "program", LAB / "program", LAB / "planner", EP_OVERLAP / "options.py", EP_OVERLAP / "contract.py",
     EP_OVERLAP / "settings.py", LAB / "storage_count.py", LAB / "pipeline_layout.py",
     LAB / "step_stats.py",
 )  # fmt: skip
@@ -57,7 +57,7 @@ def test_the_payload_imports_nothing_of_the_lab(path):
 def test_the_planner_and_the_program_load_no_torch():
     code = (
         "import sys\n"
-        "import ep_overlap_lab.planner, megatron.bridge.training.ep_overlap.program\n"
+        "import ep_overlap_lab.planner, ep_overlap_lab.program.steps, megatron.bridge.training.ep_overlap.program\n"
         "import ep_overlap_lab.planner.cost_model\n"
         "from megatron.bridge.training.ep_overlap import EPOverlapOptions\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
@@ -88,8 +88,8 @@ def test_torch_free_modules_import_nothing_that_needs_torch(path):
     assert all(m.startswith(TORCH_FREE_MODULES) for m in ours), ours
 
 
-_ENGINE = (LAB / "engine", EP_OVERLAP / "runtime", EP_OVERLAP / "program", EP_OVERLAP / "contract.py",
-           EP_OVERLAP / "options.py")  # fmt: skip
+_ENGINE = (LAB / "engine", EP_OVERLAP / "runtime", EP_OVERLAP / "program", LAB / "program",
+           EP_OVERLAP / "contract.py", EP_OVERLAP / "options.py")  # fmt: skip
 
 
 # The one engine module that knows the adapter: what Megatron-Core's driver and finalize_model_grads do around a
@@ -128,7 +128,8 @@ def test_building_and_running_the_reference_model_loads_no_engine_module():
         "tokens = torch.zeros(1, 4, dtype=torch.long)\n"
         "MoEGPTModel(config)(tokens, tokens, 4.0).backward()\n"
         "print(sorted(m for m in sys.modules if m.startswith(('ep_overlap_lab.engine', 'ep_overlap_lab.planner',\n"
-        "             'ep_overlap_lab.placement')) or m.split('.ep_overlap.')[-1].split('.')[0] in\n"
+        "             'ep_overlap_lab.placement', 'ep_overlap_lab.program')) or\n"
+        "             m.split('.ep_overlap.')[-1].split('.')[0] in\n"
         "             ('program', 'mcore', 'runtime')) or 'none')\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -139,7 +140,9 @@ def test_building_and_running_the_reference_model_loads_no_engine_module():
 def test_no_function_of_the_program_engine_or_planner_is_over_60_lines():
     long = {
         f"{_shown(path)}:{node.name}": node.end_lineno - node.lineno + 1
-        for path in _files(EP_OVERLAP / "program", EP_OVERLAP / "runtime", LAB / "engine", LAB / "planner")
+        for path in _files(
+            EP_OVERLAP / "program", EP_OVERLAP / "runtime", LAB / "program", LAB / "engine", LAB / "planner"
+        )
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60
     }
@@ -174,8 +177,8 @@ def test_the_variants_are_inputs_of_the_generator_only():
     # branches on them, and the engine's driver dispatches on no node type.
     variants = {"edge_pairing", "moe_ep_overlap_chunks"}
     users = {_shown(p) for p in [*EP_OVERLAP.rglob("*.py"), *LAB.rglob("*.py")] if variants & _names(p)}
-    program = "megatron/bridge/training/ep_overlap/program/"
-    assert f"{program}steps.py" in users, users
+    program = ("ep_overlap_lab/program/", "megatron/bridge/training/ep_overlap/program/")  # the lab's, the payload's
+    assert "ep_overlap_lab/program/steps.py" in users, users
     assert {u for u in users if not u.startswith(program)} == {"megatron/bridge/training/ep_overlap/options.py"}, users
     driver = ast.parse((LAB / "engine/driver.py").read_text())
     checked = [

@@ -17,13 +17,8 @@ import torch
 from ep_overlap_lab.engine import EPOverlapEngine
 from ep_overlap_lab.moe_gpt import MoEGPTConfig, MoEGPTModel, build_pipeline_chunks
 from ep_overlap_lab.pipeline_layout import chunk_layers, chunk_layers_of
-from megatron.bridge.training.ep_overlap.program.pipeline import (
-    Phase,
-    pipeline_schedule,
-    simulate,
-    virtual_order,
-    warmup_count,
-)
+from ep_overlap_lab.program.pipeline import pipeline_schedule, simulate, virtual_order, warmup_count
+from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
 from .bitwise import assert_bitwise
 from .local_ranks import init_ep_groups, run_local_ranks, single_process_groups

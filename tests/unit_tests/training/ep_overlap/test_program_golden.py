@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ep_overlap_lab.program.steps import format_program, program
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.steps import format_program, program
 
 from .program_events import engine_options, key, rank_chunks
 

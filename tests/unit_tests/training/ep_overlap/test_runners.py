@@ -16,20 +16,19 @@ import re
 import pytest
 
 from ep_overlap_lab.engine.plain import PlainRun
-from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.program.ops import (
+from ep_overlap_lab.program.runners import (
     CHUNK_END_OPS,
     LAYER_OPS,
-    OPS,
     PLAIN_OPS,
     ChunkRunner,
     LayerRunner,
-    OpKind,
-    OpSpec,
     PlainRunner,
     runner_protocol,
 )
-from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, program
+from ep_overlap_lab.program.steps import program
+from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
+from megatron.bridge.training.ep_overlap.program.ops import OPS, OpKind, OpSpec
+from megatron.bridge.training.ep_overlap.program.steps import ChunkShape
 from megatron.bridge.training.ep_overlap.runtime.nodes import LayerNodes, MicrobatchNodes
 
 from .program_events import rank_chunks

@@ -1,14 +1,11 @@
-"""EP overlap: a rank's training step as one schedule program (``program/``), run by ``runtime/``; ``mcore/`` adapts
-Megatron-Core. Names load on first use, so importing the program loads no torch."""
+"""EP overlap: a training step's work as a schedule program's steps (``program/``), run by ``runtime/``; ``mcore/``
+adapts Megatron-Core. Names load on first use, so importing the options loads no torch."""
 
 import importlib
 
 _NAMES = {
     "IGNORE_INDEX": "contract",
-    "layer_step": "program.steps",
-    "program": "program.steps",
     "EPOverlapOptions": "options",
-    "StepRecorder": "runtime.records",
 }
 __all__ = sorted(_NAMES)
 

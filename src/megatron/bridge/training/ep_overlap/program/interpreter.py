@@ -73,45 +73,4 @@ def run_ops(ops: Iterable[Op], runners: Mapping[int, object], order: IssueOrder 
             values[(op.unit, spec.writes)] = out
 
 
-class NoComm:
-    """A layer runner's communication ops as nothing: for a runner that counts only what nodes compute and save."""
-
-    def launch_split(self) -> None: ...
-
-    def wait_split(self) -> None: ...
-
-    def launch_dispatch(self) -> None: ...
-
-    def wait_dispatch(self) -> None: ...
-
-    def launch_combine(self) -> None: ...
-
-    def wait_combine(self) -> None: ...
-
-    def launch_combine_bwd(self) -> None: ...
-
-    def wait_combine_bwd(self) -> None: ...
-
-    def launch_dispatch_bwd(self) -> None: ...
-
-    def wait_dispatch_bwd(self) -> None: ...
-
-    def launch_replay_dispatch(self) -> None: ...
-
-    def wait_replay_dispatch(self) -> None: ...
-
-    def launch_replay_combine(self) -> None: ...
-
-    def wait_replay_combine(self) -> None: ...
-
-
-class NoPipeline:
-    """A chunk runner's P2P ops refused: for a runner of a PP = 1 program (the planner's)."""
-
-    def _refuse(self, *args) -> None:
-        raise ValueError("a pipeline transfer in the program: the planner prices PP = 1 programs only")
-
-    wait_recv_activation = launch_send_activation = wait_recv_grad = launch_send_grad = _refuse
-
-
-__all__ = ["IssueOrder", "NoComm", "NoPipeline", "Op", "issue_order", "lane_order", "run_ops"]
+__all__ = ["IssueOrder", "Op", "issue_order", "lane_order", "run_ops"]

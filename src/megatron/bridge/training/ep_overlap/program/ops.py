@@ -1,11 +1,10 @@
-"""The schedule program's words: every op declared once (:data:`OPS`), the op and window records, and the short runs
-of ops a unit's layer goes through. The runner protocols are generated from :data:`OPS`; a test checks every runner
-against them. No torch here."""
+"""The schedule program's words (no torch): every op declared once (:data:`OPS`: its runner method, what it reads
+and writes, which runner runs it), the op and window records, and the short runs of ops a unit's layer goes
+through."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
 
 
 class OpKind(StrEnum):
@@ -77,23 +76,6 @@ OPS: dict[tuple[OpKind, str], OpSpec] = {
     (OpKind.PLAIN, "forward"): OpSpec("plain_forward", at=WHOLE),
     (OpKind.PLAIN, "backward"): OpSpec("plain_backward", at=WHOLE),
 }
-LAYER_OPS = frozenset(op for op, spec in OPS.items() if spec.at == LAYER)
-CHUNK_END_OPS = frozenset(op for op, spec in OPS.items() if spec.at == ENDS)
-PLAIN_OPS = frozenset(op for op, spec in OPS.items() if spec.at == WHOLE)
-
-
-def runner_protocol(name: str, ops) -> type:
-    """A runtime-checkable protocol with the method of each op of ``ops`` (:attr:`OpSpec.method`)."""
-
-    def method(self, *args: Any) -> Any: ...
-
-    namespace = {OPS[op].method: method for op in sorted(ops)}
-    return runtime_checkable(type(name, (Protocol,), namespace))
-
-
-LayerRunner = runner_protocol("LayerRunner", LAYER_OPS)
-ChunkRunner = runner_protocol("ChunkRunner", CHUNK_END_OPS)
-PlainRunner = runner_protocol("PlainRunner", PLAIN_OPS)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,9 @@
-"""Compute and comm lanes behind one interface. CPU (gloo): compute on the host, all-to-alls as gloo async work; with
-``launch_off_host`` they go out from one helper thread in the order asked for, which keeps every rank's launch order
-the program order (how collectives match across ranks). CUDA: all-to-alls on one comm stream, chained to compute by
-one event per microbatch; no event is shared across microbatches, so the host issue order is the schedule."""
+"""Compute and comm lanes behind one interface. CPU (gloo): compute on the host, all-to-alls as gloo async work. CUDA:
+all-to-alls on one comm stream, chained to compute by one event per microbatch; no event is shared across
+microbatches, so the host issue order is the schedule."""
 
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 import torch
@@ -22,11 +19,9 @@ from megatron.bridge.training.ep_overlap.runtime.records import (
     StepRecorder,
 )
 from megatron.bridge.utils.process_groups import (
-    CollectiveError,
     EPGroups,
     exchanged_bytes,
     tell_alive,
-    wait_error,
     wait_work,
 )
 
@@ -50,23 +45,6 @@ class Pending:
             if self._convert is not None:
                 self._out = self._convert(self._out)
         return self._out
-
-
-class _LaunchedLater(Pending):
-    """One of the all-to-alls of a launch job on the helper thread: ``wait()`` waits for the launch, then for it."""
-
-    def __init__(self, job, index: int, name: str, timeout):
-        super().__init__(None)
-        self._job, self._index, self._name, self._timeout = job, index, name, timeout
-        self._launched: Pending | None = None
-
-    def wait(self) -> torch.Tensor:
-        if self._launched is None:
-            try:
-                self._launched = self._job.result(timeout=self._timeout.total_seconds())[self._index]
-            except FutureTimeout:
-                raise wait_error(f"the launch of {self._name}", self._timeout, None) from None
-        return self._launched.wait()
 
 
 def done(tensor: torch.Tensor) -> Pending:
@@ -153,59 +131,12 @@ class _Lane:
 
 
 class CpuLane(_Lane):
-    """gloo async all-to-all. With ``launch_off_host`` launches and their ``splits()`` (which must touch nothing the
-    host uses) run on one helper thread; a failed launch fails every later one, so none pairs with a wrong peer op."""
-
-    def __init__(self, groups: EPGroups, recorder: StepRecorder, launch_off_host: bool = False):
-        super().__init__(groups, recorder)
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="ep-a2a-launch") if launch_off_host else None
-        self._failed: str | None = None
-        self._last_job = None  # the launch job submitted last; the helper runs jobs in order
-        self.launches_off_host = self._launcher is not None
-
-    def launch(self, splits: Splits, tensors: list[torch.Tensor], *, op: str, layer: int, microbatch: int):
-        if self._launcher is None:
-            return super().launch(splits, tensors, op=op, layer=layer, microbatch=microbatch)
-        name = f"layer{layer} {op} (microbatch {microbatch})"
-        asked = (self.recorder.phase, time.perf_counter())
-        job = self._launcher.submit(self._launch_job, name, splits, tensors, op, layer, microbatch, asked)
-        self._last_job = job
-        return [_LaunchedLater(job, i, name, self.groups.timeout) for i in range(len(tensors))]
-
-    def _launch_job(
-        self, name: str, splits: Splits, tensors, op: str, layer: int, microbatch: int, asked: tuple[str, float]
-    ):
-        if self._failed is not None:
-            raise CollectiveError(f"{name} not launched: {self._failed} failed")
-        try:
-            out_splits, in_splits = splits()
-            return [self._start(t, out_splits, in_splits, op, layer, microbatch, asked) for t in tensors]
-        except BaseException:
-            self._failed = name
-            raise
-
-    def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
-        if self._last_job is not None:  # what the helper was asked to launch first goes out first, on every rank
-            try:
-                self._last_job.result(timeout=self.groups.timeout.total_seconds())
-            except FutureTimeout:
-                raise wait_error(f"the launches before layer{layer} {op}", self.groups.timeout, None) from None
-        return super().run_comm(fn, op=op, layer=layer, microbatch=microbatch)
-
-    def close(self, *, failed: bool = False) -> None:
-        if self._launcher is not None:
-            self._launcher.shutdown(wait=not failed and self._failed is None, cancel_futures=True)
+    """gloo async all-to-all; the host computes meanwhile."""
 
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
     ) -> Pending:
-        if self._launcher is not None and not self._helper_idle():
-            return self.launch(lambda: (out_splits, in_splits), [x], op=op, layer=layer, microbatch=microbatch)[0]
         return self._start(x, out_splits, in_splits, op, layer, microbatch)
-
-    def _helper_idle(self) -> bool:
-        """Nothing queued, running or failed on the helper: the host may launch, in order, without waking it."""
-        return self._failed is None and (self._last_job is None or self._last_job.done())
 
     def _start(
         self,
@@ -296,10 +227,8 @@ class CudaLane(_Lane):
         return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
 
 
-def make_lane(
-    groups: EPGroups, device: torch.device, *, high_priority: bool = False, launch_off_host: bool = False
-) -> _Lane:
-    """The lane for ``device``, with a fresh recorder (one per step). ``launch_off_host`` applies on CPU only."""
+def make_lane(groups: EPGroups, device: torch.device, *, high_priority: bool = False) -> _Lane:
+    """The lane for ``device``, with a fresh recorder (one per step)."""
     if device.type == "cuda":
         return CudaLane(groups, StepRecorder(clock=CudaClock()), high_priority)
-    return CpuLane(groups, StepRecorder(clock=HostClock()), launch_off_host and groups.ep_group is not None)
+    return CpuLane(groups, StepRecorder(clock=HostClock()))

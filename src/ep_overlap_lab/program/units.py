@@ -1,5 +1,5 @@
-"""The schedule's units: a whole microbatch, or (``moe_ep_overlap_chunks = 2``, PP = 1) one batch half of a
-microbatch the schedule runs alone. A chunked microbatch's gradients reach each parameter in two contributions: not
+"""The schedule's units (no torch): a whole microbatch, or (``moe_ep_overlap_chunks = 2``, PP = 1) one batch half of
+a microbatch the schedule runs alone. A chunked microbatch's gradients reach each parameter in two contributions: not
 bitwise equal to the plain path, hence opt-in."""
 
 from dataclasses import dataclass
