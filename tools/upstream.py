@@ -187,8 +187,10 @@ def patch_tests() -> list[Path]:
                 )
         return shipped[stem]
 
-    data = {p.relative_to(ROOT) for p in (folder / "golden").glob("*.txt")}  # the expected programs they read
-    return sorted(({TESTS / f"{stem}.py" for stem in ours if ships(stem)} - PROJECT_ONLY_TESTS) | data)
+    tests = {TESTS / f"{stem}.py" for stem in ours if ships(stem)} - PROJECT_ONLY_TESTS
+    read = "".join((ROOT / test).read_text() for test in tests)
+    data = {p.relative_to(ROOT) for p in (folder / "golden").glob("*.txt") if p.name in read}  # what they read
+    return sorted(tests | data)
 
 
 def added_lines(patch: str) -> dict[str, int]:

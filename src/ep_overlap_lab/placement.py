@@ -6,7 +6,7 @@ Contract:
       path, which is bitwise the same step (overlap changes no number) and whose records are exactly the planner's
       per-window costs (the link is fitted to that step's all-to-alls). The planner simulates the overlapped step
       with the attention wgrad in window 1 and in window 2, and every later step runs the faster one: the window
-      reaches the engine's settings as a value (``Settings.placed``).
+      reaches the engine's settings as a value (``ep_overlap_engine.placed``).
     * Every rank decides alike: the predicted step times are summed over all ranks (one small all-reduce) before
       the comparison, so the placement never differs between ranks. A tie keeps window 1.
     * The outcome is :class:`WgradPlacement`, kept as ``engine.placement`` and logged on rank 0, so a launcher can

@@ -69,12 +69,7 @@ class PipelineP2P:
         recorded in the phase of the step that consumes it)."""
         work, buffer = self._recvs.pop(transfer)
         nbytes = (0, buffer.numel() * buffer.element_size())
-        return Pending(
-            buffer, lambda: self._blocked("p2p_recv", transfer, nbytes, work, "receive"), convert=self._to_device
-        )
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return host.to(self.device)
+        return _OnDevice(buffer, lambda: self._blocked("p2p_recv", transfer, nbytes, work, "receive"), self.device)
 
     def send(self, transfer: Transfer, tensor: torch.Tensor) -> None:
         """Starts sending ``tensor`` (detached; staged through host memory) and returns at once."""
@@ -95,3 +90,18 @@ class PipelineP2P:
         if self._recvs:
             left = ", ".join(self._name(t, "receive") for t in self._recvs)
             raise RuntimeError(f"posted but never consumed: {left}")
+
+
+class _OnDevice(Pending):
+    """A posted receive staged through host memory: ``wait()`` yields it on ``device`` (moved once)."""
+
+    def __init__(self, host: torch.Tensor, wait_fn, device: torch.device):
+        super().__init__(host, wait_fn)
+        self._device = device
+
+    def wait(self) -> torch.Tensor:
+        arriving = self._wait_fn is not None
+        out = super().wait()
+        if arriving:
+            self._out = out = out.to(self._device)
+        return out

@@ -1,13 +1,8 @@
-"""Communication-overlap settings (TP, PP, DP and MoE expert-parallel), upstream's public surface kept.
-
-Contract:
-    * Fields are user intent; ``None`` means "auto". ``finalize()`` checks this config's own values.
-    * ``setup()`` resolves every field and checks everything (the EP-overlap rules of :mod:`moe_overlap_rules` and
-      model/overlap conflicts) before it writes: one :class:`CommOverlapConfigError` (an ``AssertionError``) lists
-      every problem, and nothing is written. A value set explicitly on the model, optimizer or DDP config stands
-      where this config says nothing (:func:`megatron.bridge.utils.config_values.is_explicitly_set`).
-    * :func:`comm_overlap_violations` returns the same problems as a list, without raising or writing.
-"""
+"""Communication-overlap settings (TP, PP, DP and MoE expert-parallel), upstream's surface kept. ``setup()`` resolves
+every field and checks everything (the EP-overlap rules of :mod:`moe_overlap_rules`, model/overlap conflicts) before it
+writes: one :class:`CommOverlapConfigError` lists every problem, and nothing is written. A value set explicitly on the
+model, optimizer or DDP config stands where this config says nothing; :func:`comm_overlap_violations` lists the same
+problems without raising."""
 
 import copy
 import dataclasses

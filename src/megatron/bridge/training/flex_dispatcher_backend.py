@@ -1,12 +1,6 @@
-"""Activation and validation of Megatron-Core's flex token dispatcher (DeepEP, HybridEP, NCCL EP); upstream's
-surface kept.
-
-Contract:
-    * ``apply_flex_dispatcher_backend`` sets dispatcher and backend together where the GPU supports it
-      (:data:`BACKENDS`); elsewhere it warns once and falls back to "alltoall" with no backend to re-activate.
-    * ``validate_flex_dispatcher_backend`` raises :class:`FlexDispatcherConfigError` naming the fix: an unknown
-      backend, no GPU on this host, or a GPU the backend does not support. Flex with no backend becomes "alltoall".
-"""
+"""Megatron-Core's flex token dispatcher (DeepEP, HybridEP, NCCL EP), upstream's surface kept: ``apply`` switches to
+it where the GPU supports the backend (:data:`BACKENDS`), else warns once and falls back to "alltoall"; ``validate``
+raises :class:`FlexDispatcherConfigError` naming the fix (unknown backend, no GPU, unsupported GPU)."""
 
 import logging
 from collections.abc import Callable

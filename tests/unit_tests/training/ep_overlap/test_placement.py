@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ep_overlap_lab.engine import EPOverlapEngine
+from ep_overlap_lab.engine import EPOverlapEngine, ep_overlap_engine
 from ep_overlap_lab.moe_gpt import MoEGPTModel
 from ep_overlap_lab.planner import LayerCosts, Link, StepCosts, step_by_wgrad_window
 from megatron.bridge.training.ep_overlap import EPOverlapOptions
@@ -117,13 +117,13 @@ def test_settings_resolve_delayed_wgrad_and_the_window_once(overlap, delay, wind
 
 def test_the_planners_choice_is_where_auto_becomes_a_window():
     settings = resolve(_chunk().config, EPOverlapOptions(delay_wgrad=True, attention_wgrad_window=None))
-    placed = settings.placed(2)
+    placed = ep_overlap_engine.placed(settings, 2)
     assert not placed.wgrad_window_auto and placed.attention_wgrad_window == placed.options.attention_wgrad_window == 2
     assert placed.violations == settings.violations
-    plain = settings.plain()  # the measured step: nothing delayed, nothing to place
+    plain = ep_overlap_engine.plain(settings)  # the measured step: nothing delayed, nothing to place
     assert not plain.delay_wgrad and not plain.wgrad_window_auto
     with pytest.raises(ValueError, match=r"the planner chose attention wgrad window 3, not one of \(1, 2\)"):
-        settings.placed(3)
+        ep_overlap_engine.placed(settings, 3)
 
 
 def _auto_in_the_base_engine(rank: int, world: int) -> str:

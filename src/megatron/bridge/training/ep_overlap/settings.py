@@ -4,7 +4,7 @@ consumers read the frozen :class:`Settings`. An invalid setting is a violation (
 (PP > 1 without virtual stages); :func:`apply_deferred` sets them later."""
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
@@ -50,16 +50,6 @@ class Settings:
     @property
     def moe_layers_own_comm(self) -> bool:
         return self.token_dispatcher == "flex"
-
-    def placed(self, window: int) -> "Settings":
-        """These settings with the planner's chosen ``window``."""
-        if window not in WGRAD_WINDOWS:
-            raise ValueError(f"the planner chose attention wgrad window {window!r}, not one of {WGRAD_WINDOWS}")
-        return replace(self, options=replace(self.options, attention_wgrad_window=window))
-
-    def plain(self) -> "Settings":
-        """These settings for one plain-path step; the violations stay these settings'."""
-        return replace(self, options=replace(self.options, overlap=False))
 
     def checked(self) -> "Settings":
         if self.violations:

@@ -22,7 +22,6 @@ TORCH = "installed.torch"
 TE = "installed.transformer_engine"
 TORCH_AT_LEAST = "check.torch_at_least"  # callable: minimum version string -> bool
 TE_AT_LEAST = "check.te_at_least"
-GROUPED_GEMM = "expert_grouped_gemm_backend"
 SCHEDULE = "model.ep_overlap_schedule"
 CHUNKS = "ep_overlap.moe_ep_overlap_chunks"
 EDGE_PAIRING = "ep_overlap.edge_pairing"
@@ -42,8 +41,6 @@ MODEL_BUILT = "check.model_config_built"
 MCORE_FULL_RECOMPUTE = "0.19"
 _SCHEDULE_OPTIONS = (CHUNKS, EDGE_PAIRING, WGRAD_WINDOW, OFF_HOST)
 
-TE_GROUPED_GEMM = "transformer_engine"
-TORCH_GROUPED_GEMM = "torch"
 
 # Model-config attributes the rules read -> the value assumed when an object lacks one.
 _MODEL_FIELDS: dict[str, Any] = {
@@ -212,11 +209,6 @@ def graphs_off(f: Mapping[str, Any]) -> str:
     return "cuda_graph_impl='none'" if name == "cuda_graph_impl" else f"{name}=False"
 
 
-def grouped_gemm_backend(te_version: Version | None) -> str:
-    """Which backend runs expert grouped GEMMs: Transformer Engine when installed, else pure torch."""
-    return TE_GROUPED_GEMM if te_version is not None else TORCH_GROUPED_GEMM
-
-
 def gather_facts(
     model_config: Any,
     *,
@@ -244,7 +236,6 @@ def gather_facts(
     facts[OVERLAP_GRAD_REDUCE] = bool(overlap_grad_reduce)
     facts[TORCH] = versions.torch_version()
     facts[TE] = versions.te_version()
-    facts[GROUPED_GEMM] = grouped_gemm_backend(facts[TE])
     facts[TORCH_AT_LEAST] = torch_at_least or (lambda minimum: _at_least(facts[TORCH], minimum))
     facts[TE_AT_LEAST] = te_at_least or (lambda minimum: _at_least(facts[TE], minimum))
     options = EPOverlapOptions() if options is None else options
@@ -303,7 +294,8 @@ def delay_wgrad_on(f: Mapping[str, Any]) -> bool:
 
 
 def delay_wgrad_with_te(f: Mapping[str, Any]) -> bool:
-    return f[DELAY_WGRAD] and f[GROUPED_GEMM] == TE_GROUPED_GEMM
+    """Delayed wgrad with Transformer Engine installed (its grouped GEMMs run the experts; else pure torch)."""
+    return f[DELAY_WGRAD] and f[TE] is not None
 
 
 def te_graphs(f: Mapping[str, Any]) -> bool:

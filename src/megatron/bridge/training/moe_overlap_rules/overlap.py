@@ -4,14 +4,12 @@ delay_wgrad_compute's delayed weight gradients need."""
 from megatron.bridge.training.moe_overlap_rules.facts import (
     DELAY_WGRAD,
     GRAPH_MODULES,
-    GROUPED_GEMM,
     NO_TE_NOTE,
     OVERLAP,
     OVERLAP_GRAD_REDUCE,
     SCHEDULE,
     TE,
     TE_AT_LEAST,
-    TE_GROUPED_GEMM,
     TORCH,
     TORCH_AT_LEAST,
     Rule,
@@ -147,7 +145,7 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
     Rule(
         "delay_wgrad_graph_te",
         (GRAPH_MODULES, TE),
-        lambda f: graph_scope_needs_te_wgrad(f) and f[GROUPED_GEMM] == TE_GROUPED_GEMM,
+        lambda f: graph_scope_needs_te_wgrad(f) and f[TE] is not None,
         lambda f: f[TE_AT_LEAST]("2.12.0"),
         "CUDA graph with delay_wgrad_compute requires TE version >= 2.12.0 (graphed attention, or a graphed router "
         "with non-overlapped shared experts)" + NO_TE_NOTE,

@@ -202,11 +202,6 @@ class McoreLayer(_Unit):
 
     def pre_dispatch(self, x_SBH: torch.Tensor):
         layer = self.layer
-        if x_SBH.dim() != 3 or x_SBH.shape[-1] != layer.config.hidden_size:
-            raise ValueError(
-                f"{self.name}: expected hidden states [seq, batch, {layer.config.hidden_size}], "
-                f"got {tuple(x_SBH.shape)}"
-            )
         x_SBH = self._run(self.before, x_SBH)
         with layer_context(layer.config, layer):
             return self._layer_pre_dispatch(x_SBH)

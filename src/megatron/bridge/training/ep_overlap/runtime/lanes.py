@@ -29,10 +29,10 @@ Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits)
 
 
 class Pending:
-    """A transfer in flight; ``wait()`` returns its output (mapped by ``convert``, if given), later calls the same."""
+    """A transfer in flight; ``wait()`` returns its output, later calls the same."""
 
-    def __init__(self, out: torch.Tensor, wait_fn=None, record: CommRecord | None = None, convert=None):
-        self._out, self._wait_fn, self._record, self._convert = out, wait_fn, record, convert
+    def __init__(self, out: torch.Tensor, wait_fn=None, record: CommRecord | None = None):
+        self._out, self._wait_fn, self._record = out, wait_fn, record
 
     def wait(self) -> torch.Tensor:
         if self._wait_fn is not None:
@@ -42,8 +42,6 @@ class Pending:
             if self._record is not None:
                 self._record.wait_end_host = time.perf_counter()
             self._wait_fn = None
-            if self._convert is not None:
-                self._out = self._convert(self._out)
         return self._out
 
 
