@@ -536,10 +536,10 @@ class CommOverlapConfig:
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_cfg),
         ).violations
-        if problems is None and found:
+        if problems is not None:
+            problems += found
+        elif found:
             raise CommOverlapConfigError(found)
-        problems = [] if problems is None else problems
-        problems += found
         return comm_overlap_cfg
 
     def _get_optimizer_overlap_cfgs(self, model_cfg: Any) -> _CommOverlapConfig:
