@@ -38,7 +38,7 @@ class Settings:
 
     @property
     def wgrad_window_auto(self) -> bool:
-        """Delayed wgrad, window not chosen: ``EPOverlapEngine`` measures a plain step, :meth:`placed` fixes it."""
+        """Delayed wgrad with ``attention_wgrad_window=None``: no window chosen yet (the hook refuses it)."""
         return self.delay_wgrad and self.options.attention_wgrad_window is None
 
     @property

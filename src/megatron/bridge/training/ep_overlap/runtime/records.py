@@ -1,5 +1,5 @@
 """What a step records: each all-to-all's launch, finish and wait, each compute node's run, as clock marks (host times
-on CPU, CUDA events on CUDA). The lab adds them up (``ep_overlap_lab.step_stats``)."""
+on CPU, CUDA events on CUDA), for profiling and tests."""
 
 import time
 from dataclasses import dataclass, field
