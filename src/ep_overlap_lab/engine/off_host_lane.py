@@ -81,7 +81,7 @@ class OffHostCpuLane(CpuLane):
     ) -> Pending:
         if not self._helper_idle():
             return self.launch(lambda: (out_splits, in_splits), [x], op=op, layer=layer, microbatch=microbatch)[0]
-        return self._start(x, out_splits, in_splits, op, layer, microbatch)
+        return super().all_to_all(x, out_splits, in_splits, op=op, layer=layer, microbatch=microbatch)
 
     def _helper_idle(self) -> bool:
         """Nothing queued, running or failed on the helper: the host may launch, in order, without waking it."""

@@ -510,9 +510,10 @@ class CommOverlapConfig:
         # MoE expert-parallel comm overlap and delayed wgrad: a value set on the model config stands where the user
         # said nothing; then every rule of moe_overlap_rules (Megatron-Core's TransformerConfig checks, relaxed where
         # this project's schedule runs what Megatron-Core's refuses), all problems at once.
-        comm_overlap_cfg = self._override_user_cfgs(comm_overlap_cfg)
-        kept, found = explicit_values(self.user_comm_overlap_cfg, model_cfg, MODEL_RESOLVED_FIELDS)
-        comm_overlap_cfg = dataclasses.replace(comm_overlap_cfg, **kept)
+        found: list[Violation] = []
+        comm_overlap_cfg = self._keep_explicit(
+            self._override_user_cfgs(comm_overlap_cfg), model_cfg, MODEL_RESOLVED_FIELDS, found
+        )
         overlap, delay = comm_overlap_cfg.overlap_moe_expert_parallel_comm, comm_overlap_cfg.delay_wgrad_compute
         if overlap and not hasattr(model_cfg, "overlap_moe_expert_parallel_comm"):
             found.append(
@@ -582,6 +583,15 @@ class CommOverlapConfig:
 
         return comm_overlap_cfg
 
+    def _keep_explicit(
+        self, resolved: _CommOverlapConfig, target: Any, names: tuple[str, ...], problems: list[Violation]
+    ) -> _CommOverlapConfig:
+        """``resolved`` with the values set explicitly on ``target`` where the user said nothing; a user value that
+        disagrees with one is appended to ``problems`` as a ``conflict``."""
+        kept, conflicts = explicit_values(self.user_comm_overlap_cfg, target, names)
+        problems += conflicts
+        return dataclasses.replace(resolved, **kept)
+
     def _plan(
         self, model_config: Any, optimizer_config: Any, ddp_config: Any
     ) -> tuple[list[tuple[_CommOverlapConfig, Any]], list[Violation]]:
@@ -596,9 +606,7 @@ class CommOverlapConfig:
         if optimizer_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
             dp_cfg = self._get_optimizer_overlap_cfgs(model_config)
             for target in (optimizer_config, ddp_config):
-                kept, conflicts = explicit_values(self.user_comm_overlap_cfg, target, DP_RESOLVED_FIELDS)
-                problems += conflicts
-                dp_plan.append((dataclasses.replace(dp_cfg, **kept), target))
+                dp_plan.append((self._keep_explicit(dp_cfg, target, DP_RESOLVED_FIELDS, problems), target))
             grad_reduce = bool(dp_plan[-1][0].overlap_grad_reduce)
         model_problems: list[Violation] = []
         model_cfg = self._get_model_comm_overlap_cfgs(model_config, ddp_config, model_problems, grad_reduce)

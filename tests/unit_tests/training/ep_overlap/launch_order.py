@@ -20,6 +20,7 @@ the CUDA lane issues them (``IssueOrder.DEVICE``), while their compute still run
 """
 
 import functools
+import importlib
 import itertools
 import threading
 from datetime import timedelta
@@ -84,7 +85,7 @@ def install() -> None:
 
         return hooked
 
-    off_host = _lab_off_host_lane()
+    off_host = _lab_engine_module("off_host_lane")
     hooked_launches = [(lanes._Lane, "launch"), (lanes.CpuLane, "all_to_all")]
     if off_host is not None:
         hooked_launches += [(off_host.OffHostCpuLane, "launch"), (off_host.OffHostCpuLane, "all_to_all")]
@@ -143,20 +144,18 @@ def install() -> None:
     mcore_hook.EPOverlapSchedulePlan.run = staticmethod(hooked_run)
 
 
-def _lab_off_host_lane():
-    """The lab engine's off-host CPU lane module, or None in upstream's tree (no lab)."""
+def _lab_engine_module(name: str):
+    """The lab engine's module ``name``, or None in upstream's tree (no lab, no engine to record)."""
     try:
-        from ep_overlap_lab.engine import off_host_lane
+        return importlib.import_module(f"ep_overlap_lab.engine.{name}")
     except ModuleNotFoundError:
         return None
-    return off_host_lane
 
 
 def _hook_engine_p2p(transfer) -> None:
     """The lab engine's pipeline P2P, recorded (Megatron-Core's driver does its own P2P; the hook records none)."""
-    try:
-        from ep_overlap_lab.engine import p2p
-    except ModuleNotFoundError:  # upstream's tree: no lab, no engine to record
+    p2p = _lab_engine_module("p2p")
+    if p2p is None:
         return
 
     post, take, send, finish = (p2p.PipelineP2P.__dict__[n] for n in ("post", "take", "send", "finish"))
