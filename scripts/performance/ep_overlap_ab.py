@@ -11,6 +11,7 @@ file parses the command line only; torch and Megatron are imported once the argu
 so ``--help`` answers at once.
 """
 
+import signal
 import sys
 from pathlib import Path
 
@@ -35,4 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # The run is over: a signal while the interpreter shuts down must not replace its exit status.
+    from utils.stopping import IGNORED
+
+    for signum, handler in IGNORED.items():
+        signal.signal(signum, handler)
+    sys.exit(status)

@@ -20,13 +20,14 @@ from utils.harness_config import ConfigError, checked_run
 from utils.launch import Progress, describe, pick_device, run_config, run_local, run_torchrun, specs_for
 from utils.netns import LinkUnavailable
 from utils.report import draw_timeline, format_table, partial_summary, save_json
-from utils.stopping import IGNORED, STOPPING, signal_handlers, stopped_by
+from utils.stopping import IGNORED, signal_handlers, stopped_by, stopping_until
 
 
 def run(args) -> int:
     """The harness after argument parsing: check everything, run, report. Returns the exit status."""
     progress, recipe, partial_to = Progress(), None, None
-    with signal_handlers(STOPPING):
+    # An interrupt once every rank finished every step is dropped: the ranks only have their results to return.
+    with signal_handlers(stopping_until(progress.all_done)):
         try:
             torchrun = launched_by_torchrun()
             world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc_per_node
@@ -52,10 +53,10 @@ def run(args) -> int:
             return _rank_failure(exc, args, progress, partial_to)
         except (KeyboardInterrupt, SystemExit) as exc:
             return _stopped(exc, args, progress, partial_to, recipe.train.max_steps if recipe else 0)
-    if results is None:  # torchrun ranks other than 0
-        return 0
-    with signal_handlers(IGNORED):  # every step ran: an interrupt now would only lose the report
-        return _report(summarize(results, recipe, args, device, world), args)
+        if results is None:  # torchrun ranks other than 0
+            return 0
+        with signal_handlers(IGNORED):  # every step ran: a signal now would only lose the report
+            return _report(summarize(results, recipe, args, device, world), args)
 
 
 def _rank_failure(exc: RankFailure, args, progress: Progress, partial_to: dict | None) -> int:

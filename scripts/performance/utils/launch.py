@@ -78,6 +78,7 @@ class Progress:
     max_steps: int = 0
     echo: bool = True
     ranks: int = 1
+    arms: list[str] = field(default_factory=list)  # the arms of the run in progress
     _rank0: dict = field(default_factory=dict)  # (arm, step) -> rank 0's report, whose figures the console shows
 
     def record(self, rank: int, report: dict) -> None:
@@ -88,9 +89,12 @@ class Progress:
         if self.echo and sum(1 for r in reports if r["step"] == report["step"]) == self.ranks:
             print(step_line(self._rank0.get((report["arm"], report["step"]), report), self.max_steps), flush=True)
 
-    def all_done(self, arms: list[str], ranks: int) -> bool:
+    def all_done(self) -> bool:
         """Every rank reported the last step of every arm: what is left is returning the results."""
-        return all(sum(1 for r in self.finished.get(arm, []) if r["step"] == self.max_steps) == ranks for arm in arms)
+        last = self.max_steps
+        return bool(self.arms) and all(
+            sum(1 for r in self.finished.get(arm, []) if r["step"] == last) == self.ranks for arm in self.arms
+        )
 
     def describe(self, steps: int) -> str:
         """Per arm, the last step every rank finished, and a later one only some ranks finished."""
@@ -112,6 +116,7 @@ def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None
     progress = progress if progress is not None else Progress()
     progress.max_steps = specs[0].train.max_steps
     progress.ranks = args.nproc_per_node
+    progress.arms = [spec.name for spec in specs]
     for spec in specs:
         spec.progress = False  # printed by the parent, as reports arrive
     backend = args.dist_backend if args.dist_backend != "auto" else ("nccl" if device == "cuda" else "gloo")
@@ -135,7 +140,7 @@ def run_local(specs: list[ArmSpec], args, device: str, progress: Progress | None
             rank_setup=link.rank_setup() if link else None,
             master_addr=link.master_addr if link else "127.0.0.1",
             on_progress=progress.record,
-            finish_after_interrupt=lambda: progress.all_done([spec.name for spec in specs], args.nproc_per_node),
+            finish_after_interrupt=progress.all_done,
         )
         progress.running = None
     return {spec.name: [o.result[spec.name] for o in outcomes] for spec in specs}

@@ -4,6 +4,7 @@ before its imports."""
 
 import contextlib
 import signal
+from collections.abc import Callable
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -12,6 +13,17 @@ def _stop_on_sigterm(signum, frame) -> None:
 
 STOPPING = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: _stop_on_sigterm}
 IGNORED = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN}
+
+
+def stopping_until(finished: Callable[[], bool]) -> dict:
+    """:data:`STOPPING`, except that SIGINT is dropped once ``finished()``: every step ran, so stopping then would only
+    lose the report. SIGTERM still stops."""
+
+    def on_sigint(signum, frame) -> None:
+        if not finished():
+            signal.default_int_handler(signum, frame)
+
+    return {**STOPPING, signal.SIGINT: on_sigint}
 
 
 @contextlib.contextmanager

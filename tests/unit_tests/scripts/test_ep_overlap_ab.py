@@ -639,6 +639,22 @@ def test_the_console_counts_a_step_when_every_rank_finished_it(capsys):
     assert progress.describe(4) == "baseline 2/4 on every rank (step 3 on 1 of 2 ranks)"
 
 
+def test_an_interrupt_once_every_rank_finished_every_step_is_dropped():
+    from utils.stopping import signal_handlers, stopping_until
+
+    progress = ab_run.Progress(max_steps=2, ranks=2, arms=["baseline", "overlap"], echo=False)
+    with signal_handlers(stopping_until(progress.all_done)):
+        for arm in ("baseline", "overlap"):
+            progress.record(0, {"arm": arm, "step": 2})
+        progress.record(1, {"arm": "baseline", "step": 2})
+        with pytest.raises(KeyboardInterrupt):  # rank 1 has a step of the overlap arm left: the run stops
+            signal.raise_signal(signal.SIGINT)
+        progress.record(1, {"arm": "overlap", "step": 2})
+        signal.raise_signal(signal.SIGINT)  # only the results are left to return: dropped
+        with pytest.raises(SystemExit):  # SIGTERM still stops
+            signal.raise_signal(signal.SIGTERM)
+
+
 def test_a_profiled_ab_writes_one_trace_per_arm_outside_the_statistics(tmp_path, capsys):
     from utils.trace_overlap import analyze, read_trace
 
