@@ -536,3 +536,16 @@ def test_moe_recompute_under_this_projects_schedule_is_refused_for_megatron_core
     violations = check_moe_overlap(config, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False)
     found = {v.name for v in violations}
     assert ("no_moe_recompute" in found) == refused, found
+
+
+@pytest.mark.lab  # the docs are this project's: the patch does not carry them
+def test_the_error_communication_overlap_md_shows_is_the_one_raised(fake_versions):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[4] / "docs/training/communication-overlap.md").read_text()
+    shown = re.search(r"## One error, every problem\n.*?```\n(.*?)```", doc, re.S).group(1)
+    found = violated(
+        fake_versions, {"expert_model_parallel_size": 1, "moe_token_dispatcher_type": "allgather", "bf16": False}, {}
+    )
+    assert str(CommOverlapConfigError(found.values())) + "\n" == shown

@@ -51,9 +51,9 @@ OVERLAP_RULES: tuple[Rule, ...] = (
         lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: bool(f["model.bf16"] or f["model.fp16"]),
         "Megatron-Core's own overlapped schedule is only supported when using bf16 or fp16 models.",
-        "set bf16=True (or fp16=True); where this project's schedule runs the layers (EPOverlapEngine or "
-        "use_ep_overlap_schedule), say so first: register the hook (cfg.model.register_pre_wrap_hook) or call "
-        "use_bridge_schedule() on the model config, before setup.",
+        "set bf16=True (or fp16=True), or run this project's schedule, which takes fp32: register "
+        "use_ep_overlap_schedule with cfg.model.register_pre_wrap_hook (or call use_bridge_schedule() on the model "
+        "config) before setup.",
     ),
     Rule(
         "torch_version",

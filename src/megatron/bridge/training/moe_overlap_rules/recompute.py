@@ -31,8 +31,8 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
         "full recompute re-runs whole layers and breaks the paired layer schedule: disable full recomputation. "
         f"Megatron-Core {MCORE_FULL_RECOMPUTE}'s own overlapped schedule refuses it (its TransformerConfig asserts "
         "this); this project's schedule replays it.",
-        "set recompute_granularity=None (or 'selective' without 'moe'), or run this project's schedule "
-        "(EPOverlapEngine with the reference MoE GPT).",
+        "set recompute_granularity=None (or 'selective' without 'moe'), or run this project's schedule, which "
+        "replays it: register use_ep_overlap_schedule with cfg.model.register_pre_wrap_hook before setup.",
     ),
     Rule(
         "no_recompute_method",

@@ -19,7 +19,7 @@ SCHEDULE_OPTION_RULES: tuple[Rule, ...] = (
         lambda f: True,
         lambda f: f[WGRAD_WINDOW] in (*WGRAD_WINDOWS, None),
         "the delayed attention wgrad goes to window 1 (beside B.combine backward) or 2 (beside F.dispatch).",
-        "set attention_wgrad_window to 1, 2, or None (auto: the planner chooses).",
+        "set attention_wgrad_window to 1 or 2.",
     ),
     Rule(
         "attention_wgrad_auto_pp1",

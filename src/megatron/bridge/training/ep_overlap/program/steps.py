@@ -298,5 +298,5 @@ def _check_window(window) -> None:
     if window not in WGRAD_WINDOWS:
         raise ValueError(
             f"attention_wgrad_window={window!r}: the program puts each delayed attention wgrad in window 1 or 2 of "
-            "the next layer step; resolve the window (auto: EPOverlapEngine's placement) before asking for it"
+            "the next layer step; resolve an automatic window before asking for it"
         )
