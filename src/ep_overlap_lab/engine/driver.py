@@ -48,7 +48,7 @@ import torch
 from ep_overlap_lab.engine.grads import HeldGradients, delayable_linears, sync_grads
 from ep_overlap_lab.engine.inputs import Microbatch, check_finite, loss_token_count
 from ep_overlap_lab.engine.off_host_lane import lane_for
-from ep_overlap_lab.engine.p2p import PipelineP2P
+from ep_overlap_lab.engine.p2p import PipelineP2P, with_pipeline_group
 from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
 from ep_overlap_lab.engine.saved import SavedActivations
 from ep_overlap_lab.engine.step_hooks import step_hooks
@@ -122,7 +122,8 @@ class Engine:
             the first holding the embedding on pipeline rank 0, the last the head on the last rank); each a
             :class:`~megatron.bridge.training.ep_overlap.contract.ChunkModel` (the reference ``MoEGPTModel`` and
             the Megatron-Core plan are). Its ``config`` is checked against the EP-overlap rules.
-        groups: This rank's process groups (with the pipeline group when PP > 1).
+        groups: This rank's process groups. With PP > 1 and no pipeline group (``mcore_ep_groups``), the engine
+            creates a gloo one (its P2P matches by tag): then every rank builds its engine together.
         options: The schedule's options; or give its fields as keywords (``overlap=True, delay_wgrad=True``).
 
     Raises:
@@ -135,6 +136,7 @@ class Engine:
         if options is not None and fields:
             raise TypeError(f"give options or its fields, not both (got options and {sorted(fields)})")
         options = options or EPOverlapOptions(**fields)
+        groups = with_pipeline_group(groups)
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         config = self.chunks[0].config
         self.settings = resolve(config, options).checked()  # the options first: they need only the config

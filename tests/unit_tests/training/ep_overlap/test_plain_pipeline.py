@@ -55,6 +55,12 @@ def train_plain_pipeline(rank: int, world: int, case, arms: tuple, pp: int = PP)
     from .mcore_stages import build_plans
 
     out = {}
+    created, new_group = [], torch.distributed.new_group
+
+    def recording_new_group(ranks=None, *args, **kwargs):
+        created.append(tuple(ranks))
+        return new_group(ranks, *args, **kwargs)
+
     for arm in arms:
         model = build_plans(case, pp, None)[0].model
         config = model.config
@@ -63,7 +69,11 @@ def train_plain_pipeline(rank: int, world: int, case, arms: tuple, pp: int = PP)
         if arm != "reference":
             config.overlap_moe_expert_parallel_comm = True  # set after the build: Megatron-Core refuses it there
             config.delay_wgrad_compute = arm == "delayed"
-            use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+            torch.distributed.new_group = recording_new_group
+            try:
+                use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+            finally:
+                torch.distributed.new_group = new_group
         if arm == "reference":
             chosen = schedules.forward_backward_pipelining_without_interleaving
         else:
@@ -90,6 +100,11 @@ def train_plain_pipeline(rank: int, world: int, case, arms: tuple, pp: int = PP)
             config.overlap_p2p_comm,
             parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         )
+    # The hook's gloo groups: its EP agreement's only; Megatron-Core's driver sends between stages itself.
+    out["hook_groups"] = set(created)
+    ranks_of = torch.distributed.get_process_group_ranks
+    out["ep_ranks"] = tuple(ranks_of(parallel_state.get_expert_model_parallel_group()))
+    out["pp_ranks"] = tuple(ranks_of(parallel_state.get_pipeline_model_parallel_group()))
     return out
 
 
@@ -97,6 +112,8 @@ def assert_arms_equal(outcomes, case, arm: str) -> set:
     phases = set()
     last_stage = len(outcomes) - case.world  # ranks are pipeline-major: the last EP group is the last stage
     for outcome in outcomes:
+        created = outcome.result["hook_groups"]
+        assert outcome.result["ep_ranks"] in created and outcome.result["pp_ranks"] not in created, created
         ref, run = outcome.result["reference"], outcome.result[arm]
         for step in range(case.steps):
             where = f"rank {outcome.rank} {arm} step {step}"

@@ -283,17 +283,11 @@ def gloo_group_like(group, timeout) -> tuple[torch.distributed.ProcessGroup, tup
     return found, mine
 
 
-def _gloo_pipeline_group(timeout) -> tuple[torch.distributed.ProcessGroup, tuple[int, ...]]:
-    """A gloo group over this rank's pipeline (the engine's P2P matches by tag, which gloo offers)."""
-    return gloo_group_like(parallel_state.get_pipeline_model_parallel_group(), timeout)
-
-
 def mcore_ep_groups(timeout) -> EPGroups:
-    """``EPGroups`` over Megatron-Core's EP (and pipeline) groups; with PP > 1 every rank must call it."""
+    """``EPGroups`` over Megatron-Core's groups (no collective). No pipeline group: Megatron-Core's driver sends
+    between stages itself."""
     ep_group = parallel_state.get_expert_model_parallel_group()
     ep = torch.distributed.get_world_size(ep_group)
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_group, pp_ranks = _gloo_pipeline_group(timeout) if pp > 1 else (None, ())
     return EPGroups(
         ep_size=ep,
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
@@ -302,8 +296,6 @@ def mcore_ep_groups(timeout) -> EPGroups:
         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
         timeout=timeout,
-        pp_size=pp,
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_group=pp_group,
-        pp_ranks=pp_ranks,
     )
