@@ -48,10 +48,10 @@ import torch
 from ep_overlap_lab.engine.grads import HeldGradients, delayable_linears, sync_grads
 from ep_overlap_lab.engine.inputs import Microbatch, check_finite, loss_token_count
 from ep_overlap_lab.engine.off_host_lane import lane_for
-from ep_overlap_lab.engine.p2p import PipelineP2P, with_pipeline_group
+from ep_overlap_lab.engine.p2p import PipelineP2P
 from ep_overlap_lab.engine.plain import PlainRun, PlainTimeline
 from ep_overlap_lab.engine.saved import SavedActivations
-from ep_overlap_lab.engine.step_hooks import step_hooks
+from ep_overlap_lab.engine.step_hooks import step_hooks, with_pipeline_group
 from ep_overlap_lab.program.steps import Step, program
 from ep_overlap_lab.program.units import Unit
 from ep_overlap_lab.step_loss import StepLoss
@@ -136,7 +136,6 @@ class Engine:
         if options is not None and fields:
             raise TypeError(f"give options or its fields, not both (got options and {sorted(fields)})")
         options = options or EPOverlapOptions(**fields)
-        groups = with_pipeline_group(groups)
         self.chunks = list(model) if isinstance(model, list | tuple) else [model]
         config = self.chunks[0].config
         self.settings = resolve(config, options).checked()  # the options first: they need only the config
@@ -157,6 +156,7 @@ class Engine:
                 f"recompute_granularity='full': {sorted(set(unreplayed))} cannot replay their forward in backward "
                 "(LayerHooks.replays_forward); fix: set recompute_granularity=None or 'selective'"
             )
+        groups = with_pipeline_group(groups)  # a collective with PP > 1: every rank builds its engine at once
         problems = _layout_problems(self.chunks, config, groups)
         if problems:
             raise ValueError("the model chunks do not match the pipeline layout: " + "; ".join(problems))

@@ -14,7 +14,6 @@ Contract:
       apart from all-to-all time.
 """
 
-import dataclasses
 import time
 
 import torch
@@ -24,19 +23,6 @@ from ep_overlap_lab.program.pipeline import Transfer
 from megatron.bridge.training.ep_overlap.program.pipeline import FORWARD
 from megatron.bridge.training.ep_overlap.runtime.lanes import Pending
 from megatron.bridge.utils.process_groups import EPGroups, wait_work
-
-
-def with_pipeline_group(groups: EPGroups) -> EPGroups:
-    """``groups`` with a gloo group over this rank's pipeline where PP > 1 and it has none (Megatron-Core's groups,
-    from ``mcore_ep_groups``). A collective over the world: every rank calls it, before any check can refuse."""
-    if groups.pp_size == 1 or groups.pp_group is not None:
-        return groups
-    from megatron.core import parallel_state
-
-    from megatron.bridge.training.ep_overlap.mcore.base import gloo_group_like
-
-    group, ranks = gloo_group_like(parallel_state.get_pipeline_model_parallel_group(), groups.timeout)
-    return dataclasses.replace(groups, pp_group=group, pp_ranks=ranks)
 
 
 class PipelineP2P:

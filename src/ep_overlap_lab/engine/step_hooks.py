@@ -10,14 +10,18 @@ Contract:
       :func:`step_problems` at each step), sets the auxiliary-loss scales per step (``step_loss.py``), sums the
       gradients of a weight held on two pipeline stages over the embedding group and moves the routers' expert
       biases, with the same arithmetic as ``finalize_model_grads``.
+    * :func:`with_pipeline_group` adds the gloo pipeline group the engine's P2P needs to Megatron-Core's groups
+      (``mcore_ep_groups`` has none: Megatron-Core's driver sends between stages itself).
 """
+
+import dataclasses
 
 import torch
 from megatron.core import parallel_state
 
 from ep_overlap_lab.collectives import all_reduce
 from ep_overlap_lab.step_loss import StepHooks, StepLoss, StepScales, backward_scales
-from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk
+from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, gloo_group_like
 from megatron.bridge.training.ep_overlap.mcore.graphs import replays
 from megatron.bridge.training.ep_overlap.mcore.vision_language import McoreVisionLanguageChunk
 from megatron.bridge.utils.process_groups import EPGroups
@@ -32,6 +36,15 @@ def step_hooks(chunk) -> StepHooks:
     if isinstance(chunk, McoreChunk):
         return McoreStepHooks(chunk)
     return StepHooks()
+
+
+def with_pipeline_group(groups: EPGroups) -> EPGroups:
+    """``groups`` with a gloo group over this rank's pipeline (the P2P matches by tag) where PP > 1 and it has none.
+    A collective over the world: every rank calls it."""
+    if groups.pp_size == 1 or groups.pp_group is not None:
+        return groups
+    group, ranks = gloo_group_like(parallel_state.get_pipeline_model_parallel_group(), groups.timeout)
+    return dataclasses.replace(groups, pp_group=group, pp_ranks=ranks)
 
 
 def layout_problems() -> list[str]:
