@@ -3,9 +3,17 @@
 builder).
 """
 
+from datetime import timedelta
+
 import torch
 
-from megatron.bridge.training.ep_overlap.mcore.packed_guard import DROPPED, NOT_GIVEN, dropped_packed_sequence
+from megatron.bridge.training.ep_overlap.mcore.agreement import announced
+from megatron.bridge.training.ep_overlap.mcore.packed_guard import DROPPED, NOT_GIVEN, PackedGuard, dropped_packed_sequence
+
+from .host_reads import spy
+from .local_ranks import run_local_ranks
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .mcore_models import McoreCase, build_model
 
 PADDED = torch.arange(8)[None].expand(2, 8)
 PACKED = torch.cat([torch.arange(5), torch.arange(3)])[None]  # two documents in one row, each numbered from 0
@@ -60,3 +68,72 @@ def test_the_callers_variables_are_not_read():
 
     assert not forward_step(build, metadata, PADDED)
     assert forward_step(build, None, PACKED)
+
+
+def test_the_guard_checks_a_shapes_first_steps_microbatches_and_then_reads_nothing():
+    guard = PackedGuard()  # no count announced and no calculator: one microbatch per shape
+    with spy() as records:
+        assert not guard.dropped(NOT_GIVEN, PADDED, None)
+    assert len(records) == 1
+    with spy() as records:
+        assert not guard.dropped(NOT_GIVEN, PADDED, None)  # the same shape again: nothing read
+        assert not guard.dropped(NOT_GIVEN, PACKED, MASK)  # decided on the host
+    assert records == []
+    assert guard.dropped(NOT_GIVEN, PACKED, None)  # a shape not seen before is read
+    with announced(3):
+        guard = PackedGuard()
+        assert [guard.dropped(NOT_GIVEN, p, None) for p in (PADDED, PADDED, PACKED[:, :8].expand(2, 8))] == [
+            False,
+            False,
+            True,  # the step's third microbatch of that shape is still read
+        ]
+
+
+STEPS, MICROBATCHES, SEQ = 3, 3, 8
+
+
+def stock_gpt_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Stock Megatron-Bridge 0.6.2's ``gpt_step`` call: position ids, no attention mask, no ``packed_seq_params``."""
+    tokens, labels = next(data_iterator)
+    position_ids = torch.arange(SEQ)[None].expand_as(tokens)
+
+    def loss_func(per_token_BS):
+        loss = per_token_BS.float().sum()
+        return loss, torch.tensor(tokens.numel()), {"lm loss": loss.detach()}
+
+    if return_schedule_plan:
+        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss_func
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels), loss_func
+
+
+def guard_reads_per_step(rank: int, world: int) -> list[int]:
+    """The packed guard's host reads in each step of Megatron-Core's driver with the plan (Megatron-Core's
+    num-microbatches calculator set, as Bridge's ``train()`` sets it)."""
+    install_cpu_stubs()
+    init_megatron(world)
+    from megatron.core import num_microbatches_calculator as calculator
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
+
+    calculator.init_num_microbatches_calculator(0, None, MICROBATCHES * 2, 2, 1)
+    model = build_model(McoreCase(microbatches=MICROBATCHES))
+    model.config.overlap_moe_expert_parallel_comm = True
+    use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
+    reads = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        data = [tuple(torch.randint(0, 64, (2, 2, SEQ), generator=gen)) for _ in range(MICROBATCHES)]
+        with spy() as records:
+            get_forward_backward_func()(
+                forward_step_func=stock_gpt_step, data_iterator=iter(data), model=[model],
+                num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=2, forward_only=False,
+            )  # fmt: skip
+        reads.append(sum("packed_guard.py" in where for _, where in records))
+    return reads
+
+
+def test_through_megatron_cores_driver_the_guard_reads_the_device_in_the_first_step_only():
+    # Finding 5 of issue 63: it read each microbatch's position ids, every step (a device sync each, on a GPU).
+    for outcome in run_local_ranks(guard_reads_per_step, 2):
+        assert outcome.result == [MICROBATCHES, 0, 0], outcome.result

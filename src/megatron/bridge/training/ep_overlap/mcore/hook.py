@@ -21,7 +21,7 @@ from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
     NOT_GIVEN,
-    dropped_packed_sequence,
+    PackedGuard,
     packed_problems,
 )
 from megatron.bridge.training.ep_overlap.mcore.vision_language import McoreVisionLanguageChunk, is_vision_language
@@ -261,6 +261,7 @@ class EPOverlapPlanBuilder:
         self.settings, self.chunk, self.session = settings, chunk, session
         self.shape = ChunkShape.of(self.chunk)
         self._step, self._next_microbatch = 0, 0
+        self.packed_guard = PackedGuard()  # reads position ids in a shape's first step only
 
     @property
     def recorder(self) -> StepRecorder | None:
@@ -290,7 +291,7 @@ class EPOverlapPlanBuilder:
         if decoder_input is not None:
             given.insert(0, "decoder_input")
         missing = []
-        if dropped_packed_sequence(packed_seq_params, position_ids, attention_mask):
+        if self.packed_guard.dropped(packed_seq_params, position_ids, attention_mask):
             missing.append(DROPPED)
         if packed_seq_params is NOT_GIVEN:
             packed_seq_params = None

@@ -1,10 +1,14 @@
 """A packed microbatch must not train unpacked: stock Megatron-Bridge 0.6.2's forward step drops its parameters.
 
 0.6.2's ``gpt_step._forward_step_common`` calls ``model.build_schedule_plan`` without ``packed_seq_params``;
-:func:`dropped_packed_sequence` flags such a microbatch (trade-offs: ``docs/training/install.md``).
+:func:`dropped_packed_sequence` flags such a microbatch (trade-offs: ``docs/training/install.md``). Its check reads the
+position ids, on a GPU a device synchronization: :class:`PackedGuard` makes it only for a plan builder's first
+microbatches of each position-ids shape (a packed dataset packs every microbatch), none in later steps.
 """
 
 import torch
+
+from megatron.bridge.training.ep_overlap.mcore.agreement import step_microbatches
 
 
 class _NotGiven:
@@ -41,6 +45,28 @@ def dropped_packed_sequence(packed_seq_params, position_ids, attention_mask) -> 
     if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return restarts_inside_a_row(position_ids)
+
+
+class PackedGuard:
+    """One plan builder's :func:`dropped_packed_sequence`, checked for the first microbatches of each position-ids
+    shape, as many as a step has (1 where the count is unknown), never after: no device read in later steps."""
+
+    def __init__(self):
+        self.reads_left: dict[tuple, int] = {}  # position-ids (shape, dtype, device) -> microbatches still checked
+
+    def dropped(self, packed_seq_params, position_ids, attention_mask) -> bool:
+        if packed_seq_params is not NOT_GIVEN or attention_mask is not None:
+            return False  # decided on the host: no read
+        if not isinstance(position_ids, torch.Tensor):
+            return dropped_packed_sequence(packed_seq_params, position_ids, attention_mask)
+        key = (tuple(position_ids.shape), position_ids.dtype, position_ids.device)
+        if key not in self.reads_left:
+            self.reads_left[key] = step_microbatches()[0] or 1
+        left = self.reads_left[key]
+        if left <= 0:
+            return False
+        self.reads_left[key] = left - 1
+        return dropped_packed_sequence(packed_seq_params, position_ids, attention_mask)
 
 
 def packed_problems(plan, packed_seq_params, input_ids) -> list[str]:
