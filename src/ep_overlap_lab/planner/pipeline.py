@@ -78,7 +78,7 @@ class _StageCharge(_UnitCharge):
         arrival = self.p2p.arrival[_key(self.transfers[(_RECV, kind)])]
         if arrival > self.sim.host:
             self.bubble_s += arrival - self.sim.host
-            self.sim.host = arrival
+            self.sim.idle_until(arrival)
 
     def _send(self, kind: str) -> None:
         self.p2p.arrival[_key(self.transfers[(_SEND, kind)])] = self.sim.host + self.p2p.seconds
@@ -127,6 +127,7 @@ class _Rank:
 
     def prediction(self) -> tuple[Prediction, float]:
         sim = self.sim
+        sim.drain()
         exposed = {phase: sim.exposed.get(phase, 0.0) for phase in PHASES if phase in sim.exposed}
         bubble = sum(r.bubble_s for r in self.runners.values())
         return Prediction(step_s=sim.host, compute_s=sim.compute_s, comm_s=sim.comm_s, exposed_s=exposed), bubble

@@ -26,9 +26,9 @@ Contract:
 """
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from ep_overlap_lab.planner.resources import Resources
 from ep_overlap_lab.program.runners import NoPipeline
 from ep_overlap_lab.program.steps import program
 from megatron.bridge.training.ep_overlap.options import WGRAD_WINDOWS, EPOverlapOptions
@@ -117,6 +117,9 @@ class Link:
     bandwidth_Bps: float
     latency_s: float = 0.0
     meta_s: float = 0.0
+    # Contention (planner/resources.py): how much slower a transfer runs beside compute, and compute beside a transfer
+    comm_stretch: float = 1.0
+    compute_stretch: float = 1.0
 
     def __post_init__(self):
         if not _finite(self.bandwidth_Bps, 0.0, strictly=True):
@@ -124,6 +127,9 @@ class Link:
         for name in ("latency_s", "meta_s"):
             if not _finite(getattr(self, name), 0.0):
                 raise ValueError(f"Link: {name}={getattr(self, name)!r}; give a finite number of seconds, 0 or more")
+        for name in ("comm_stretch", "compute_stretch"):
+            if not _finite(getattr(self, name), 1.0):
+                raise ValueError(f"Link: {name}={getattr(self, name)!r}; give a finite factor of 1 or more")
 
 
 @dataclass
@@ -142,49 +148,7 @@ class Prediction:
         return sum(self.exposed_s.values())
 
 
-Key = tuple[str, int, int]  # (all-to-all, layer, unit)
-
-
-class _Sim:
-    """The compute resource (host order) and the FIFO link of one rank."""
-
-    def __init__(self, link: Link, launch_off_host: bool):
-        self.link, self.launch_off_host = link, launch_off_host
-        self.host = self.link_free = 0.0
-        self.arrived: dict[Key, float] = {}
-        self.exchanges: dict[tuple[int, int], float | None] = {}  # (unit, layer): when the split sizes are back
-        self.phase = Phase.PLAIN
-        self.exposed: dict[str, float] = defaultdict(float)
-        self.compute_s = self.comm_s = 0.0
-        self.launches: list[Key] = []
-
-    def wait(self, t: float) -> None:
-        if t > self.host:
-            self.exposed[self.phase] += t - self.host
-            self.host = t
-
-    def compute(self, seconds: float) -> None:
-        self.host += seconds
-        self.compute_s += seconds
-
-    def exchange_start(self, key: tuple[int, int], nbytes: float) -> None:
-        """The split sizes of a dispatch of ``nbytes`` are back one round trip after the bytes still queued on the
-        link (a dense layer exchanges nothing)."""
-        if nbytes > 0:
-            self.comm_s += self.link.meta_s
-            self.exchanges[key] = max(self.host, self.link_free) + self.link.meta_s
-
-    def launch(self, key: Key, nbytes: float, not_before: float | None = None) -> None:
-        """An all-to-all of ``nbytes``, on the link once it is free (and, off the host, not before ``not_before``)."""
-        if nbytes <= 0:  # a dense layer: nothing crosses the link
-            self.arrived[key] = self.host
-            return
-        link = self.link
-        start = max(self.host, self.link_free, not_before or 0.0)
-        self.link_free = start + nbytes / link.bandwidth_Bps
-        self.arrived[key] = self.link_free + link.latency_s
-        self.comm_s += self.arrived[key] - start
-        self.launches.append(key)
+_Sim = Resources  # the name pipeline.py and the runners know
 
 
 class _LayerCharge:
@@ -196,13 +160,13 @@ class _LayerCharge:
         self.expert_wgrad = layer.b_exp * layer.expert_wgrad_share if delay_wgrad else 0.0
         self.attention_wgrad = layer.b_pre * layer.attention_wgrad_share if delay_wgrad else 0.0
 
-    def _launch(self, name: str, nbytes: float, not_before: float | None = None) -> None:
+    def _launch(self, name: str, nbytes: float, exchange=None) -> None:
         unit, index = self.key
-        self.sim.launch((name, index, unit), nbytes, not_before)
+        self.sim.launch((name, index, unit), nbytes, exchange)
 
     def _wait(self, name: str) -> None:
         unit, index = self.key
-        self.sim.wait(self.sim.arrived[(name, index, unit)])
+        self.sim.wait_for((name, index, unit))
 
     # forward: each compute op that ends a segment of the plain path costs that segment; the others nothing
     def compute_pre_dispatch(self, x) -> None:
@@ -212,11 +176,11 @@ class _LayerCharge:
         self.sim.exchange_start(self.key, self.costs.dispatch_bytes)
 
     def wait_split(self) -> None:
-        if not self.sim.launch_off_host and self.key in self.sim.exchanges:
-            self.sim.wait(self.sim.exchanges[self.key])
+        if not self.sim.launch_off_host and self.sim.has_exchange(self.key):
+            self.sim.wait_exchange(self.key)
 
     def launch_dispatch(self) -> None:
-        self._launch("dispatch", self.costs.dispatch_bytes, self.sim.exchanges.pop(self.key, None))
+        self._launch("dispatch", self.costs.dispatch_bytes, self.key if self.sim.has_exchange(self.key) else None)
 
     def wait_dispatch(self) -> None:
         self._wait("dispatch")
@@ -387,6 +351,7 @@ def _simulate_ops(costs: StepCosts, link: Link, num_microbatches: int, options: 
         sim.phase = step.phase
         sim.exposed.setdefault(step.phase, 0.0)
         run_ops(step.ops, {m.unit: runner(m, step.delay_wgrad) for m in step.units})
+    sim.drain()
     return Prediction(
         step_s=sim.host + costs.other_s,
         compute_s=sim.compute_s,
