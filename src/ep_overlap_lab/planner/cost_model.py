@@ -2,10 +2,11 @@
 
 Contract:
     * :func:`costs_from_model` turns FLOPs and bytes into the planner's per-layer :class:`StepCosts` and a
-      :class:`Link` for one rank: compute time = FLOPs / (peak x efficiency); an all-to-all moves the rank's
-      tokens x top-k x hidden x 2 bytes (bf16), of which (EP-1)/EP leave the rank, split between NVLink (peers in
-      the node) and the network (peers in other nodes), each at its bandwidth x efficiency.
-    * Every number of a profile is stated with where it comes from (:data:`PROFILES`): datasheet figures are
+      :class:`Link` for one rank: compute time = FLOPs / (peak x efficiency); an all-to-all is booked as the rank's
+      tokens x top-k x hidden x 2 bytes (bf16) that leave it ((EP-1)/EP of them), and the link's rate is what the
+      dispatcher backend achieves for them (``planner/dispatchers.py``: its NVLink and network traffic, and the
+      contention between the all-to-all and the compute beside it).
+    * Every number of a profile is stated with where it comes from (``planner/hardware.py``): datasheet figures are
       marked as such; efficiencies and latency are this project's assumptions, chosen before comparing with any
       published step time and not tuned to one.
     * Left out (the same in both arms, so they shift step time, not what overlap hides): data-parallel gradient
@@ -14,45 +15,14 @@ Contract:
       a rank holding all layers, i.e. of its layer steps.
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from ep_overlap_lab.planner.dispatchers import ALLTOALL, BYTES_PER_ELEMENT, Dispatcher, link_for
+from ep_overlap_lab.planner.hardware import PROFILES, HardwareProfile
 from ep_overlap_lab.planner.memory import ActivationShape
 from ep_overlap_lab.planner.simulate import LayerCosts, Link, StepCosts
 
-BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """What one GPU and its links deliver. Bandwidths are per GPU and per direction."""
-
-    name: str
-    peak_flops: float
-    compute_efficiency: float
-    gpus_per_node: int
-    nvlink_Bps: float
-    network_Bps: float
-    comm_efficiency: float
-    latency_s: float
-    sources: dict[str, str] = field(default_factory=dict)
-
-
-_COMMON_SOURCES = {
-    "peak_flops": "NVIDIA H100/H200 SXM datasheets: 989 TFLOP/s dense BF16 (1,979 with sparsity)",
-    "gpus_per_node": "DGX/HGX H100 and H200: 8 GPUs per node",
-    "nvlink_Bps": "NVIDIA datasheets: NVLink 4, 900 GB/s per GPU in both directions together, so 450 GB/s each way",
-    "network_Bps": "one 400 Gb/s InfiniBand NDR (ConnectX-7) adapter per GPU, as in DGX H100: 50 GB/s each way",
-    "compute_efficiency": "assumption: 0.40 of peak for a MoE layer (dense GPT layers reach 0.4-0.47 MFU on H100 "
-    "in Megatron-Core's published results; grouped expert GEMMs are smaller)",
-    "comm_efficiency": "assumption: all-to-all reaches 0.7 of the link bandwidth",
-    "latency_s": "assumption: 30 us per all-to-all (NCCL launch and synchronisation)",
-}
-
-PROFILES: dict[str, HardwareProfile] = {
-    "H100": HardwareProfile("H100 SXM", 989e12, 0.40, 8, 450e9, 50e9, 0.7, 30e-6, _COMMON_SOURCES),
-    # H200 has the H100's compute and NVLink; its larger, faster HBM does not change these figures.
-    "H200": HardwareProfile("H200 SXM", 989e12, 0.40, 8, 450e9, 50e9, 0.7, 30e-6, _COMMON_SOURCES),
-}
+__all__ = ["BYTES_PER_ELEMENT", "PROFILES", "Dispatcher", "HardwareProfile", "Layout", "MoEShape", "costs_from_model"]
 
 
 @dataclass(frozen=True)
@@ -113,8 +83,10 @@ def costs_from_model(
     profile: HardwareProfile,
     recompute: frozenset[str] = frozenset(),
     segments: tuple[tuple[int, int], ...] = (),
+    dispatcher: Dispatcher = ALLTOALL,
 ) -> tuple[StepCosts, Link]:
-    """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's effective link.
+    """Per-rank costs of one microbatch of ``layout.micro_batch`` sequences, and the rank's link for ``dispatcher``
+    (``planner/dispatchers.py``: its traffic, and the contention between it and the compute).
 
     ``segments`` (full recompute, ``segment_of``): the simulator charges each replayed layer its forward again.
 
@@ -150,7 +122,11 @@ def costs_from_model(
             )
     head = 2 * tokens * shape.hidden * shape.vocab / rate
     costs = StepCosts(layers=tuple(layers), f_tail=head, b_head=2 * head, segments=tuple(segments))
-    return costs, Link(_effective_bandwidth(layout.ep, profile), profile.latency_s, meta_s=2 * profile.latency_s)
+    link = link_for(
+        dispatcher, profile, experts=shape.num_experts, topk=shape.topk, ep=layout.ep, tokens=tokens,
+        hidden=shape.hidden, booked_bytes=a2a_bytes,
+    )  # fmt: skip
+    return costs, link
 
 
 def activation_shape(shape: MoEShape, layout: Layout, recompute: frozenset[str] = frozenset()) -> ActivationShape:
@@ -184,16 +160,6 @@ def activation_shape(shape: MoEShape, layout: Layout, recompute: frozenset[str] 
         shared_ffn=shape.shared_expert_ffn,
         recompute=recompute,
     )
-
-
-def _effective_bandwidth(ep: int, profile: HardwareProfile) -> float:
-    """Bytes/s at which a rank's all-to-all traffic leaves it, NVLink for peers in its node, network beyond."""
-    if ep <= 1:
-        return profile.nvlink_Bps * profile.comm_efficiency
-    in_node = min(ep, profile.gpus_per_node) - 1
-    intra, inter = in_node / (ep - 1), (ep - 1 - in_node) / (ep - 1)
-    seconds_per_byte = max(intra / profile.nvlink_Bps, inter / profile.network_Bps)
-    return profile.comm_efficiency / seconds_per_byte
 
 
 # Published shapes (model cards / configs); sequence length 4096 for all.

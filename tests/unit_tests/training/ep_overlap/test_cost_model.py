@@ -1,5 +1,7 @@
 """Planner costs from a model shape: FLOPs and bytes scale as they should, links split by node."""
 
+import math
+
 import pytest
 
 from ep_overlap_lab.planner.cost_model import (
@@ -7,24 +9,47 @@ from ep_overlap_lab.planner.cost_model import (
     QWEN3_30B_A3B,
     SHAPES,
     Layout,
-    _effective_bandwidth,
     costs_from_model,
 )
+from ep_overlap_lab.planner.dispatchers import Dispatcher, all_to_all_seconds, compute_stretch, copies_per_token
 
 H100 = PROFILES["H100"]
+FIGURES = ("peak_flops", "sm_count", "hbm_Bps", "gpus_per_node", "nvlink_Bps", "network_Bps")
 
 
 def test_every_profile_figure_says_where_it_comes_from():
+    assert {"H100", "H200", "B200", "GB200", "GB300"} <= PROFILES.keys()
     for profile in PROFILES.values():
-        for figure in ("peak_flops", "nvlink_Bps", "network_Bps", "compute_efficiency", "comm_efficiency"):
+        for figure in (*FIGURES, "compute_efficiency", "comm_efficiency", "latency_s"):
             assert profile.sources[figure]
         assert "assumption" in profile.sources["compute_efficiency"]
+    assert {p.gpus_per_node for p in PROFILES.values()} == {8, 72}  # HGX boards and NVL72 racks
 
 
 def test_ep_within_a_node_runs_on_nvlink_and_beyond_it_on_the_network():
-    assert _effective_bandwidth(8, H100) == pytest.approx(H100.nvlink_Bps * H100.comm_efficiency)
-    # EP 16 over two nodes: 8 of 15 peers are remote, and the network is 9x slower than NVLink.
-    assert _effective_bandwidth(16, H100) == pytest.approx(H100.comm_efficiency * H100.network_Bps * 15 / 8)
+    alltoall = Dispatcher()
+    assert copies_per_token(alltoall, 128, 8, 8, 8) == (8 * 7 / 8, 0.0)
+    # EP 16 over two nodes: of a token's 8 copies, 7/16 go to NVLink peers, 8/16 to the other node
+    assert copies_per_token(alltoall, 128, 8, 16, 8) == (8 * 7 / 16, 8 * 8 / 16)
+    seconds = all_to_all_seconds(alltoall, H100, 128, 8, 16, 4096, 2048)
+    assert seconds == pytest.approx(4096 * 2048 * 2 * 4 / H100.network_Bps / H100.comm_efficiency)
+    # one NVL72 domain holds all 64 ranks: nothing crosses the network
+    assert copies_per_token(alltoall, 256, 8, 64, PROFILES["GB200"].gpus_per_node)[1] == 0
+
+
+def test_hierarchical_dispatch_sends_a_token_across_the_network_once_per_remote_node():
+    nvlink, network = copies_per_token(Dispatcher("hybridep"), 128, 8, 16, 8)
+    assert network == pytest.approx(1 - math.comb(64, 8) / math.comb(128, 8))  # the other node, unless all 8 are local
+    assert network < copies_per_token(Dispatcher("ncclep"), 128, 8, 16, 8)[1] < 4  # alltoall: 4 copies
+    assert nvlink > 0
+
+
+def test_the_sms_a_dispatcher_holds_slow_the_compute_beside_it():
+    assert compute_stretch(Dispatcher("hybridep", num_sms=32), H100, 0.0) == pytest.approx(132 / 100)
+    assert compute_stretch(Dispatcher("deepep"), H100, 0.0) == pytest.approx(132 / 112)  # DeepEP's default 20
+    assert compute_stretch(Dispatcher("deepep"), H100, H100.hbm_Bps / 4) == pytest.approx(132 / 112 / 0.75)
+    with pytest.raises(ValueError, match="static_shape"):
+        Dispatcher("alltoall", static_shape=True)
 
 
 def test_all_to_all_bytes_and_expert_flops_follow_the_shape():

@@ -199,7 +199,8 @@ def test_published_shapes_activation_peak_is_reached_by_the_second_microbatch(mo
 
 def test_a_recomputed_forward_is_charged_to_its_backward_node_where_overlap_hides_it():
     # Qwen3 at EP 16 is comm-bound: the experts' recompute lands in their backward, beside F's dispatch, so the
-    # overlapped step grows by less than the plain one; without recompute the costs are the same as before.
+    # overlapped step grows by less than the plain one (not by nothing: beside the all-to-all the compute runs on
+    # fewer SMs); without recompute the costs are the same as before.
     from ep_overlap_lab.planner.cost_model import (
         PROFILES,
         QWEN3_30B_A3B,
@@ -216,7 +217,7 @@ def test_a_recomputed_forward_is_charged_to_its_backward_node_where_overlap_hide
     n = layout.num_microbatches
     before, after = predict(kept, link, n), predict(again, link, n)
     plain_cost = after.baseline.step_s - before.baseline.step_s
-    assert 0 < after.overlap.step_s - before.overlap.step_s < 0.6 * plain_cost
+    assert 0 < after.overlap.step_s - before.overlap.step_s < 0.9 * plain_cost
 
 
 STEADY_OPTIONS = [
