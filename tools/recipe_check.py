@@ -4,6 +4,7 @@
     make recipe-check RECIPES=--all          # every MoE config with expert parallelism above 1
     python tools/recipe_check.py --list      # that universe, with each recipe's own overlap setting
     python tools/recipe_check.py NAME ... [--no_delay_wgrad] [--json rows.json] [--markdown table.md]
+    python tools/recipe_check.py --resume rows.json   # an interrupted run goes on: its finished rows are kept
 
 The universe is found by built config: every config function of ``megatron.bridge.recipes`` and
 ``megatron.bridge.perf_recipes`` that builds a MoE model with ``expert_model_parallel_size > 1``, whatever its overlap
@@ -18,8 +19,15 @@ one package has it. Each config gets two verdicts:
 
 Configs whose CPU run would be the same (shrunk structure, substitutions) share one run; every config keeps its row.
 ``tests/functional_tests/recipe_check/`` says exactly what runs. Exit status 0 only when nothing differs and every
-failure names a GPU-only piece; 2 for a name that is not a recipe, one line each. A progress line per run goes to
-stderr. The first run builds a scratch venv under ``build/stock-bridge/``; no run reaches the Hugging Face hub.
+failure names a GPU-only piece; 2, one line each and before any run, for a name that is not a MoE recipe with expert
+parallelism, an output path that cannot be written or a ``--resume`` file that is not this check's. A name given
+twice runs once. A progress line per run goes to stderr. The first run builds a scratch venv under
+``build/stock-bridge/``; no run reaches the Hugging Face hub.
+
+SIGINT or SIGTERM stops every worker and rank the check started (each worker leads its own process group), removes
+the scratch folder, writes the rows finished so far (the table, ``--markdown`` and ``--json``, marked partial) and
+exits 130 or 143 with one line saying how far it got. ``--resume FILE`` runs what FILE lacks (the names FILE was
+asked unless others are given) and writes the whole into FILE unless ``--json`` names another.
 """
 
 import argparse
@@ -33,6 +41,9 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.functional_tests.recipe_check import rows_file, stopping  # noqa: E402
+
 WORKER = ROOT / "tests" / "functional_tests" / "recipe_check" / "worker.py"
 CPU_VERDICTS = ("bitwise", "refused", "differs", "failed", "not checked")
 # What a CPU failure says when a GPU-only piece is missing: the words, and the piece they name.
@@ -50,10 +61,10 @@ class Trees:
     0.6.2 sources with the patch (made on first use)."""
 
     def __init__(self, scratch: Path):
-        sys.path.insert(0, str(ROOT))
         from tests.functional_tests import stock_bridge
 
         self.stock_bridge, self.scratch = stock_bridge, scratch
+        self.live: list[subprocess.Popen] = []  # the workers started and not yet stopped
         self.python = stock_bridge.scratch_env()
         self.plugin = stock_bridge.plugin_tree(self.python)
         self._patched = None
@@ -65,15 +76,31 @@ class Trees:
             self._patched = self.stock_bridge.patched_tree(self.scratch / "patched")
         return self._patched
 
+    def start(self, tree: Path, out: Path, *args: str, log: Path) -> subprocess.Popen:
+        """The worker on ``tree``, in the background, in a process group of its own (its ranks join it)."""
+        with stopping.held():  # a signal now is answered once the worker is on the list to stop
+            process = self.stock_bridge.start(self.python, tree, WORKER, str(out), *args, log=log)
+            self.live.append(process)
+        return process
+
+    def stop(self, process: subprocess.Popen | None = None) -> None:
+        """``process`` (else every worker still on the list) and every rank it started."""
+        for each in [process] if process else list(self.live):
+            stopping.stop_group(each)
+            self.live.remove(each)
+
     def worker(self, tree: Path, *args: str, timeout: int = 1200):
-        out = self.scratch / "worker.json"
+        out, log = self.scratch / "worker.json", self.scratch / "worker.log"
         out.unlink(missing_ok=True)
+        process = self.start(tree, out, *args, log=log)
         try:
-            run = self.stock_bridge.run(self.python, tree, WORKER, str(out), *args, timeout=timeout)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"verdict": "failed", "why": f"timed out after {timeout} s"}
-        if run.returncode != 0 or not out.exists():
-            lines = run.stderr.strip().splitlines() or ["(no output)"]
+        finally:
+            self.stop(process)
+        if process.returncode != 0 or not out.exists():
+            lines = log.read_text().strip().splitlines() or ["(no output)"]
             return {"verdict": "not checked", "why": f"the check could not run its worker: {lines[-1]}"}
         return json.loads(out.read_text())
 
@@ -88,7 +115,7 @@ def cpu_runs(trees: Trees, names: list[str], patched: bool, delay_wgrad: bool, r
         out.unlink(missing_ok=True)
         args = ["--recipes", *remaining] + (["--patched"] if patched else []) + ([] if delay_wgrad else
                                                                                   ["--no_delay_wgrad"])  # fmt: skip
-        worker = trees.stock_bridge.start(trees.python, tree, WORKER, str(out), *args, log=log)
+        worker = trees.start(tree, out, *args, log=log)
         seen = 0
         while seen < len(remaining):
             ended = worker.poll() is not None
@@ -103,7 +130,11 @@ def cpu_runs(trees: Trees, names: list[str], patched: bool, delay_wgrad: bool, r
             if ended:
                 break
             time.sleep(1)
-        worker.wait()
+        try:
+            worker.wait(timeout=30)  # it has written its rows
+        except subprocess.TimeoutExpired:
+            pass
+        trees.stop(worker)  # and a rank a dead worker left behind
         remaining = [name for name in remaining if name not in results]
         if remaining:  # the worker died in the run of remaining[0]
             last = (log.read_text().strip().splitlines() or ["(no output)"])[-1]
@@ -143,8 +174,9 @@ def not_built(universe: list[dict]) -> list[str]:
     return lines
 
 
-def summary(rows: list[dict], runs: int) -> list[str]:
+def summary(rows: list[dict]) -> list[str]:
     """The counts: configs and runs, the GPU verdicts (by rule), the CPU verdicts (GPU-only pieces apart)."""
+    runs = len({row.get("run", row["recipe"]) for row in rows})
     gpu = Counter(row.get("gpu", {}).get("verdict", "not judged") for row in rows)
     rules = Counter(rule for row in rows for rule in row.get("gpu", {}).get("rules", []))
     cpu = Counter(row.get("verdict", "not checked") for row in rows)
@@ -172,10 +204,31 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no_delay_wgrad", action="store_true", help="the overlap without delayed wgrad")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--markdown", type=Path, help="also write the table and the summary here")
+    parser.add_argument("--resume", type=Path, help="keep this --json file's finished rows; run the rest")
     args = parser.parse_args(argv)
-    if not (args.recipes or args.all or args.list):
-        parser.error("give recipe names, --all or --list")
+    if not (args.recipes or args.all or args.list or args.resume):
+        parser.error("give recipe names, --all, --list or --resume")
     return args
+
+
+def resumed(args) -> tuple[dict[str, dict], list[str]]:
+    """``--resume``: the file's finished rows (its names, unless others are given), and one error line per problem
+    with the output paths. Sets ``--json`` to the resumed file unless it names another."""
+    done, errors = {}, []
+    if args.resume:
+        try:
+            done, asked = rows_file.load(args.resume, args.no_delay_wgrad)
+        except rows_file.BadRowsFile as error:
+            return {}, [f"error: {error}"]
+        if not (args.recipes or args.all):
+            args.recipes, args.all = list(asked.get("recipes") or []), bool(asked.get("all"))
+        if not (args.recipes or args.all or args.list):
+            errors.append(f"error: --resume {args.resume}: it does not say what was asked; fix: give names or --all")
+        args.json = args.json or args.resume
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        why = rows_file.unwritable(flag, path) if path else None
+        errors += [f"error: {why}"] if why else []
+    return done, errors
 
 
 def listing(universe: list[dict]) -> list[str]:
@@ -195,14 +248,18 @@ def chosen(args, universe: list[dict]) -> tuple[list[dict], list[str]]:
     by_name = {row["recipe"]: row for row in universe}
     if args.all:
         return [row for row in universe if row.get("moe_ep")], []
-    rows, errors = [], []
-    for name in args.recipes:
+    rows, errors = {}, []
+    for name in dict.fromkeys(args.recipes):  # a name given twice (or bare and qualified) runs once
         qualified, why = resolve_name(name, list(by_name))
         if why:
             errors.append(f"error: {why}")
+        elif by_name[qualified]["built"] and not by_name[qualified].get("moe_ep"):
+            errors.append(f"error: {qualified}: builds no MoE model with expert_model_parallel_size above 1: the "
+                          "overlap has nothing to overlap there; fix: a name from `python tools/recipe_check.py "
+                          "--list`")  # fmt: skip
         else:
-            rows.append(by_name[qualified])
-    return rows, errors
+            rows[qualified] = by_name[qualified]
+    return list(rows.values()), errors
 
 
 def run_all(trees: Trees, rows: list[dict], delay_wgrad: bool) -> int:
@@ -227,7 +284,8 @@ def run_all(trees: Trees, rows: list[dict], delay_wgrad: bool) -> int:
     for name, members in firsts.items():
         if name not in runnable:
             first = members[0]
-            report({"recipe": name, "verdict": "not checked" if first.get("limit") else "failed", "why": first["why"]})
+            why = first.get("why", "the universe gave it no CPU run")
+            report({"recipe": name, "verdict": "not checked" if first.get("limit") else "failed", "why": why})
     for patched in (False, True):
         names = [name for name in runnable if bool(firsts[name][0].get("needs_patch")) == patched]
         if names:
@@ -235,11 +293,19 @@ def run_all(trees: Trees, rows: list[dict], delay_wgrad: bool) -> int:
     return len(groups)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory(prefix="recipe-check-") as scratch:
-        trees = Trees(Path(scratch))
-        universe = trees.worker(trees.plugin, "--universe", timeout=3600)
+class Run:
+    """One run of the check: what it has so far, so an interrupt can still write it, and how to close it."""
+
+    def __init__(self, args, done: dict[str, dict]):
+        self.args, self.done = args, done  # done: a --resume file's finished rows
+        self.rows: list[dict] | None = None  # the rows asked, once the universe is built
+        self.scratch, self.trees = None, None
+
+    def check(self) -> int:
+        args = self.args
+        self.scratch = Path(tempfile.mkdtemp(prefix="recipe-check-"))
+        self.trees = Trees(self.scratch)
+        universe = self.trees.worker(self.trees.plugin, "--universe", timeout=3600)
         if not isinstance(universe, list):
             print(f"error: could not build the recipes' universe: {universe.get('why')}", file=sys.stderr)
             return 1
@@ -250,16 +316,65 @@ def main(argv: list[str] | None = None) -> int:
         if errors:
             print("\n".join(errors), file=sys.stderr)
             return 2
-        runs = run_all(trees, rows, not args.no_delay_wgrad)
-    lines = table(rows) + [""] + (not_built(universe) if args.all else []) + summary(rows, runs)
-    print("\n".join(lines))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines) + "\n")
-    bad = [row for row in rows if row.get("verdict") in ("differs", "not checked")]
-    bad += [row for row in rows if row.get("verdict") == "failed" and not row.get("gpu_only")]
-    return 0 if not bad else 1
+        self.rows = [self.done.get(row["recipe"], row) for row in rows]
+        run_all(self.trees, [row for row in self.rows if not rows_file.finished(row)], not args.no_delay_wgrad)
+        self.close()
+        self.write(table(self.rows) + [""] + (not_built(universe) if args.all else []) + summary(self.rows), False)
+        bad = [row for row in self.rows if row.get("verdict") in ("differs", "not checked")]
+        bad += [row for row in self.rows if row.get("verdict") == "failed" and not row.get("gpu_only")]
+        return 0 if not bad else 1
+
+    def close(self) -> None:
+        """Every worker and rank stopped, the scratch folder gone (again is harmless)."""
+        if self.trees is not None:
+            self.trees.stop()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def write(self, lines: list[str], partial: bool) -> None:
+        print("\n".join(lines))
+        args = self.args
+        if args.json:
+            rows = self.rows if self.rows is not None else list(self.done.values())
+            asked = {"recipes": args.recipes, "all": args.all, "no_delay_wgrad": args.no_delay_wgrad}
+            rows_file.write(args.json, rows, asked, None if self.rows is None else len(self.rows), partial)
+        if args.markdown:
+            args.markdown.write_text("\n".join(lines) + "\n")
+
+    def interrupted(self, stop: stopping.Interrupted) -> int:
+        """The rows finished so far, written and marked partial; one line on how far the run got."""
+        if self.args.list:
+            print(f"interrupted by {stop.name} while building the recipes' universe", file=sys.stderr)
+            return stop.status
+        rows = self.rows if self.rows is not None else list(self.done.values())
+        done = [row for row in rows if rows_file.finished(row)]
+        runs = len({row.get("run", row["recipe"]) for row in done})
+        where = (f"after {len(done)} of {len(self.rows)} configs ({runs} runs)" if self.rows is not None
+                 else f"while building the recipes' universe, {len(done)} configs done")  # fmt: skip
+        partial = self.rows is None or len(done) < len(self.rows)
+        self.write(table(done) + [""] + summary(done) + [f"partial: interrupted by {stop.name} {where}"], partial)
+        kept = (f"their rows are above and in {self.args.json} (partial); to go on: python tools/recipe_check.py "
+                f"--resume {self.args.json}" if self.args.json else "their rows are above (give --json FILE to "
+                "resume from it)")  # fmt: skip
+        print(f"interrupted by {stop.name} {where}: {kept}", file=sys.stderr)
+        return stop.status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    done, errors = resumed(args)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 2
+    stopping.raise_on_signals()
+    run = Run(args, done)
+    try:
+        return run.check()
+    except stopping.Interrupted as stop:
+        run.close()  # first: nothing the check started outlives it
+        return run.interrupted(stop)
+    finally:
+        run.close()
 
 
 if __name__ == "__main__":

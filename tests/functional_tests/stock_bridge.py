@@ -143,7 +143,9 @@ def run(python: Path, tree: Path, script: Path, *args: str, timeout: int = 600) 
 
 
 def start(python: Path, tree: Path, script: Path, *args: str, log: Path) -> subprocess.Popen:
-    """``script`` as :func:`run` runs it, in the background, its output in ``log``."""
+    """``script`` as :func:`run` runs it, in the background, its output in ``log``; it leads a process group of its
+    own, which the processes it forks join: the caller stops them all at once (``os.killpg``)."""
     with log.open("w") as out:
         return subprocess.Popen([python, str(script), str(tree), *args], stdout=out, stderr=subprocess.STDOUT,
-                                text=True, env=_env(tree), cwd=tempfile.gettempdir())  # fmt: skip
+                                text=True, env=_env(tree), cwd=tempfile.gettempdir(),
+                                start_new_session=True)  # fmt: skip

@@ -41,7 +41,7 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 def test_a_performance_recipe_and_each_stand_ins_row_train_bitwise_through_bridges_loop(scratch, tmp_path):
     run = _check(*ROWS, "--json", str(tmp_path / "rows.json"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = {row["recipe"]: row for row in json.loads((tmp_path / "rows.json").read_text())}
+    rows = {row["recipe"]: row for row in json.loads((tmp_path / "rows.json").read_text())["rows"]}
     assert rows.keys() == ROWS.keys()
     for name, words in ROWS.items():
         row = rows[name]
@@ -66,11 +66,15 @@ def test_the_listing_and_names_that_are_not_one_recipe(scratch):
     assert settings["perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config"] == "on"
     assert "recipes.deepseek_v3_pretrain_config" in settings and "recipes.kimi_k2_pretrain_config" in settings
     both = "qwen3_235b_a22b_pretrain_256gpu_h100_bf16_config"  # in recipes and in perf_recipes
-    run = _check("qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "no_such_recipe_config", both)
+    run = _check(
+        "qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config", "no_such_recipe_config", both, "llama3_8b_pretrain_config"
+    )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
         "error: no_such_recipe_config: not a recipe function of megatron-bridge 0.6.2; fix: a name from "
         "`python tools/recipe_check.py --list`",
         f"error: {both}: in both packages; fix: name one of perf_recipes.{both}, recipes.{both}",
+        "error: recipes.llama3_8b_pretrain_config: builds no MoE model with expert_model_parallel_size above 1: the "
+        "overlap has nothing to overlap there; fix: a name from `python tools/recipe_check.py --list`",
     ]
     assert "recipes:" not in run.stdout
