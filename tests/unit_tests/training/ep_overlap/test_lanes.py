@@ -205,13 +205,16 @@ class _NvtxRecorder:
         self.depth -= 1
 
 
-def _cuda_lane_ranges(rank: int, world: int) -> dict:
+def _cuda_lane_ranges(rank: int, world: int, profiled: bool = True) -> dict:
+    from megatron.core.utils import configure_nvtx_profiling
+
     from megatron.bridge.training.ep_overlap.runtime.lanes import CudaLane
     from megatron.bridge.training.ep_overlap.runtime.records import HostClock, StepRecorder
 
     from .mcore_cpu import install_cpu_stubs
 
     install_cpu_stubs()  # the CUDA lane's streams and events, on a host without a GPU
+    configure_nvtx_profiling(profiled)  # the user's profiling switch (Megatron-LM: --nvtx-ranges in the window)
     groups = init_ep_groups(world, timedelta(seconds=30))
     nvtx = _NvtxRecorder()
     lane = CudaLane(groups, StepRecorder(clock=HostClock()), nvtx=nvtx)
@@ -238,6 +241,11 @@ def test_the_cuda_lane_puts_every_node_in_a_named_nvtx_range():
             "ep_overlap/comm/F.combine/L1/mb0",
         ]
         assert outcome.result["open"] == 0 and outcome.result["deepest"] == 2
+
+
+def test_the_cuda_lane_opens_no_range_unless_the_user_profiles():
+    for outcome in run_local_ranks(_cuda_lane_ranges, 2, (False,)):
+        assert outcome.result == {"pushed": [], "open": 0, "deepest": 0}
 
 
 def test_the_cpu_lane_opens_no_range():

@@ -44,7 +44,8 @@ _PHASES = {StepKind.PAIRED: Phase.PAIRED, StepKind.FORWARD: Phase.WARMUP, StepKi
 
 
 class _HostEvent:
-    """Stands in for the CUDA event Megatron-Core waits on: host work runs in issue order."""
+    """The plan's ``event``: Megatron-Core's driver waits on and records it around its loss node, which runs on the
+    compute stream that made our output, so there is nothing to order (the lane orders its own streams)."""
 
     def record(self, stream=None) -> None:
         pass
@@ -92,7 +93,9 @@ class _RankSession:
     def lane_for(self, device: torch.device):
         if not self.in_flight:  # a new step: its count agreed before any of its all-to-alls
             self.agreement.start_step()
-            self.lane = make_lane(self.groups, device, high_priority=self.high_priority)
+            if self.lane is None:  # one lane per rank: Megatron-Core's comm stream, events reused every step
+                self.lane = make_lane(self.groups, device, high_priority=self.high_priority, timed=False)
+            self.lane.new_step()
             self.step += 1
         return self.lane
 
@@ -326,7 +329,7 @@ class EPOverlapPlanBuilder:
         view = _MicrobatchModel(self.chunk, index, position_ids, attention_mask, loss_mask, packed_seq_params)
         view = self.chunk.bind_inputs(view, input_ids, inputs)
         nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
-        event = torch.cuda.Event() if device.type == "cuda" else _HostEvent()
+        event = _HostEvent()
         input_tensor = None if self.chunk.pre_process else self.chunk.model.decoder.input_tensor
         return EPOverlapSchedulePlan(self, nodes, event, input_tensor)
 

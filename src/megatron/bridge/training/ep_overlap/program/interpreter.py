@@ -7,7 +7,7 @@ import heapq
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
-from megatron.bridge.training.ep_overlap.program.ops import OPS, Op
+from megatron.bridge.training.ep_overlap.program.ops import Op
 
 
 class IssueOrder(StrEnum):
@@ -64,13 +64,24 @@ def lane_order(runners: Mapping[int, object]) -> IssueOrder:
 def run_ops(ops: Iterable[Op], runners: Mapping[int, object], order: IssueOrder | None = None) -> None:
     """Runs ``ops`` on ``runners`` (unit -> runner; its ``layers`` run layer ops), by default in their lane's order."""
     values = {}
-    for op in issue_order(ops, order or lane_order(runners)):
-        target = runners[op.unit] if op.layer is None else runners[op.unit].layers[op.layer]
-        spec = OPS[(op.kind, op.name)]
-        method = getattr(target, spec.method)
-        out = method(values.pop((op.unit, spec.reads))) if spec.reads else method()
-        if spec.writes:
-            values[(op.unit, spec.writes)] = out
+    for unit, layer, method, reads, writes in _compiled(tuple(ops), order or lane_order(runners)):
+        target = runners[unit] if layer is None else runners[unit].layers[layer]
+        out = getattr(target, method)(values.pop((unit, reads))) if reads else getattr(target, method)()
+        if writes:
+            values[(unit, writes)] = out
+
+
+def _compiled(ops: tuple[Op, ...], order: IssueOrder) -> tuple[tuple, ...]:
+    """``ops`` issued in ``order`` as (unit, layer, method, reads, writes), once per distinct step."""
+    if (ops, order) not in _COMPILED:
+        if len(_COMPILED) >= 256:  # the lab's planner runs many distinct steps
+            _COMPILED.clear()
+        issued = ((op, op.spec) for op in issue_order(ops, order))
+        _COMPILED[(ops, order)] = tuple((op.unit, op.layer, s.method, s.reads, s.writes) for op, s in issued)
+    return _COMPILED[(ops, order)]
+
+
+_COMPILED: dict[tuple[tuple[Op, ...], IssueOrder], tuple[tuple, ...]] = {}
 
 
 __all__ = ["IssueOrder", "Op", "issue_order", "lane_order", "run_ops"]

@@ -90,6 +90,10 @@ class Op:
     def __post_init__(self):
         if (self.kind, self.name) not in OPS:
             raise ValueError(f"{self.kind} {self.name}: not an op of the program (program.ops.OPS)")
+        object.__setattr__(self, "_hash", hash((self.kind, self.name, self.unit, self.layer)))
+
+    def __hash__(self) -> int:  # computed once: a step's ops are a cache key (interpreter.issue_order)
+        return self._hash
 
     @property
     def spec(self) -> OpSpec:

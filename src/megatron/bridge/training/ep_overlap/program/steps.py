@@ -286,12 +286,18 @@ def step_kind(forwards: int, backwards: int) -> StepKind:
 
 def windows_of(
     kind: str, f: Sequence[int], b: Sequence[int], fs, bs, *, delay_wgrad: bool, window: int | None
-) -> list[Window]:
+) -> tuple[Window, ...]:
     """The windows of one step of ``kind`` (what Megatron-Core's driver runs per call); a ValueError when a backward
-    defers its wgrad and ``window`` is not 1 or 2 (resolve auto before)."""
+    defers its wgrad and ``window`` is not 1 or 2 (resolve auto before). Built once per distinct step."""
     if delay_wgrad and b:
         _check_window(window)
-    return _BUILD[kind](StepWork(tuple(f), tuple(b), fs, bs, delay_wgrad, window))
+    key = (kind, StepWork(tuple(f), tuple(b), fs, bs, delay_wgrad, window))
+    if key not in _BUILT:
+        _BUILT[key] = tuple(_BUILD[kind](key[1]))
+    return _BUILT[key]
+
+
+_BUILT: dict[tuple[str, StepWork], tuple[Window, ...]] = {}  # a model has a handful of distinct steps
 
 
 def _check_window(window) -> None:

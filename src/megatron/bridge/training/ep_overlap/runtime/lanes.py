@@ -1,6 +1,6 @@
 """Compute and comm lanes behind one interface. CPU (gloo): compute on the host, all-to-alls as gloo async work. CUDA:
-all-to-alls on one comm stream, chained to compute by one event per microbatch; no event is shared across
-microbatches, so the host issue order is the schedule."""
+all-to-alls on Megatron-Core's comm stream, chained to compute by events per (global layer, microbatch), so a launch
+never waits for another virtual stage's compute; events are reused every step. Timing and NVTX only when profiling."""
 
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +17,7 @@ from megatron.bridge.training.ep_overlap.runtime.records import (
     CudaClock,
     HostClock,
     StepRecorder,
+    profiling,
 )
 from megatron.bridge.utils.process_groups import (
     EPGroups,
@@ -69,9 +70,12 @@ class _Lane:
         self.groups = groups
         self.recorder = recorder
 
+    def new_step(self) -> None:
+        self.recorder = StepRecorder(clock=HostClock())
+
     @contextmanager
     def ranged(self, kind: str, name: str, layer: int, microbatch: int, role: str | None = None) -> Iterator[None]:
-        if self.nvtx is None:
+        if self.nvtx is None or not profiling():
             yield
             return
         self.nvtx.range_push(range_name(kind, name, layer, microbatch, role))
@@ -90,10 +94,10 @@ class _Lane:
         record.end = clock.mark()
         record.end_host = time.perf_counter()
         self.recorder.compute.append(record)
-        self._after_compute(microbatch)
+        self._after_compute(node, layer, microbatch)
         tell_alive("%s (layer %d, microbatch %d)", node, layer, microbatch)
 
-    def _after_compute(self, microbatch: int) -> None:
+    def _after_compute(self, node: str, layer: int, microbatch: int) -> None:
         pass
 
     def launch(self, splits: Splits, tensors: list[torch.Tensor], *, op: str, layer: int, microbatch: int):
@@ -170,35 +174,54 @@ class CpuLane(_Lane):
 
 
 class CudaLane(_Lane):
-    """All-to-all on a dedicated comm stream, chained to compute by one event per microbatch."""
+    """All-to-all on the comm stream after its (layer, microbatch)'s ready event; waited for by that key's done
+    event. A wait sees an event's latest record, so events are reused and a steady step creates none."""
 
     issue = IssueOrder.DEVICE
+    _CHUNK_ENDS = frozenset({"embedding", "embedding_bwd", "head", "head_bwd"})  # no all-to-all follows them
 
-    def __init__(self, groups: EPGroups, recorder: StepRecorder, high_priority: bool = False, nvtx=None):
+    def __init__(self, groups: EPGroups, recorder: StepRecorder, comm_stream=None, nvtx=None):
         super().__init__(groups, recorder)
         self.nvtx = nvtx if nvtx is not None else torch.cuda.nvtx
-        self.comm_stream = torch.cuda.Stream(priority=-1 if high_priority else 0)
-        self._events: dict[int, torch.cuda.Event] = {}
+        self.comm_stream = comm_stream if comm_stream is not None else torch.cuda.Stream()
+        self._ready: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._done: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._recorded: set[tuple[int, int]] = set()  # ready events recorded in this step
 
-    def _after_compute(self, microbatch: int) -> None:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        self._events[microbatch] = event
+    def new_step(self) -> None:
+        self.recorder = StepRecorder(clock=CudaClock() if profiling() else HostClock())
+        self._recorded.clear()
 
-    def _comm_waits_for(self, microbatch: int) -> torch.cuda.Stream:
-        """The comm stream waits for the microbatch's last compute (else all compute); returns the compute stream."""
+    @staticmethod
+    def _event(events: dict, key: tuple[int, int]) -> torch.cuda.Event:
+        event = events.get(key)
+        if event is None:
+            event = events[key] = torch.cuda.Event()
+        return event
+
+    def _after_compute(self, node: str, layer: int, microbatch: int) -> None:
+        if node not in self._CHUNK_ENDS:
+            self._event(self._ready, (layer, microbatch)).record(torch.cuda.current_stream())
+            self._recorded.add((layer, microbatch))
+
+    def _comm_waits_for(self, layer: int, microbatch: int) -> torch.cuda.Stream:
+        """The comm stream waits for the key's last compute (else all compute); returns the compute stream."""
         compute_stream = torch.cuda.current_stream()
-        ready = self._events.get(microbatch)
-        if ready is not None:
-            self.comm_stream.wait_event(ready)
+        if (layer, microbatch) in self._recorded:
+            self.comm_stream.wait_event(self._ready[(layer, microbatch)])
         else:
             self.comm_stream.wait_stream(compute_stream)
         return compute_stream
 
+    def _finished(self, layer: int, microbatch: int) -> Callable[[], None]:
+        done_event = self._event(self._done, (layer, microbatch))
+        done_event.record(self.comm_stream)
+        return lambda: torch.cuda.current_stream().wait_event(done_event)
+
     def all_to_all(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], *, op: str, layer: int, microbatch: int
     ) -> Pending:
-        compute_stream = self._comm_waits_for(microbatch)
+        compute_stream = self._comm_waits_for(layer, microbatch)
         with torch.cuda.stream(self.comm_stream), self.ranged("comm", op, layer, microbatch):
             exchanged = exchanged_bytes(x, out_splits, in_splits, self.groups.ep_rank)
             record = self.record_comm(op, layer, microbatch, self.comm_stream, exchanged)
@@ -208,12 +231,11 @@ class CudaLane(_Lane):
         # The caching allocator must not reuse these blocks while the other stream still uses them.
         x.record_stream(self.comm_stream)
         out.record_stream(compute_stream)
-        end = record.done
-        return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
+        return Pending(out, self._finished(layer, microbatch), record)
 
     def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
         """``fn`` on the comm stream after the microbatch's compute; its autograd backward stays on that stream."""
-        compute_stream = self._comm_waits_for(microbatch)
+        compute_stream = self._comm_waits_for(layer, microbatch)
         with torch.cuda.stream(self.comm_stream), self.ranged("comm", op, layer, microbatch):
             record = self.record_comm(op, layer, microbatch, self.comm_stream)
             out = fn()
@@ -221,12 +243,14 @@ class CudaLane(_Lane):
         for tensor in out if isinstance(out, list | tuple) else [out]:
             if tensor is not None:
                 tensor.record_stream(compute_stream)
-        end = record.done
-        return Pending(out, lambda: torch.cuda.current_stream().wait_event(end), record)
+        return Pending(out, self._finished(layer, microbatch), record)
 
 
-def make_lane(groups: EPGroups, device: torch.device, *, high_priority: bool = False) -> _Lane:
-    """The lane for ``device``, with a fresh recorder (one per step)."""
+def make_lane(groups: EPGroups, device: torch.device, *, high_priority: bool = False, timed: bool = True) -> _Lane:
+    """The lane for ``device``, with a fresh recorder (``timed``: CUDA timing events, until :meth:`new_step`)."""
     if device.type == "cuda":
-        return CudaLane(groups, StepRecorder(clock=CudaClock()), high_priority)
+        from megatron.core.pipeline_parallel.utils import get_comm_stream, set_streams
+
+        set_streams(high_priority=high_priority)  # Megatron-Core's comm stream, one per process
+        return CudaLane(groups, StepRecorder(clock=CudaClock() if timed else HostClock()), get_comm_stream())
     return CpuLane(groups, StepRecorder(clock=HostClock()))

@@ -1,10 +1,11 @@
-"""What a step records: each all-to-all's launch, finish and wait, each compute node's run, as clock marks (host times
-on CPU, CUDA events on CUDA), for profiling and tests."""
+"""What a step records: each all-to-all's launch, finish and wait, each compute node's run, as clock marks (host times,
+or timing CUDA events when the step is profiled on CUDA), for profiling and tests."""
 
 import time
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import utils as mcore_utils
 
 from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
@@ -23,7 +24,8 @@ class HostClock:
 
 
 class CudaClock:
-    """Marks are CUDA events recorded on a stream; resolved after the step synchronizes."""
+    """Marks are timing CUDA events recorded on a stream; resolved after the step synchronizes. Only for a profiled
+    step: each mark is an event created and recorded."""
 
     def __init__(self):
         self.t0 = torch.cuda.Event(enable_timing=True)
@@ -36,6 +38,12 @@ class CudaClock:
 
     def seconds(self, mark: torch.cuda.Event) -> float:
         return self.t0.elapsed_time(mark) / 1000.0
+
+
+def profiling() -> bool:
+    """Whether the user profiles: Megatron-Core's NVTX switch (``configure_nvtx_profiling``; Megatron-LM turns it on
+    for ``--profile-step-start``..end with ``--nvtx-ranges``). Timing events and NVTX ranges only then."""
+    return bool(getattr(mcore_utils, "_nvtx_enabled", False))
 
 
 @dataclass
