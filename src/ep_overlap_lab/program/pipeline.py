@@ -26,7 +26,8 @@ class Transfer:
 @dataclass(frozen=True)
 class PipelineStep:
     """One step of the driver on one pipeline rank: ``forward``/``backward`` are (microbatch, virtual stage) or
-    None; ``partner`` a second microbatch of the same direction (edge pairing); ``recv``/``send`` its transfers."""
+    None; ``partner`` a second microbatch of the same direction (edge pairing); ``recv``/``send`` its transfers;
+    ``weight`` a deferred weight gradient (DualPipeV's W) of (microbatch, virtual stage)."""
 
     phase: Phase
     forward: tuple[int, int] | None
@@ -34,6 +35,7 @@ class PipelineStep:
     recv: tuple[Transfer, ...] = ()
     send: tuple[Transfer, ...] = ()
     partner: tuple[int, int] | None = None
+    weight: tuple[int, int] | None = None
 
     @property
     def paired(self) -> bool:
