@@ -233,7 +233,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     [
         ("mtp-two-layers", "mtp_num_layers=2: the EP-overlap schedule runs at most one multi-token prediction"),
         ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
-        ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes ['moe'] from the MoE"),
+        ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes 'moe' by checkpointing"),
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),

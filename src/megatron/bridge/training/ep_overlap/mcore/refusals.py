@@ -96,15 +96,30 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
     modules = getattr(config, "recompute_modules", None) or ()
     stepped = {"moe", "layernorm"} & set(modules)
     if getattr(config, "recompute_granularity", None) == "selective" and stepped:
+        why = [_STEPPED_RECOMPUTE[name] for name in sorted(stepped)]
         refusals.append(
             (
                 "recompute_stepped_modules",
-                f"recompute_modules={modules}: Megatron-Core recomputes {sorted(stepped)} from the MoE layer's and "
-                "the transformer layer's forward, which the EP-overlap plan runs step by step instead; fix: drop "
-                f"{sorted(stepped)} from recompute_modules, {_OFF}",
+                f"recompute_modules={modules}: {'; '.join(why)}; fix: drop {sorted(stepped)} from recompute_modules, "
+                f"{_OFF}",
             )
         )
     return refusals
+
+
+# What Megatron-Core 0.19 does with each selectively recomputed module the plan refuses.
+_STEPPED_RECOMPUTE = {
+    "layernorm": (
+        "Megatron-Core's own overlapped plan recomputes 'layernorm' inside its layer nodes, through the norm "
+        "checkpoints its transformer layer keeps (the pre-MLP norm's from the attention node to the post-combine "
+        "node); the EP-overlap plan calls those layer steps from its own nodes and has no test of that recompute yet"
+    ),
+    "moe": (
+        "Megatron-Core recomputes 'moe' by checkpointing the MoE layer's whole forward (router, dispatch, experts, "
+        "combine), which the EP-overlap plan runs as separate steps (Megatron-Core's config refuses 'moe' with "
+        "overlap_moe_expert_parallel_comm on)"
+    ),
+}
 
 
 def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: bool = False) -> None:
