@@ -1,9 +1,11 @@
 """Expert-parallel process groups (:class:`EPGroups`) and collectives that never wait forever. Split-size exchanges
 run on ``ep_meta_group`` (gloo, CPU tensors) so they never queue behind bulk all-to-alls; every wait goes through
 :func:`wait_work` under the groups' timeout, so a rank whose peer died raises :class:`CollectiveError` instead of
-hanging; finished waits and compute nodes call :func:`tell_alive`, a no-op unless a launcher installed a listener."""
+hanging (or, with a peer check installed, the reason a peer posted for stopping); finished waits and compute nodes
+call :func:`tell_alive`, a no-op unless a launcher installed a listener."""
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 _alive_listener: Callable[..., None] | None = None
+_peer_check: Callable[[], None] | None = None
+PEER_POLL = timedelta(seconds=0.5)  # how often a long wait asks whether a peer gave up (one store read)
 
 
 def set_alive_listener(listener: Callable[..., None] | None) -> None:
@@ -48,15 +52,48 @@ class EPGroups:
     pp_ranks: tuple[int, ...] = ()  # global rank of each pipeline stage's member of this rank's pp_group
 
 
+def set_peer_check(check: Callable[[], None] | None) -> None:
+    """Installs (None: removes) what :func:`wait_work` calls every :data:`PEER_POLL` of a long wait and when a wait
+    fails: it raises the reason a peer posted for stopping (so the wait ends with it), else returns."""
+    global _peer_check
+    _peer_check = check
+
+
+def check_peers() -> None:
+    """Runs the installed peer check (see :func:`set_peer_check`), if any."""
+    if _peer_check is not None:
+        _peer_check()
+
+
 def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
-    """Waits for an async collective; raises CollectiveError naming this rank and ``op`` on failure or timeout."""
-    try:
-        completed = work.wait(timeout)
-    except Exception as exc:  # gloo/NCCL report peer loss and timeouts as various RuntimeErrors
-        raise wait_error(op, timeout, exc) from exc
+    """Waits for an async collective; raises CollectiveError naming this rank and ``op`` on failure or timeout, or
+    what the peer check raises (a peer's reason for stopping, read while waiting or after the failure)."""
+    completed, error = _wait_polling(work, timeout)
+    if error is not None or completed is False:
+        check_peers()
+    if error is not None:  # gloo/NCCL report peer loss and timeouts as various RuntimeErrors
+        raise wait_error(op, timeout, error) from error
     if completed is False:
         raise wait_error(op, timeout, None)
     tell_alive(op)
+
+
+def _wait_polling(work: dist.Work, timeout: timedelta) -> tuple[bool | None, Exception | None]:
+    """``work.wait(timeout)``, in :data:`PEER_POLL` slices with the peer check between them where one is installed."""
+    if _peer_check is None or timeout <= PEER_POLL:
+        try:
+            return work.wait(timeout), None
+        except Exception as exc:
+            return None, exc
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return work.wait(min(PEER_POLL, timedelta(seconds=max(left, 0.0)))), None
+        except Exception as exc:
+            if work.is_completed() or left <= PEER_POLL.total_seconds():
+                return None, exc  # failed, or the whole timeout has passed
+        _peer_check()
 
 
 def wait_error(op: str, timeout: timedelta, cause: Exception | None) -> CollectiveError:

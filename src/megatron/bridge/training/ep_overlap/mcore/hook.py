@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.pipeline_parallel.utils import AbstractSchedulePlan
 
-from megatron.bridge.training.ep_overlap.mcore.agreement import Agreement
+from megatron.bridge.training.ep_overlap.mcore.agreement import Agreement, stops_with_a_peers_reason
 from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, MicrobatchView, gloo_group_like, mcore_ep_groups
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
 from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
@@ -109,6 +109,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         self.input_tensor = input_tensor  # what Megatron-Core set as this chunk's input (None on the first chunk)
 
     @staticmethod
+    @stops_with_a_peers_reason  # a count mismatch a peer posted, not the collective it left
     def run(
         f_schedule_plan: "EPOverlapSchedulePlan | None",
         b_schedule_plan: "EPOverlapSchedulePlan | None",
