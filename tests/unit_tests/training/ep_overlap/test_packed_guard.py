@@ -1,6 +1,6 @@
 """``packed_guard.dropped_packed_sequence``: decided from what the plan builder is given, both sides and the trade-off
 (the stock-loop tests run it in Megatron-Bridge 0.6.2's real ``gpt_step``; ``test_mcore_hook.py`` through the
-builder).
+builder); ``PackedGuard``: read in a position-ids shape's first step only, none after.
 """
 
 from datetime import timedelta
@@ -8,7 +8,12 @@ from datetime import timedelta
 import torch
 
 from megatron.bridge.training.ep_overlap.mcore.agreement import announced
-from megatron.bridge.training.ep_overlap.mcore.packed_guard import DROPPED, NOT_GIVEN, PackedGuard, dropped_packed_sequence
+from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
+    DROPPED,
+    NOT_GIVEN,
+    PackedGuard,
+    dropped_packed_sequence,
+)
 
 from .host_reads import spy
 from .local_ranks import run_local_ranks
