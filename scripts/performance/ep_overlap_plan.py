@@ -8,6 +8,12 @@
     python scripts/performance/ep_overlap_plan.py --table
     # pipelines: the plain 1F1B one and, with --vpp, the interleaved one
     python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --gpus 32 --ep 8 --pp 4 --vpp 2
+    # another dispatcher backend (alltoall by default), the SMs its kernels hold
+    python scripts/performance/ep_overlap_plan.py --model qwen3-30b-a3b --dispatcher hybridep --num_sms 32
+    # a Megatron-Bridge recipe as it is, on the hardware its name says (built offline once, then cached)
+    python scripts/performance/ep_overlap_plan.py --recipe perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config
+    # every performance recipe the recipe check lists, one row each
+    python scripts/performance/ep_overlap_plan.py --all_recipes
 
 It prices the engine's own schedule program (``ep_overlap_lab.planner``); nothing runs on a
 GPU, and it needs no torch.
@@ -20,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEFAULT_COUNTS = [1, 2, 4, 8, 16, 32, 64]
+PROFILE_NAMES = ("H100", "H200", "B200", "B300", "GB200", "GB300", "GB200-NVL8", "GB300-NVL8")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--from_json", help="the harness's --json output (an --ab run): costs from its baseline arm")
     source.add_argument("--model", choices=["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"], help="a published shape")
     source.add_argument("--table", action="store_true", help="print the cluster-scale table (Markdown)")
-    parser.add_argument("--profile", choices=["H100", "H200"], default="H100")
+    source.add_argument("--recipe", help="a Megatron-Bridge recipe: perf_recipes.NAME, recipes.NAME or NAME")
+    source.add_argument("--all_recipes", action="store_true", help="every performance recipe the recipe check lists")
+    parser.add_argument("--profile", choices=list(PROFILE_NAMES), default=None, help="hardware (default: H100, or "
+                        "with --recipe the recipe's name's)")  # fmt: skip
+    parser.add_argument("--dispatcher", choices=["alltoall", "deepep", "hybridep", "ncclep"], default=None,
+                        help="with --model: the token dispatcher backend (default alltoall)")  # fmt: skip
+    parser.add_argument("--num_sms", type=int, default=None, help="with --dispatcher: SMs its kernels hold")
     parser.add_argument("--gpus", type=int, default=None, help="with --model (default 16)")
     parser.add_argument("--ep", type=int, default=None, help="with --model: expert-parallel size (default 16)")
     parser.add_argument("--global_batch", type=int, default=None, help="with --model: sequences (default 1024)")
@@ -73,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(cluster_table())
         return 0
+    if args.recipe or args.all_recipes:
+        from utils.plan_recipe import print_recipes
+
+        return print_recipes(args)
     if args.pp is not None and args.pp > 1:
         return _print_pipelines(args, run)
     costs, link, n, heading = run[:4] if args.from_json else _model_inputs(args)
@@ -119,11 +136,13 @@ def _model_inputs(args) -> tuple:
 
     layout = cost_model.Layout(*model_layout(args))
     recompute = frozenset(args.recompute_modules or ())
-    shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
-    costs, link = cost_model.costs_from_model(shape, layout, profile, recompute)
+    shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile or "H100"]
+    dispatcher = cost_model.Dispatcher(args.dispatcher or "alltoall", args.num_sms)
+    costs, link = cost_model.costs_from_model(shape, layout, profile, recompute, dispatcher=dispatcher)
     plain, overlap, delayed, edges = activation_peaks_gib(shape, layout, recompute)
     heading = (
-        f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}\n"
+        f"{args.model} on {layout.gpus} x {args.profile or 'H100'}, EP {layout.ep}, global batch "
+        f"{layout.global_batch}, {dispatcher.backend}" + (f" ({dispatcher.sms} SMs)" if args.num_sms else "") + "\n"
         "activations held per rank (all layers, balanced routing; an estimate"
         + (f", recomputing {' '.join(sorted(recompute))}: at most this" if recompute else "")
         + f"): plain {plain:.1f} GiB, overlapped {overlap:.1f}, with delayed wgrad {delayed:.1f}, with edge "
@@ -146,9 +165,10 @@ def _print_pipelines(args, measured) -> int:
             lines = measured_pipeline_lines(costs, link, n, args.pp, args.vpp, activation_bytes)
         else:
             layout = cost_model.Layout(*model_layout(args))
-            shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile]
+            shape, profile = cost_model.SHAPES[args.model], cost_model.PROFILES[args.profile or "H100"]
             heading = (
-                f"{args.model} on {layout.gpus} x {args.profile}, EP {layout.ep}, global batch {layout.global_batch}"
+                f"{args.model} on {layout.gpus} x {args.profile or 'H100'}, EP {layout.ep}, global batch "
+                f"{layout.global_batch}"
             )
             lines = pipeline_lines(shape, layout, profile, args.pp, args.vpp)
     except ValueError as exc:  # layers that do not split over the stages

@@ -35,9 +35,36 @@ def flag_problems(args, num_experts: int | None) -> list[str]:
             "give microbatch counts of 1 or more",
         ),
     ]
-    rows += _source_rows(args) if args.from_json or args.table else _model_rows(args, num_experts)
-    rows += _pipeline_rows(args)
+    recipe = getattr(args, "recipe", None) or getattr(args, "all_recipes", False)
+    rows += _recipe_rows(args) if recipe else _source_rows(args) if args.from_json or args.table else []
+    rows += _model_rows(args, num_experts) if args.model else []
+    rows += _pipeline_rows(args) + _dispatcher_rows(args)
     return [f"{field}={value!r}: {fix}" for broken, field, value, fix in rows if broken]
+
+
+def _recipe_rows(args) -> list[tuple]:
+    """The rows of a --recipe or --all_recipes run: the recipe gives its own layout (--gpus and --profile may
+    override its name's)."""
+    source = "--recipe" if args.recipe else "--all_recipes"
+    rows = [
+        (getattr(args, flag) is not None, f"--{flag}", getattr(args, flag), f"applies to --model ({source} takes "
+         "it from the recipe): drop it")
+        for flag in ("ep", "global_batch", "link_gbps", "recompute_modules", "microbatches", "pp", "vpp")
+    ]  # fmt: skip
+    rows.append((args.gpus is not None and args.gpus < 1, "--gpus", args.gpus, "give 1 or more GPUs"))
+    return rows
+
+
+def _dispatcher_rows(args) -> list[tuple]:
+    """--dispatcher and --num_sms: a --model prediction's backend."""
+    dispatcher, sms = getattr(args, "dispatcher", None), getattr(args, "num_sms", None)
+    return [
+        (dispatcher is not None and not args.model, "--dispatcher", dispatcher, "applies to --model only: drop it"),
+        (sms is not None and dispatcher is None, "--num_sms", sms, "applies with --dispatcher: add it"),
+        (sms is not None and sms < 1, "--num_sms", sms, "give a whole number of SMs, 1 or more"),
+        (sms is not None and dispatcher == "alltoall", "--num_sms", sms, "NCCL's all-to-all takes its channels, not "
+         "--num_sms: drop it"),
+    ]  # fmt: skip
 
 
 def _pipeline_rows(args) -> list[tuple]:

@@ -67,7 +67,9 @@ def _attention_flops(s: MoEShape, tokens: int) -> float:
     h, heads = s.hidden, s.num_heads
     if s.mla:
         q_lora, kv_lora, nope, rope, v = s.mla
-        projections = h * q_lora + q_lora * heads * (nope + rope) + h * (kv_lora + rope)
+        # without a query down-projection (q_lora_rank None, given as 0) the queries come from the hidden state
+        queries = h * q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
+        projections = queries + h * (kv_lora + rope)
         projections += kv_lora * heads * (nope + v) + heads * v * h
         core = s.seq_length * heads * (nope + rope + v)  # QK^T and PV, halved for causal masking
     else:

@@ -66,6 +66,15 @@ PROFILES: dict[str, HardwareProfile] = {
             "network_Bps": "DGX B200 user guide: 8 ConnectX-7 400 Gb/s adapters, one per GPU, 50 GB/s each way",
         },
     ),
+    "B300": HardwareProfile(
+        "B300 (HGX/DGX, NVLink domain of 8)", 2.25e15, 160, 8e12, 8, 900e9, 100e9,
+        sources=_BLACKWELL | {
+            "peak_flops": "HGX B300: 2.25 PFLOP/s dense BF16, as the HGX B200",
+            "sm_count": "Blackwell Ultra: 160 SMs per GPU (NVIDIA Blackwell Ultra technical blog)",
+            "gpus_per_node": "DGX/HGX B300: 8 GPUs on one NVSwitch domain",
+            "network_Bps": "DGX B300: one ConnectX-8 800 Gb/s per GPU, 100 GB/s each way",
+        },
+    ),
     "GB200": HardwareProfile(
         "GB200 NVL72 (NVLink domain of 72)", 2.5e15, 148, 8e12, 72, 900e9, 50e9,
         sources=_BLACKWELL | {
