@@ -26,6 +26,8 @@ import argparse
 import ast
 import collections
 import difflib
+import fnmatch
+import functools
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,8 @@ import tarfile
 import tempfile
 from datetime import date
 from pathlib import Path
+
+from upstream_series import SERIES, Part
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.6.2"
@@ -47,7 +51,10 @@ PROJECT_ONLY_TESTS = {TESTS / "test_layout.py"}
 HUNKS = ROOT / "tools" / "upstream_hunks"
 # Shipped from another file: the plugin's entry point subclasses stock CommOverlapConfig to add what the patched
 # CommOverlapConfig does itself, so the patch ships it as an alias of that class.
-SHIPPED_FROM = {PACKAGE / "training" / "ep_overlap_config.py": Path("tools/upstream_files/ep_overlap_config.py")}
+# The series' bug fixes ship their tests from there too, at upstream's path.
+SHIPPED_FROM = {PACKAGE / "training" / "ep_overlap_config.py": Path("tools/upstream_files/ep_overlap_config.py")} | {
+    Path(f): Path("tools/upstream_files") / f for part in SERIES for f in part.files
+}
 LICENSE_HEADER = f"""# Copyright (c) {date.today().year}, NVIDIA CORPORATION.  All rights reserved.
 #
 # Licensed under the Apache License, Version 2.0 (the "License");
@@ -206,14 +213,69 @@ def added_lines(patch: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def make_patch(upstream_root: Path) -> str:
-    """The patch of every Python file of this project's package and of its tests
-    (:func:`patch_tests`) against the tree ``upstream_root``, then the stored hunks (:data:`HUNKS`) that apply there
-    (:func:`hunks_that_do_not_apply` names the others)."""
-    files = sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py"))
-    ours = "".join(_diff(relative, upstream_root) for relative in [*files, *patch_tests()])
+def payload_files() -> list[Path]:
+    """The feature's files: every Python file of this project's package and the tests it carries."""
+    return sorted(p.relative_to(ROOT) for p in (ROOT / PACKAGE).rglob("*.py")) + patch_tests()
+
+
+def _part_diff(part: Part, tree: Path) -> str:
+    """What ``part`` changes, as a diff against the tree ``tree``: its files (the payload, or files shipped whole),
+    then its stored hunks."""
+    files = payload_files() if part.payload else [Path(f) for f in part.files]
+    return "".join(_diff(relative, tree) for relative in files) + "".join((HUNKS / h).read_text() for h in part.hunks)
+
+
+def _targets(diff: str) -> list[str]:
+    return sorted({line[6:].strip() for line in diff.splitlines() if line.startswith(("+++ b/", "--- a/"))})
+
+
+@functools.cache
+def _identity() -> tuple[str, ...]:
+    """The patches' author: whoever makes them (this repository's git identity), else a placeholder."""
+    identity = {"user.name": "Megatron-Bridge EP overlap", "user.email": "ep-overlap@users.noreply.github.com"}
+    for key in identity:
+        found = subprocess.run(["git", "-C", str(ROOT), "config", key], capture_output=True, text=True).stdout
+        identity[key] = found.strip() or identity[key]
+    return tuple(arg for key, value in identity.items() for arg in ("-c", f"{key}={value}"))
+
+
+def _git(repo: Path, *args: str, text: str | None = None) -> str:
+    return subprocess.run(["git", *_identity(), *args], cwd=repo, input=text, text=True, check=True,
+                          capture_output=True).stdout  # fmt: skip
+
+
+def make_series(upstream_root: Path) -> list[tuple[str, str]]:
+    """The series (``tools/upstream_series.py``) against the tree ``upstream_root``: (file name, patch) per part, in
+    ``git format-patch`` form, each made on top of the ones before it. A part with a stored hunk that does not apply
+    there is left out (:func:`hunks_that_do_not_apply` names the hunks). Raises ValueError when a part changes a path
+    its subject does not name."""
     skipped = set(hunks_that_do_not_apply(upstream_root))
-    return ours + "".join(h.read_text() for h in stored_hunks() if h.name not in skipped)
+    parts = [(part, _part_diff(part, upstream_root)) for part in SERIES if not skipped & set(part.hunks)]
+    for part, diff in parts:
+        outside = [t for t in _targets(diff) if not any(fnmatch.fnmatch(t, pattern) for pattern in part.touches)]
+        if outside:
+            raise ValueError(f"{part.subject!r} changes {outside}, which its subject does not name")
+    with tempfile.TemporaryDirectory() as scratch:
+        repo, out = Path(scratch) / "tree", Path(scratch) / "series"
+        for relative in {t for _, diff in parts for t in _targets(diff)}:  # the diffs name blobs, not a commit
+            if (upstream_root / relative).exists():
+                (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(upstream_root / relative, repo / relative)
+        repo.mkdir(exist_ok=True)
+        _git(repo, "init", "-q")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "--allow-empty", "-m", "upstream")
+        for part, diff in parts:
+            _git(repo, "apply", "--index", "-", text=diff)
+            _git(repo, "commit", "-q", "-F", "-", text=f"{part.subject}\n\n{part.body}\n")
+        _git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out), "HEAD~" + str(len(parts)))
+        return [(p.name, p.read_text()) for p in sorted(out.glob("*.patch"))]
+
+
+def make_patch(upstream_root: Path) -> str:
+    """The whole series against the tree ``upstream_root`` in one mailbox: ``git am`` applies it patch by patch,
+    ``git apply`` at once."""
+    return "".join(text for _, text in make_series(upstream_root))
 
 
 def stored_hunks() -> list[Path]:
@@ -231,13 +293,30 @@ def hunks_that_do_not_apply(tree: Path) -> list[str]:
 
 
 def build_patch(path: Path = PATCH) -> Path:
-    """Writes the patch against the 0.6.2 sources, after checking that it applies to a fresh unpack."""
+    """Writes the series against the 0.6.2 sources, one file per patch in the folder ``path`` names without its
+    suffix and all of them in ``path``, after committing them in order (``git am``) onto a fresh unpack."""
     with tempfile.TemporaryDirectory() as scratch:
-        patch = make_patch(unpack_sources(Path(scratch)))
-    check_applies(patch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(patch)
+        series = make_series(unpack_sources(Path(scratch) / "made"))
+        check_series([text for _, text in series], unpack_sources(Path(scratch) / "checked"))
+    folder = path.with_suffix("")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name, text in series:
+        (folder / name).write_text(text)
+    path.write_text("".join(text for _, text in series))
     return path
+
+
+def check_series(patches: list[str], root: Path) -> Path:
+    """Commits ``patches`` in order with ``git am`` onto the source tree ``root`` (made a git repository first if it
+    is none); raises CalledProcessError where one does not apply. Returns ``root``."""
+    if not (root / ".git").exists():
+        _git(root, "init", "-q")
+        _git(root, "add", "-A")
+        _git(root, "commit", "-q", "-m", f"megatron-bridge {VERSION}")
+    for patch in patches:
+        _git(root, "am", "-q", "-", text=patch)
+    return root
 
 
 def check_applies(patch: str, root: Path | None = None) -> None:
@@ -289,7 +368,12 @@ def main(argv: list[str]) -> int:
         print(f"plugin wheel: {build_plugin()}")
     elif args.against is None:
         path = build_patch()
-        print(f"patch against megatron-bridge {VERSION} (applies cleanly): {path}")
+        print(f"series against megatron-bridge {VERSION} (git am applies it in order): {path.with_suffix('')}/")
+        for patch in sorted(path.with_suffix("").glob("*.patch")):
+            counts = added_lines(patch.read_text())
+            source = sum(n for folder, n in counts.items() if not folder.startswith("tests"))
+            print(f"  {patch.name}: {source} src/ lines added, {sum(counts.values()) - source} tests/")
+        print(f"all of it in one file (git am, or git apply): {path}")
         counts = added_lines(path.read_text())
         for folder, lines in counts.items():
             print(f"  {lines:6d}  {folder}")

@@ -9,9 +9,10 @@ since each run puts its own copy's ``src/`` first on the path.
 
 What it does:
     * Selects the upstream test files that import a module the patch changes or that upstream's recipes and
-      training config run through: ``training.comm_overlap``, ``training.flex_dispatcher_backend``,
-      ``training.gpt_step`` (the stored hunk), ``training.config`` and ``megatron.bridge.recipes`` (or the FILEs
-      given, relative to ``tests/unit_tests``).
+      training config run through: ``training.comm_overlap``, ``training.flex_dispatcher_backend``, the files the
+      stored hunks change (``training.gpt_step``, ``training.train``, ``training.setup``,
+      ``models.qwen_vl.qwen3_vl_step``), ``training.config`` and ``megatron.bridge.recipes`` (or the FILEs given,
+      relative to ``tests/unit_tests``).
     * Copies the tree twice into ``--out``: as it is, and with the patch ``tools/upstream.py`` makes for this very
       tree applied (it must apply; a tree the patch needs a rebase for is refused with what does not apply).
     * Runs every selected file whole in each copy, ``pytest -m "not gpu and not pleasefixme"``, at most
@@ -20,9 +21,9 @@ What it does:
       stand-in makes every name importable and unusable). Each run writes junit XML.
     * Compares the outcomes test by test and prints the counts of both runs, every test that passes as it is and
       not with the patch (a regression), and every one that only passes with it.
-    * Runs the patch's own tests (``tests/unit_tests/training/ep_overlap/``, :func:`upstream.patch_tests`) in the
-      patched copy, the same way, and prints their counts and every failure. Where the interpreter has no lab
-      (``ep_overlap_lab``), those marked ``lab`` skip, as in upstream's CI.
+    * Runs the patch's own tests (``tests/unit_tests/training/ep_overlap/``, :func:`upstream.patch_tests`, and the
+      bug fixes' tests the series carries) in the patched copy, the same way, and prints their counts and every
+      failure. Where the interpreter has no lab (``ep_overlap_lab``), those marked ``lab`` skip, as in upstream's CI.
 
 Exit status: 1 when there is a regression or one of the patch's own tests fails, else 0.
 """
@@ -45,6 +46,9 @@ TOUCHED = (
     "megatron.bridge.training.comm_overlap",
     "megatron.bridge.training.flex_dispatcher_backend",
     "megatron.bridge.training.gpt_step",
+    "megatron.bridge.training.train",
+    "megatron.bridge.training.setup",
+    "megatron.bridge.models.qwen_vl.qwen3_vl_step",
     "megatron.bridge.training.config",
     "megatron.bridge.recipes",
 )
@@ -191,9 +195,10 @@ def run_all(python: str, copies: dict[str, Path], tests: list[str], timeout: int
 
 
 def own_tests() -> list[str]:
-    """The patch's own test files, relative to ``tests/unit_tests``."""
+    """The patch's own test files (the feature's, then the bug fixes'), relative to ``tests/unit_tests``."""
     root = Path("tests/unit_tests")
-    return [str(p.relative_to(root)) for p in upstream.patch_tests() if p.name.startswith("test_")]
+    fixes = [Path(f) for part in upstream.SERIES for f in part.files]
+    return [str(p.relative_to(root)) for p in [*upstream.patch_tests(), *fixes] if p.name.startswith("test_")]
 
 
 def run_own(python: str, copies: dict[str, Path], timeout: int, jobs: int) -> dict[str, str]:

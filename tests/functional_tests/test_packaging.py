@@ -11,6 +11,7 @@ config classes that upstream's ``comm_overlap.py`` imports only for type annotat
 Transformer Engine.
 """
 
+import email
 import hashlib
 import subprocess
 import sys
@@ -151,11 +152,95 @@ def test_a_recipe_gets_the_single_error_on_upstreams_own_comm_overlap(scratch):
 def test_the_patch_applies_to_a_fresh_unpack(wheels, tmp_path):
     patch = upstream.build_patch(tmp_path / "ep-overlap.patch").read_text()  # checks `git apply --check` itself
     assert "diff --git a/src/megatron/bridge/training/comm_overlap.py" in patch
-    new = "new file mode 100644\n--- /dev/null\n+++ b/"
+    new = "--- /dev/null\n+++ b/"
     assert new + "src/megatron/bridge/training/ep_overlap/runtime/lanes.py" in patch
     assert new + "tests/unit_tests/training/ep_overlap/test_comm_overlap_rules.py" in patch  # its tests travel with it
     assert "+++ b/src/ep_overlap_lab/" not in patch  # the lab stays in this project
     assert "a/src/megatron/bridge/__init__.py" not in patch
+
+
+@pytest.fixture(scope="module")
+def series(wheels, tmp_path_factory):
+    """``make patch``'s output: the one file, and the patches in order."""
+    path = upstream.build_patch(tmp_path_factory.mktemp("series") / "ep-overlap.patch")
+    return path, [p.read_text() for p in sorted(path.with_suffix("").glob("*.patch"))]
+
+
+def _touched(patch: str) -> set[str]:
+    return {line[6:].strip() for line in patch.splitlines() if line.startswith(("+++ b/", "--- a/"))}
+
+
+def _changed(patch: str, path: str) -> list[str]:
+    """The lines ``patch`` adds to or removes from ``path``."""
+    lines, inside = [], False
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            inside = line.endswith(f" b/{path}")
+        elif inside and line[:1] in "+-" and not line.startswith(("+++ ", "--- ")):
+            lines.append(line)
+    return lines
+
+
+def _subject(patch: str) -> str:
+    return " ".join(email.message_from_string(patch)["Subject"].split())
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout
+
+
+def test_make_patch_writes_a_series_that_commits_in_order_onto_stock_0_6_2(series, tmp_path):
+    path, patches = series
+    assert len(patches) == len(upstream.SERIES) >= 3 and "".join(patches) == path.read_text()
+    for number, patch in enumerate(patches, 1):
+        assert patch.startswith("From ") and f"Subject: [PATCH {number}/{len(patches)}] " in patch
+    tree = upstream.check_series(patches, upstream.unpack_sources(tmp_path / "am"))  # git am, one commit each
+    subjects = _git(tree, "log", "--reverse", "--format=%s").splitlines()
+    assert subjects == [f"megatron-bridge {upstream.VERSION}", *(part.subject for part in upstream.SERIES)]
+    assert not _git(tree, "status", "--porcelain")
+    # The one file, applied at once, gives the same tree.
+    at_once = upstream.unpack_sources(tmp_path / "apply")
+    subprocess.run(["git", "apply", "-"], cwd=at_once, input=path.read_text(), text=True, check=True)
+    touched = set().union(*map(_touched, patches))
+    assert all((tree / f).read_bytes() == (at_once / f).read_bytes() for f in touched)
+
+
+GPT_STEP = "src/megatron/bridge/training/gpt_step.py"
+UNIT = "tests/unit_tests/training"
+UPSTREAMS_STEPS = {GPT_STEP, "src/megatron/bridge/training/train.py", "src/megatron/bridge/training/setup.py",
+                   "src/megatron/bridge/models/qwen_vl/qwen3_vl_step.py"}  # fmt: skip
+
+
+def test_the_series_starts_with_the_bug_fixes_each_touching_only_what_its_title_says(series):
+    mtp, packed, feature, vision, pipeline = series[1]
+    assert _subject(mtp) == "[PATCH 1/5] gpt_step: pass the loss mask to the plain forward of MTP models"
+    assert _touched(mtp) == {GPT_STEP, f"{UNIT}/test_gpt_step_mtp_loss_mask.py"}
+    assert any('forward_args["loss_mask"]' in line for line in _changed(mtp, GPT_STEP))
+    assert not any("build_schedule_plan" in line or "packed_seq" in line for line in _changed(mtp, GPT_STEP))
+
+    assert _subject(packed) == "[PATCH 2/5] gpt_step: build the schedule plan with the packed-sequence parameters"
+    assert _touched(packed) == {GPT_STEP, f"{UNIT}/test_gpt_step_packed_schedule_plan.py"}
+    assert any("packed_seq_params=" in line for line in _changed(packed, GPT_STEP))
+    assert not any("use_mtp" in line or 'forward_args["loss_mask"]' in line for line in _changed(packed, GPT_STEP))
+
+    # The feature: the payload and its tests; of upstream's files only the two it ships whole.
+    payload, changed = {str(f) for f in upstream.payload_files()}, _touched(feature)
+    assert changed <= payload and not payload & UPSTREAMS_STEPS
+    assert {f"{upstream.PACKAGE}/training/{f}" for f in ("comm_overlap.py", "ep_overlap/mcore/hook.py")} <= changed
+    assert _touched(vision) == {"src/megatron/bridge/models/qwen_vl/qwen3_vl_step.py"}
+    assert _touched(pipeline) == {"src/megatron/bridge/training/setup.py", "src/megatron/bridge/training/train.py"}
+    assert "Why train.py changes:" in pipeline  # its description says why the feature needs it
+
+
+def test_the_bug_fixes_alone_commit_onto_stock_0_6_2(series, tmp_path):
+    fixes = series[1][:2]
+    alone = upstream.check_series(fixes, upstream.unpack_sources(tmp_path / "fixes"))
+    assert _git(alone, "diff", "--name-only", "HEAD~2").split() == [
+        GPT_STEP, f"{UNIT}/test_gpt_step_mtp_loss_mask.py", f"{UNIT}/test_gpt_step_packed_schedule_plan.py"
+    ]  # fmt: skip
+    compile((alone / GPT_STEP).read_text(), GPT_STEP, "exec")
+    for fix in fixes:  # and each one without the other
+        upstream.check_series([fix], upstream.unpack_sources(tmp_path / str(fixes.index(fix))))
 
 
 def _first_lines_without_the_header(root: Path, files: list[str]) -> list[str]:

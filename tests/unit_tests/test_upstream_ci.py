@@ -20,11 +20,16 @@ def test_it_selects_the_test_files_that_import_what_the_patch_touches(tmp_path):
         "recipes/test_c.py": "import megatron.bridge.recipes.moonlight as m\n",
         "models/test_d.py": "from megatron.bridge.models import gpt_provider\n",
         "training/helper.py": "from megatron.bridge.training.comm_overlap import x\n",
+        "training/test_e.py": "from megatron.bridge.training.train import train\n",  # files the stored hunks change
+        "models/test_f.py": "import megatron.bridge.models.qwen_vl.qwen3_vl_step as step\n",
+        "training/test_g.py": "from megatron.bridge.training import state\n",
     }
     for name, text in files.items():
         (tests / name).parent.mkdir(parents=True, exist_ok=True)
         (tests / name).write_text(text)
-    assert upstream_ci.select_tests(tmp_path) == ["recipes/test_c.py", "training/test_a.py", "training/test_b.py"]
+    assert upstream_ci.select_tests(tmp_path) == [
+        "models/test_f.py", "recipes/test_c.py", "training/test_a.py", "training/test_b.py", "training/test_e.py"
+    ]  # fmt: skip
 
 
 def _junit(path: Path, cases: dict[str, str]) -> Path:
@@ -54,6 +59,7 @@ def test_the_patchs_own_tests_and_their_report(tmp_path, capsys):
     assert "training/ep_overlap/test_mcore_hook.py" in own and "training/ep_overlap/test_comm_overlap_rules.py" in own
     assert "training/ep_overlap/test_planner.py" not in own  # the lab's: not in the patch
     assert "training/ep_overlap/test_layout.py" not in own  # this repository's layout
+    assert own[-2:] == ["training/test_gpt_step_mtp_loss_mask.py", "training/test_gpt_step_packed_schedule_plan.py"]
     states = upstream_ci.outcomes(_junit(tmp_path / "own.xml", {"x": "passed", "y": "skipped", "z": "failed"}))
     assert upstream_ci.report_own(states) == 1
     out = capsys.readouterr().out
