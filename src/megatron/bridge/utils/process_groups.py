@@ -91,8 +91,13 @@ def _wait_polling(work: dist.Work, timeout: timedelta) -> tuple[bool | None, Exc
         try:
             return work.wait(min(PEER_POLL, timedelta(seconds=max(left, 0.0)))), None
         except Exception as exc:
-            if work.is_completed() or left <= PEER_POLL.total_seconds():
-                return None, exc  # failed, or the whole timeout has passed
+            if work.is_completed():  # it failed, or finished just after the slice ran out: its own outcome
+                try:
+                    return work.wait(PEER_POLL), None
+                except Exception as outcome:
+                    return None, outcome
+            if left <= PEER_POLL.total_seconds():
+                return None, exc  # the whole timeout has passed
         _peer_check()
 
 
