@@ -2,48 +2,15 @@
 Megatron-Core's layout (rank r holds chunk ``v * P + r``); PP = 1 is P = V = 1. Warm-up is Megatron-Core's count
 plus one forward with overlap, so no step pairs a microbatch's forward with its own backward. Deadlock freedom: sends
 never block (tags unique within the step), receives are posted a step ahead, and an all-to-all spans one pipeline
-stage, whose ranks run the same list; :func:`simulate` checks it. Roles and phases are the payload's."""
+stage, whose ranks run the same list; :func:`simulate` checks it. Roles, phases and step types are the payload's."""
 
-from dataclasses import dataclass
-
-from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, Phase
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One P2P transfer of a step: activation (``F``) or gradient (``B``) of (microbatch, chunk) to/from a rank."""
-
-    kind: str
-    microbatch: int
-    chunk: int  # global model chunk id: F, the chunk the activation enters; B, the chunk whose output it is
-    peer: int
-
-    def tag(self, num_chunks: int) -> int:
-        """Unique within a training step, equal on both ends."""
-        return (self.microbatch * num_chunks + self.chunk) * 2 + (self.kind == BACKWARD)
-
-
-@dataclass(frozen=True)
-class PipelineStep:
-    """One step of the driver on one pipeline rank: ``forward``/``backward`` are (microbatch, virtual stage) or
-    None; ``partner`` a second microbatch of the same direction (edge pairing); ``recv``/``send`` its transfers;
-    ``weight`` a deferred weight gradient (DualPipeV's W) of (microbatch, virtual stage)."""
-
-    phase: Phase
-    forward: tuple[int, int] | None
-    backward: tuple[int, int] | None
-    recv: tuple[Transfer, ...] = ()
-    send: tuple[Transfer, ...] = ()
-    partner: tuple[int, int] | None = None
-    weight: tuple[int, int] | None = None
-
-    @property
-    def paired(self) -> bool:
-        return self.forward is not None and self.backward is not None
-
-    @property
-    def overlapped(self) -> bool:
-        return self.paired or self.partner is not None
+from megatron.bridge.training.ep_overlap.program.pipeline import (
+    BACKWARD,
+    FORWARD,
+    Phase,
+    PipelineStep,
+    Transfer,
+)
 
 
 def virtual_order(num_microbatches: int, pipeline_size: int, virtual_size: int) -> list[tuple[int, int]]:

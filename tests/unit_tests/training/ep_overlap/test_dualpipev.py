@@ -5,14 +5,8 @@ import itertools
 
 import pytest
 
-from ep_overlap_lab.program.dualpipev import (
-    Costs,
-    dualpipev_schedule,
-    published_bubble,
-    simulate_dualpipev,
-    simulate_schedules,
-    stage_of,
-)
+from ep_overlap_lab.program.dualpipev import Costs, published_bubble, simulate_dualpipev, simulate_schedules
+from megatron.bridge.training.ep_overlap.program.dualpipev import dualpipev_schedule, stage_of
 from megatron.bridge.training.ep_overlap.program.pipeline import Phase
 
 SIZES = [(P, N) for P in (2, 4, 8) for N in range(2 * P, 4 * P + 2)]

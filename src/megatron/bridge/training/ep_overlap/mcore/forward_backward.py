@@ -15,10 +15,12 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from megatron.bridge.training.ep_overlap.mcore.agreement import announced
+from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_requested, forward_backward_dualpipev
 
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kwargs):
-    """Megatron-Core's ``get_forward_backward_func``, with ours for PP > 1 without virtual stages."""
+    """Megatron-Core's ``get_forward_backward_func``, with ours for PP > 1 without virtual stages; with PP > 1 a model
+    config whose ``ep_overlap_pipeline_schedule`` is ``"dualpipev"`` runs :func:`forward_backward_dualpipev`."""
     mcore = schedules.get_forward_backward_func(pp_size, vp_size, **kwargs)
     if mcore is schedules.forward_backward_pipelining_without_interleaving:
         return forward_backward_pipelining_with_ep_overlap
@@ -28,6 +30,8 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
 def _announcing(function):
     @functools.wraps(function)
     def call(*args, num_microbatches: int, **kwargs):
+        if function is not schedules.forward_backward_no_pipelining and dualpipev_requested(kwargs["model"]):
+            return forward_backward_dualpipev(num_microbatches=num_microbatches, **kwargs)
         with announced(num_microbatches):
             return function(*args, num_microbatches=num_microbatches, **kwargs)
 
@@ -37,6 +41,11 @@ def _announcing(function):
 
 def forward_backward_pipelining_with_ep_overlap(*, forward_step_func, data_iterator, model, num_microbatches, **kw):
     """Megatron-Core's non-interleaved schedule's arguments and result (see the module docstring)."""
+    if dualpipev_requested(model):
+        return forward_backward_dualpipev(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, **kw,
+        )  # fmt: skip
     with announced(num_microbatches):
         return _plain_pipeline(forward_step_func, data_iterator, model, num_microbatches, kw)
 
