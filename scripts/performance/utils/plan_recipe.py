@@ -12,6 +12,7 @@ first pricing waits for the build; the planner itself imports no torch.
 import fcntl
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from utils.plan_recipe_worker import fields_of
 
 ROOT = Path(__file__).resolve().parents[3]
-CACHE = ROOT / "build" / "plan-recipes"
+CACHE = Path(os.environ.get("EP_OVERLAP_PLAN_RECIPES", ROOT / "build" / "plan-recipes"))  # tests point it elsewhere
 WORKER = Path(__file__).with_name("plan_recipe_worker.py")
 _KEYED = (WORKER, ROOT / "tests" / "functional_tests" / "recipe_check" / "offline.py",
           ROOT / "tests" / "functional_tests" / "recipe_check" / "universe.py")  # fmt: skip

@@ -59,9 +59,10 @@ def _field(model: dict, name: str, default=None):
 
 
 def profile_of(name: str) -> str | None:
-    """The hardware profile a recipe's name says (``..._h100_...``), or None."""
+    """The profile a recipe's name says (``..._h100_...``; an unknown GPU, ``vr200``, in capitals), or None."""
     tokens = re.split(r"[_.]", name.lower())
-    return next((HARDWARE[t] for t in tokens if t in HARDWARE), None)
+    known = next((HARDWARE[t] for t in tokens if t in HARDWARE), None)
+    return known or next((t.upper() for t in tokens if re.fullmatch(r"g?[a-z]{1,2}\d{3}", t)), None)
 
 
 def gpus_of(name: str) -> int | None:
@@ -122,10 +123,15 @@ def _layout(fields: dict, name: str, gpus: int | None) -> tuple[dict, list[str]]
         notes.append(f"{gpus} GPUs: the fewest its layout needs (its name gives none)")
     dp = gpus // (tp * pp * cp)
     gbs, mbs = fields["global_batch_size"], fields["micro_batch_size"]
-    if gpus % (tp * pp * cp) or (dp * tp * cp) % ep or gbs % (mbs * dp):
+    stage = gpus // pp  # the ranks of one pipeline stage: TP x CP x DP of them, EP x expert-DP for the experts
+    if gpus % (tp * pp * cp) or stage % ep:
         raise RecipeRefusal(
-            f"{gpus} GPUs with TP {tp}, PP {pp}, CP {cp}, EP {ep}, global batch {gbs}, micro-batch {mbs}: the layout "
-            "does not tile the GPUs into whole microbatches"
+            f"model.expert_model_parallel_size={ep}: must divide the {stage} ranks of a pipeline stage ({gpus} GPUs, "
+            f"PP {pp}, TP {tp}, CP {cp}); give --gpus for the count the recipe runs on"
+        )
+    if gbs % (mbs * dp):
+        raise RecipeRefusal(
+            f"train.global_batch_size={gbs}: not whole microbatches of {mbs} on {dp} data-parallel ranks; give --gpus"
         )
     vpp = _field(m, "virtual_pipeline_model_parallel_size", 1)
     if tp * cp > 1:
@@ -152,16 +158,25 @@ def price_recipe(fields: dict, name: str, profile: str | None = None, gpus: int 
     Raises:
         RecipeRefusal: No hardware profile for it, no expert parallelism, a model or layout the planner cannot price.
     """
+    notes = []
     profile = profile or profile_of(name)
+    if profile is None:
+        profile = "H100"
+        notes.append("its name names no GPU: priced on H100 (--profile picks another)")
     if profile not in PROFILES:
-        said = f"its name says {profile}" if profile else "its name names no GPU"
-        raise RecipeRefusal(f"{name}: {said}; the planner has profiles for {', '.join(PROFILES)}: give --profile")
+        raise RecipeRefusal(
+            f"its name says {profile}, which has no hardware profile (the planner's: {', '.join(PROFILES)}): give "
+            "--profile"
+        )
     m = fields["model"]
     if (m.get("num_moe_experts") or 0) < 2 or _field(m, "expert_model_parallel_size", 1) < 2:
-        raise RecipeRefusal(f"{name}: not a MoE model with expert parallelism above 1: there is nothing to overlap")
-    shape, notes = shape_of(fields)
-    layout, more = _layout(fields, name, gpus or gpus_of(name))
-    notes += more
+        raise RecipeRefusal(
+            f"model.num_moe_experts={m.get('num_moe_experts')}, model.expert_model_parallel_size="
+            f"{m.get('expert_model_parallel_size')}: not a MoE model with expert parallelism above 1: nothing to hide"
+        )
+    shape, more = shape_of(fields)
+    layout, most = _layout(fields, name, gpus or gpus_of(name))
+    notes += more + most
     if m.get("fp8") or m.get("fp4"):
         notes.append(f"{'FP8' if m.get('fp8') else 'FP4'} recipe priced at BF16 rates")
     recompute, segments = _recompute(m, shape.num_layers)

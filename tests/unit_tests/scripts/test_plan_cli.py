@@ -2,8 +2,10 @@
 
 import copy
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,7 +106,7 @@ def test_recompute_is_charged_with_a_published_shape():
     assert run.returncode == 0, run.stderr
     # Its bytes too: the experts keep only their received rows (29.9 GiB keeping everything).
     assert "recomputing moe: at most this): plain 20.9 GiB, overlapped 20.9" in run.stdout
-    assert "64 microbatches: plain 41.810 s, overlapped 26.541 s" in run.stdout  # 39.409 s / 25.210 s without
+    assert "64 microbatches: plain 41.810 s, overlapped 31.590 s" in run.stdout  # 39.409 s / 29.735 s without
 
 
 def test_the_minimal_summary_is_accepted(tmp_path):
@@ -262,3 +264,36 @@ def test_a_measured_pp1_step_is_priced_on_pipeline_stages(tmp_path):
     assert "PP 2 (1F1B): plain" in run.stdout and "overlapped [4, 2]" in run.stdout
     (line,) = refused(plan("--from_json", str(path), "--pp", "2", "--vpp", "2"))  # 1 layer a chunk is not 2
     assert line.startswith("error: --pp=2 --vpp=2: ")
+
+
+def _recipe_cache(tmp_path, fields: dict) -> dict:
+    """An environment whose --recipe reads ``fields`` from a filled cache (no recipe is built)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from utils.plan_recipe import _cache_file
+
+    (tmp_path / _cache_file().name).write_text(json.dumps(fields))
+    return {**os.environ, "EP_OVERLAP_PLAN_RECIPES": str(tmp_path)}
+
+
+def test_a_recipe_is_priced_as_it_is_its_first_speedup_line_with_the_overlap_on(tmp_path):
+    from tests.unit_tests.training.ep_overlap.test_planner_recipe import FIELDS, NAME
+
+    env = _recipe_cache(tmp_path, {NAME: {"fields": FIELDS}, NAME.replace("h100", "vr200"): {"fields": FIELDS}})
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, str(SCRIPT), "--recipe", NAME], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - started < 10
+    first = next(line for line in run.stdout.splitlines() if "speedup" in line)
+    assert first.startswith(f"{NAME}: as it is, overlap on (no delayed wgrad): plain 21.720 s, overlapped 18.231 s")
+    assert first.endswith("speedup 1.191x")
+    assert "16 x H100, 64 microbatches per step, hybridep, 32 SMs" in run.stdout
+    run = subprocess.run([sys.executable, str(SCRIPT), "--recipe", NAME.replace("h100", "vr200")], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    (line,) = refused(run)
+    assert "its name says VR200, which has no hardware profile" in line
+
+
+def test_layout_flags_are_refused_with_a_recipe():
+    lines = refused(plan("--recipe", "perf_recipes.x", "--ep", "4", "--num_sms", "8"))
+    assert lines[0] == "error: --ep=4: applies to --model (--recipe takes it from the recipe): drop it"
+    assert lines[1] == "error: --num_sms=8: applies with --dispatcher: add it"
