@@ -98,3 +98,40 @@ def test_too_few_microbatches_or_stages_are_refused_with_the_fix():
         dualpipev_schedule(4, 7, 0)
     with pytest.raises(ValueError, match="pipeline_model_parallel_size >= 2"):
         dualpipev_schedule(1, 4, 0)
+
+
+# ---- the planner's price of DualPipeV beside 1F1B and interleaved 1F1B -------------------------------------------
+
+
+def test_the_planner_prices_each_schedule_with_its_published_bubble():
+    from ep_overlap_lab.planner.dualpipev import SCHEDULES, LayerCosts, pick, price
+
+    layer = LayerCosts(forward_s=1.0, backward_s=2.0, weight_s=1.0, paired_s=2.5, boundary_bytes=1000)
+    for P, N in ((2, 4), (4, 8), (4, 13), (8, 16)):
+        L = 8 * P
+        plain = price("1f1b", L, P, N, layer, overlap=False)
+        assert plain.bubble_s == (P - 1) * (1.0 + 2.0) * L / P  # (PP - 1)(F + B), a stage of L / P layers
+        assert plain.held_layers == P * L // P  # 1F1B's PP microbatches on the first stage
+        prices = [price(s, L, P, N, layer) for s in SCHEDULES]
+        dualpipev = prices[-1]
+        chunk = Costs(*(x * L / (2 * P) for x in (1.0, 2.0, 1.0, 2.5)))
+        assert dualpipev.bubble_s == published_bubble(P, chunk)
+        assert dualpipev.held_layers == (2 * P + 1) * L // (2 * P)  # PP + 1 stages' activations
+        assert pick(prices) is dualpipev and dualpipev.step_s < min(p.step_s for p in prices[:-1])
+        # a middle rank sends each microbatch's activation and gradient out of both its stages; an end rank half
+        assert dualpipev.p2p_bytes == (2 if P == 2 else 4) * N * 1000
+
+
+def test_the_planner_says_why_a_schedule_cannot_run():
+    from ep_overlap_lab.planner.dualpipev import LayerCosts, format_prices, pick, price
+
+    layer = LayerCosts(1.0, 2.0, 1.0, 2.5)
+    few = price("dualpipev", 8, 2, 3, layer)
+    assert few.problem.startswith("DualPipeV needs num_microbatches >= 2 x pipeline_model_parallel_size = 4 (got 3)")
+    uneven = price("interleaved", 6, 2, 4, layer)
+    assert uneven.problem == "6 layers do not split into 4 equal stages; fix: choose another schedule or PP"
+    one_f1b = price("1f1b", 6, 2, 3, layer)
+    assert pick([few, uneven, one_f1b]) is one_f1b
+    assert "dualpipev    cannot run: DualPipeV needs" in format_prices([few, one_f1b])
+    with pytest.raises(ValueError, match="no schedule runs: dualpipev: DualPipeV needs"):
+        pick([few])
