@@ -1,25 +1,30 @@
 """Megatron-Bridge 0.6.2 from the package registry, and the two ways this project ships against it.
 
     python tools/upstream.py plugin               # dist/megatron_bridge_ep_overlap-*.whl: installs beside upstream
-    python tools/upstream.py patch                # dist/megatron-bridge-ep-overlap.patch: for a fork of 0.6.2
-    python tools/upstream.py patch --against DIR  # a patch for the upstream source tree DIR (e.g. a checkout of
-                                                  # main), and which hunks of the 0.6.2 patch need a rebase there
+    python tools/upstream.py patch                # dist/megatron-bridge-ep-overlap/000N-*.patch: a patch series
+                                                  # for a fork of 0.6.2, and all of it in dist/...-ep-overlap.patch
+    python tools/upstream.py patch --against DIR  # the series for the upstream source tree DIR (e.g. a checkout of
+                                                  # main), and which hunks of the 0.6.2 series need a rebase there
 
-The patch holds the payload, what a Bridge training step calls: this project's modules under ``src/megatron/bridge``
+The series (``tools/upstream_series.py``, ``git format-patch`` form, one commit each with ``git am``) is what a
+maintainer reviews one piece at a time: first the upstream bug fixes it carries, each on its own with its test
+(``gpt_step``: the loss mask to the plain forward of MTP models; the packed-sequence parameters to the plan), then the
+feature, then the hunks of upstream files only the feature needs (``qwen3_vl_step``; ``train.py`` and ``setup.py``
+for the plain 1F1B pipeline). Each part changes only the paths its subject names.
+
+The feature is the payload, what a Bridge training step calls: this project's modules under ``src/megatron/bridge``
 (the plugin's entry point ``training/ep_overlap_config.py`` as the alias in ``tools/upstream_files/``: on the patched
 tree ``CommOverlapConfig`` checks every rule itself, and a recipe written for the plugin runs unchanged), its
 changes to upstream's ``training/comm_overlap.py`` and ``training/flex_dispatcher_backend.py`` (whole files here,
-supersets of upstream's), its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in upstream's
-layout, the lab's launcher in ``local_ranks.py``'s place), and the hunks for upstream files this project does not ship,
-stored as diffs under ``tools/upstream_hunks/`` (``gpt_step.diff``: the overlapped path gets the packed-sequence
-parameters, the plain path the loss mask when the model has MTP layers; ``qwen3_vl_step.diff``: the overlapped path
-gets the plain forward's arguments, images and their grids included; ``setup.diff``, ``train.diff``: the plain 1F1B
-pipeline). The lab (``src/ep_overlap_lab``: the reference engine and model, the planner, the launcher) stays out.
-``make patch`` prints the added lines by directory. It is made by
-default against the 0.6.2 sources (the registry's sdist, fetched here into build/, never committed), and checked
-with ``git apply --check`` on a fresh copy of the tree it is made for before it is written. It passes upstream's
-repository checks: every new Python file starts with the license header upstream's copyright check expects (added
-here, so the project's own files stay as they are), and upstream's two files keep theirs.
+supersets of upstream's), and its tests (:func:`patch_tests`: ``tests/unit_tests/training/ep_overlap/``, in
+upstream's layout, the lab's launcher in ``local_ranks.py``'s place). Changes to upstream files this project does not
+ship are stored as diffs under ``tools/upstream_hunks/``; files shipped whole from elsewhere (the fixes' tests) under
+``tools/upstream_files/``. The lab (``src/ep_overlap_lab``: the reference engine and model, the planner, the launcher)
+stays out. ``make patch`` prints the added lines per patch and by directory. It is made by default against the 0.6.2
+sources (the registry's sdist, fetched here into build/, never committed), and committed in order with ``git am`` onto
+a fresh unpack before it is written. It passes upstream's repository checks: every new Python file starts with the
+license header upstream's copyright check expects (added here, so the project's own files stay as they are), and
+upstream's two files keep theirs.
 """
 
 import argparse
