@@ -137,18 +137,27 @@ def print_recipes(args) -> int:
         print("\n".join(recipe_lines(gain["price"])))
         return 0
     priced = refused = 0
-    print("| recipe | GPUs | microbatches | dispatcher | plain (s) | overlapped (s) | speedup | why not priced |")
-    print("|---|---|---|---|---|---|---|---|")
+    gains = []
+    print("| recipe | recipe's overlap | GPUs | microbatches | dispatcher | plain (s) | overlapped (s) | speedup "
+          "| why not priced |")  # fmt: skip
+    print("|---" * 9 + "|")
     for name in fields[PERF]:
         built = fields[name]
         gain = gain_of(built["fields"], name, args.profile, args.gpus) if "fields" in built else built
         if "why" in gain:
             refused += 1
-            print(f"| `{name}` | | | | | | | {gain['why'].replace('|', '/')} |")
+            print(f"| `{name}` | | | | | | | | {gain['why'].replace('|', '/')} |")
             continue
         priced += 1
         price = gain["price"]
-        print(f"| `{name}` | {price.gpus} x {price.profile} | {price.microbatches} | {price.dispatcher.backend} | "
-              f"{price.plain_s:.2f} | {price.overlap_s:.2f} | {price.speedup:.3f}x | |")  # fmt: skip
+        setting = ("on" if price.recipe_overlap else "off") + (", delayed wgrad" if price.delay_wgrad else "")
+        print(f"| `{name}` | {setting} | {price.gpus} x {price.profile} | {price.microbatches} | "
+              f"{price.dispatcher.backend} | {price.plain_s:.2f} | {price.overlap_s:.2f} | {price.speedup:.3f}x "
+              "| |")  # fmt: skip
+        gains.append(price.speedup)
     print(f"\n{priced} priced, {refused} not priced, of {priced + refused} performance recipes the recipe check lists")
+    if gains:
+        gains.sort()
+        print(f"predicted speedup: median {gains[len(gains) // 2]:.3f}x, {sum(g >= 1.1 for g in gains)} at 1.10x or "
+              f"more, {sum(g < 1.03 for g in gains)} under 1.03x")  # fmt: skip
     return 0
