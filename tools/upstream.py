@@ -390,9 +390,12 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         path, rebase = patch_against(args.against)
-        print(f"patch against {args.against} (applies cleanly): {path}")
-        for name in hunks_that_do_not_apply(args.against):
-            print(f"left out of that patch: tools/upstream_hunks/{name} does not apply there (rebase it)")
+        print(f"series against {args.against} (applies cleanly), in one file: {path}")
+        skipped = hunks_that_do_not_apply(args.against)
+        for part in SERIES:
+            for name in sorted(set(part.hunks) & set(skipped)):
+                print(f"left out of that series: {part.subject!r} (tools/upstream_hunks/{name} does not apply there: "
+                      "rebase it)")  # fmt: skip
         if not rebase:
             print(f"the {VERSION} patch applies to {args.against} as it is")
         for relative, hunks in rebase.items():
