@@ -134,3 +134,21 @@ def _blocked(schedules, times, arrival) -> list[str]:
         for r, steps in enumerate(schedules)
         if len(times[r]) < len(steps)
     ]
+
+
+def draw_timeline(timeline: Timeline, width: int = 4) -> str:
+    """Each rank's steps on one time axis, ``width`` characters a time unit: ``F``/``B``/``W`` for stage r's work,
+    ``f``/``b``/``w`` for stage 2P-1-r's, then the microbatch; ``F&B`` steps as ``F3b0``; ``.`` idle."""
+    lines = []
+    for r, (steps, times) in enumerate(zip(timeline.steps, timeline.times)):
+        row = ["."] * round(timeline.span * width)
+        for step, (start, end) in zip(steps, times):
+            label = "".join(
+                ("FBW"[i] if unit[1] == 0 else "fbw"[i]) + str(unit[0])
+                for i, unit in enumerate((step.forward, step.backward, step.weight))
+                if unit is not None
+            )
+            cells = round((end - start) * width)
+            row[round(start * width) : round(end * width)] = list(f"|{label}".ljust(cells)[:cells])
+        lines.append(f"rank {r}  {''.join(row)}")
+    return "\n".join(lines)

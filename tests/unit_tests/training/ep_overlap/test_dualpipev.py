@@ -135,3 +135,14 @@ def test_the_planner_says_why_a_schedule_cannot_run():
     assert "dualpipev    cannot run: DualPipeV needs" in format_prices([few, one_f1b])
     with pytest.raises(ValueError, match="no schedule runs: dualpipev: DualPipeV needs"):
         pick([few])
+
+
+def test_the_documented_timeline_is_the_simulated_one():
+    from pathlib import Path
+
+    from ep_overlap_lab.program.dualpipev import draw_timeline
+
+    doc = (Path(__file__).resolve().parents[4] / "docs/training/ep-overlap-schedule.md").read_text()
+    drawn = doc.split("**The timeline.**", 1)[1].split("```\n", 2)[1].rstrip("\n")
+    assert drawn == draw_timeline(simulate_dualpipev(4, 8, costs=Costs(1, 2, 1, 2)), 3)
+    assert "rank 3  .........|F0|f0|F1" in drawn  # the last rank waits three units for its first activation

@@ -28,6 +28,16 @@ from .test_plain_pipeline import _step_data
 full = pytest.mark.skipif(os.environ.get("EP_OVERLAP_DUALPIPEV_FULL") != "1", reason="EP_OVERLAP_DUALPIPEV_FULL=1")
 PP = 2
 CASE = McoreCase(layer_freq=(0, 1, 1, 1), microbatches=2 * PP, steps=2)
+# name: (case, pipeline size); one layer per DualPipeV stage, a dense first layer
+CASES = {"gpt-dense-first-N4": (CASE, PP)}
+FULL_CASES = {
+    "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
+    "gpt-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2), 4),
+    "gpt-pp4-N9-delayed-wgrad": (
+        McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=9, steps=2, delay_wgrad=True),
+        4,
+    ),
+}
 
 
 class _RankAs:
@@ -69,9 +79,9 @@ def dualpipev_models(case: McoreCase, pp: int) -> list:
     return models
 
 
-def train(rank: int, world: int, case: McoreCase, layout: str) -> dict:
+def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> dict:
     install_cpu_stubs()
-    init_megatron(case.world, PP, 2 if layout == "dualpipev" else None)
+    init_megatron(case.world, pp, 2 if layout == "dualpipev" else None)
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
@@ -82,19 +92,20 @@ def train(rank: int, world: int, case: McoreCase, layout: str) -> dict:
     out = {"data_rank": data_rank}
     for arm in arms:
         if layout == "dualpipev":
-            plans = [chunk_for(model) for model in dualpipev_models(case, PP)]
+            plans = [chunk_for(model) for model in dualpipev_models(case, pp)]
             set_weights(plans, local_experts=2, ep_rank=ep_rank)
         else:
-            plans = build_plans(case, PP, None)
+            plans = build_plans(case, pp, None)
         models = [plan.model for plan in plans]
         config = models[0].config
         config.batch_p2p_comm, config.overlap_p2p_comm = False, False  # gloo: unbatched P2P
         if arm == "overlap":
             config.overlap_moe_expert_parallel_comm = True
+            config.delay_wgrad_compute = case.delay_wgrad
             use_ep_overlap_schedule(models, timeout=timedelta(seconds=30))
         if layout == "dualpipev":
             config.ep_overlap_pipeline_schedule = "dualpipev"
-            chosen = get_forward_backward_func(pp_size=PP, vp_size=2)
+            chosen = get_forward_backward_func(pp_size=pp, vp_size=2)
         else:
             chosen = schedules.forward_backward_pipelining_without_interleaving
         named = [(global_name(plan, n, 2, ep_rank), p) for plan in plans for n, p in plan.model.named_parameters()]
@@ -145,41 +156,78 @@ def _assert_pipelines_bitwise(reference: dict, run: dict, where: str) -> None:
                 assert_bitwise(value, got[part][key], f"{where} data rank {data_rank} {part} {key}")
 
 
-@pytest.mark.parametrize("case", [CASE], ids=["gpt-dense-first-N4"])
-def test_dualpipev_is_bitwise_equal_to_megatron_cores_1f1b(case):
+def assert_dualpipev_matches_1f1b(case: McoreCase, pp: int) -> None:
     from megatron.bridge.training.ep_overlap.program.dualpipev import dualpipev_schedule
 
-    reference = _by_pipeline(run_local_ranks(train, 4, (case, "1f1b")), "reference")
-    outcomes = run_local_ranks(train, 4, (case, "dualpipev"))
+    world = pp * case.world
+    reference = _by_pipeline(run_local_ranks(train, world, (case, "1f1b", pp)), "reference")
+    outcomes = run_local_ranks(train, world, (case, "dualpipev", pp))
     for arm in ("plain", "overlap"):
         _assert_pipelines_bitwise(reference, _by_pipeline(outcomes, arm), f"DualPipeV {arm}")
         for outcome in outcomes:
-            steps = dualpipev_schedule(PP, case.microbatches, outcome.result["pp_rank"], overlap=arm == "overlap")
+            steps = dualpipev_schedule(pp, case.microbatches, outcome.result["pp_rank"], overlap=arm == "overlap")
             generated = [(op, t) for s in steps for op, ts in (("recv", s.recv), ("send", s.send)) for t in ts]
             assert outcome.result[arm]["p2p"] == generated * case.steps, f"rank {outcome.rank} {arm}"
     assert {"paired"} <= set().union(*(o.result["overlap"]["phases"] for o in outcomes))
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_dualpipev_is_bitwise_equal_to_megatron_cores_1f1b(name):
+    assert_dualpipev_matches_1f1b(*CASES[name])
+
+
 @full
-def test_too_few_microbatches_are_refused_before_any_step():
-    outcomes = run_local_ranks(_refused, 4, (replace(CASE, microbatches=2 * PP - 1),))
-    for outcome in outcomes:
-        assert outcome.result.startswith("DualPipeV needs num_microbatches >= 2 x pipeline_model_parallel_size = 4")
+@pytest.mark.parametrize("name", sorted(FULL_CASES))
+def test_dualpipev_full_cases_are_bitwise_equal_to_megatron_cores_1f1b(name):
+    assert_dualpipev_matches_1f1b(*FULL_CASES[name])
+
+
+# name: (microbatches, what is set on the built chunks' config, on the built chunks, the line). Megatron-Core does not
+# build a V chunk with MTP or a tied output layer (its embedding group spans pipeline ranks), so those are set after.
+REFUSED = {
+    "too-few-microbatches": (
+        2 * PP - 1,
+        {},
+        {},
+        "DualPipeV needs num_microbatches >= 2 x pipeline_model_parallel_size = 4 (got 3); fix: ",
+    ),
+    "mtp": (2 * PP, {"mtp_num_layers": 1}, {}, "DualPipeV does not run mtp_num_layers=1 yet; fix: "),
+    "tied": (
+        2 * PP,
+        {},
+        {"share_embeddings_and_output_weights": True},
+        "DualPipeV does not run share_embeddings_and_output_weights=True yet; fix: ",
+    ),
+    "one-chunk": (2 * PP, {}, {"chunks": 1}, "DualPipeV runs two model chunks per pipeline rank"),
+}
+
+
+@full
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_dualpipev_does_not_run_is_refused_before_any_step(name):
+    *change, line = REFUSED[name]
+    for outcome in run_local_ranks(_refused, 4, tuple(change)):
+        assert outcome.result.startswith(line), outcome.result
         assert "fix: " in outcome.result
 
 
-def _refused(rank: int, world: int, case: McoreCase) -> str:
+def _refused(rank: int, world: int, microbatches: int, config_fields: dict, chunk_fields: dict) -> str:
     install_cpu_stubs()
-    init_megatron(case.world, PP, 2)
+    init_megatron(CASE.world, PP, 2)
     from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func
 
-    models = dualpipev_models(case, PP)
+    models = dualpipev_models(CASE, PP)[: chunk_fields.pop("chunks", 2)]
+    for name, value in config_fields.items():
+        setattr(models[0].config, name, value)
+    for model in models:
+        for name, value in chunk_fields.items():
+            setattr(model, name, value)
     models[0].config.ep_overlap_pipeline_schedule = "dualpipev"
-    data = _step_data(0, 0, case.microbatches)
+    data = _step_data(0, 0, microbatches)
     try:
         get_forward_backward_func(pp_size=PP, vp_size=2)(
             forward_step_func=bridge_style_forward_step, data_iterator=[iter(data), iter(data)], model=models,
-            num_microbatches=case.microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+            num_microbatches=microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
         )  # fmt: skip
     except ValueError as error:
         return str(error)
