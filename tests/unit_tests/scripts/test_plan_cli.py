@@ -297,3 +297,22 @@ def test_layout_flags_are_refused_with_a_recipe():
     lines = refused(plan("--recipe", "perf_recipes.x", "--ep", "4", "--num_sms", "8"))
     assert lines[0] == "error: --ep=4: applies to --model (--recipe takes it from the recipe): drop it"
     assert lines[1] == "error: --num_sms=8: applies with --dispatcher: add it"
+
+
+def test_the_recipe_checks_entry_prices_a_built_config():
+    from types import SimpleNamespace
+
+    from tests.unit_tests.training.ep_overlap.test_planner_recipe import FIELDS, NAME
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from utils.plan_recipe import predicted_gain
+
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(**FIELDS["model"]),
+        train=SimpleNamespace(global_batch_size=1024, micro_batch_size=1),
+        dataset=SimpleNamespace(seq_length=4096),
+        comm_overlap=SimpleNamespace(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False),
+    )
+    gain = predicted_gain(cfg, NAME)
+    assert (round(gain["speedup"], 3), gain["profile"], gain["gpus"], gain["microbatches"]) == (1.191, "H100", 16, 64)
+    assert predicted_gain(cfg, NAME.replace("h100", "vr200"))["why"].startswith("its name says VR200")
