@@ -192,9 +192,6 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     if kind == "mrope":
         model, plan = build_gpt(McoreCase()), chunk_for
         model.position_embedding_type = "mrope"  # multimodal rotary positions
-    elif kind == "mtp-two-layers":
-        model, plan = build_gpt(McoreCase(mtp=True)), chunk_for
-        model.config.mtp_num_layers = 2
     elif kind == "hybrid-mtp-depths-unset":
         model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), chunk_for
         model.config.mtp_num_layers = None
@@ -214,8 +211,8 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     else:  # a HybridModel handed to the GPT plan by name
         model, plan = build_hybrid(HybridCase()), McoreGPTChunk
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
-    if kind in ("hybrid-as-gpt", "recompute-moe", "mtp-two-layers", "full-recompute-mtp-uniform2"):
-        # the hook picks the plan by class; its rules refuse 'moe' recompute, two MTP layers and uniform 2 with MTP
+    if kind in ("hybrid-as-gpt", "recompute-moe", "full-recompute-mtp-uniform2"):
+        # the hook picks the plan by class; its rules refuse 'moe' recompute and uniform 2 with MTP
         # first (test_parallel_layouts.py: on every rank of a pipeline)
         del builds["hook"]
     refused = {}
@@ -231,7 +228,6 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
 @pytest.mark.parametrize(
     "kind, line",
     [
-        ("mtp-two-layers", "mtp_num_layers=2: the EP-overlap schedule runs at most one multi-token prediction"),
         ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
         ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes 'moe' by checkpointing"),
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),

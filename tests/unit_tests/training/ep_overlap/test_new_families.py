@@ -257,7 +257,7 @@ def _vl_provider(name: str, **fields):
             ["vl_sequence_parallel"],
         ),
         (_provider("GPTModelProvider", position_embedding_type="mrope"), ["mrope"]),
-        (_provider("HybridModelProvider", mtp_num_layers=2, mtp_use_repeated_layer=True), ["mtp_layers"]),
+        (_provider("HybridModelProvider", mtp_num_layers=2, mtp_use_repeated_layer=True), []),  # the MTP block whole
         (
             _provider(
                 "MLAModelProvider",
@@ -296,11 +296,11 @@ def test_a_built_config_has_no_config_refusals_and_the_plan_raises_the_same_line
 
     from megatron.bridge.training.ep_overlap.mcore.refusals import config_refusals, refuse_unscheduled
 
-    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
+    config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=2)
     assert config_refusals(config) == []
-    config.mtp_num_layers = 2
+    config.recompute_granularity, config.recompute_modules = "selective", ["layernorm"]
     ((name, line),) = config_refusals(config)
     model = SimpleNamespace(config=config, position_embedding_type="rope")
     with pytest.raises(ValueError) as refused:
         refuse_unscheduled(model, mtp=True)
-    assert name == "mtp_layers" and str(refused.value) == line
+    assert name == "recompute_stepped_modules" and str(refused.value) == line

@@ -1,7 +1,7 @@
 """A model's EP-overlap settings, resolved once (no torch here). :func:`resolve` is the only place they are derived;
 consumers read the frozen :class:`Settings`. An invalid setting is a violation (one line, with its fix).
 :func:`defer_overlap_flag` keeps the overlap flags off a Bridge provider whose Megatron-Core checks would refuse them
-(PP > 1 without virtual stages); :func:`apply_deferred` sets them later."""
+(PP > 1 without virtual stages, or MTP > 1); :func:`apply_deferred` sets them later."""
 
 import logging
 from dataclasses import dataclass
@@ -106,9 +106,10 @@ def defer_overlap_flag(model_config: Any) -> bool:
     plain_pipeline = (getattr(model_config, "pipeline_model_parallel_size", 1) or 1) > 1 and (
         getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None
     )
+    mtp_depths = (getattr(model_config, "mtp_num_layers", None) or 0) > 1  # Megatron-Core's checks allow one
     if not (
         getattr(model_config, "overlap_moe_expert_parallel_comm", False)
-        and plain_pipeline
+        and (plain_pipeline or mtp_depths)
         and defers_mcore_checks(model_config)
         and schedule_of(model_config) == "bridge"
     ):
@@ -120,8 +121,8 @@ def defer_overlap_flag(model_config: Any) -> bool:
     for name in deferred:
         setattr(model_config, name, False)
     logger.info(
-        "EP overlap in the plain 1F1B pipeline: %s set once Megatron-Core's checks of the model config have run "
-        "(its TransformerConfig refuses them without virtual stages).",
+        "EP overlap in the plain 1F1B pipeline or with several MTP layers: %s set once Megatron-Core's checks of "
+        "the model config have run (its TransformerConfig refuses them without virtual stages or with MTP > 1).",
         " and ".join(deferred),
     )
     return True

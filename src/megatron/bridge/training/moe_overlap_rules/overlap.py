@@ -85,11 +85,14 @@ OVERLAP_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "mtp_layers",
-        ("model.mtp_num_layers",),
-        overlap_on,
+        ("model.mtp_num_layers", SCHEDULE),
+        lambda f: f[OVERLAP] and f[SCHEDULE] == "mcore",
         lambda f: f["model.mtp_num_layers"] in (None, 0, 1),
-        "with EP overlap, MTP supports at most one layer (mtp_num_layers).",
-        "set mtp_num_layers to None, 0 or 1.",
+        "with EP overlap, MTP supports at most one layer (mtp_num_layers) under Megatron-Core's own overlapped "
+        "schedule, which runs the MTP layer as nodes of its layer step.",
+        "set mtp_num_layers to None, 0 or 1; or let this project schedule the layers, which runs every MTP layer in "
+        "its head (Megatron-Core's MTP block whole): register use_ep_overlap_schedule "
+        "(cfg.model.register_pre_wrap_hook).",
     ),
     Rule(
         "no_dispatch_wgrad_overlap",

@@ -1,7 +1,7 @@
 """What the Megatron-Core plan refuses, each with one line naming the fix.
 
-:func:`config_refusals` gives what a config alone decides, for a recipe check beside the rules; it repeats no rule but
-``mtp_layers`` (the plan refuses it wherever built, the rule only with the overlap on). ``refuse_*`` raise at build.
+:func:`config_refusals` gives what a config alone decides, for a recipe check beside the rules; it repeats no rule.
+``refuse_*`` raise at build.
 """
 
 import logging
@@ -62,16 +62,7 @@ def zero_copy_refusal(config) -> str | None:
 
 
 def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bool) -> list[tuple[str, str]]:
-    refusals = []
-    mtp_layers = getattr(config, "mtp_num_layers", None)
-    if mtp_layers and mtp_layers > 1:
-        refusals.append(
-            (
-                "mtp_layers",
-                f"mtp_num_layers={mtp_layers}: the EP-overlap schedule runs at most one multi-token prediction layer "
-                f"(as Megatron-Core's overlap does); fix: set mtp_num_layers=1 or None, {_OFF}",
-            )
-        )
+    refusals = []  # any number of MTP layers: the head runs Megatron-Core's MTP block, every depth in turn
     standalone = _standalone_mtp_stage(config)
     if standalone is not None:
         refusals.append(
