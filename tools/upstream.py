@@ -273,7 +273,10 @@ def make_series(upstream_root: Path) -> list[tuple[str, str]]:
         for part, diff in parts:
             _git(repo, "apply", "--index", "-", text=diff)
             _git(repo, "commit", "-q", "-F", "-", text=f"{part.subject}\n\n{part.body}\n")
-        _git(repo, "format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(out), "HEAD~" + str(len(parts)))
+        # Whatever the maker's git config says: a/ b/ prefixes, no colour, the default diff algorithm (the counts).
+        plain = ("-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false")
+        _git(repo, *plain, "format-patch", "-q", "--no-color", "--diff-algorithm=myers", "--zero-commit",
+             "--no-signature", "-o", str(out), f"HEAD~{len(parts)}")  # fmt: skip
         return [(p.name, p.read_text()) for p in sorted(out.glob("*.patch"))]
 
 

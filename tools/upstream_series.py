@@ -79,7 +79,8 @@ What it adds or changes, in reading order:
 - training/moe_overlap_rules/: every EP-overlap rule as data (condition,
   message, fix); training/comm_overlap.py (upstream's file plus hunks)
   checks them all in setup() and raises one CommOverlapConfigError (an
-  AssertionError) with one line per problem, writing nothing on error.
+  AssertionError) with one line per problem, writing nothing on error;
+  training/comm_overlap_values.py: its own values' types and ranges.
 - training/flex_dispatcher_backend.py: upstream's file; a clear error
   where CUDA is absent or a backend unknown, instead of a CUDA crash.
 - training/ep_overlap/: the schedule (program/), its runtime (runtime/)
