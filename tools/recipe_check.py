@@ -328,6 +328,7 @@ class Run:
         """Every worker and rank stopped, the scratch folder gone (again is harmless)."""
         if self.trees is not None:
             self.trees.stop()
+            stopping.reap_orphans()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -367,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(errors), file=sys.stderr)
         return 2
     stopping.raise_on_signals()
+    stopping.adopt_orphans()
     run = Run(args, done)
     try:
         return run.check()

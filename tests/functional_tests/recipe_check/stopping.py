@@ -2,10 +2,13 @@
 each worker it starts leads a process group of its own (``stock_bridge.start``), and its ranks are forked into that
 group, so :func:`stop_group` ends a worker and every rank it started at once, wherever the worker was.
 
-The terminal's Ctrl-C reaches only the check (the workers are in their own groups); the check stops them itself.
+The terminal's Ctrl-C reaches only the check (the workers are in their own groups); the check stops them itself. On
+Linux the check is its descendants' subreaper: a rank whose worker was stopped first is reaped by the check, not left
+as a zombie under an init that does not reap (as in some containers).
 """
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -52,7 +55,30 @@ def raise_on_signals() -> None:
         signal.signal(each, _raise)
 
 
-def stop_group(process: subprocess.Popen, grace_s: float = 2.0) -> None:
+def adopt_orphans() -> None:
+    """Linux: the orphans of this process's descendants become its children (``PR_SET_CHILD_SUBREAPER``)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: init reaps them
+        pass
+
+
+def reap_orphans(wait_s: float = 2.0) -> None:
+    """Reaps every child left (call once the workers are stopped and reaped): waits up to ``wait_s`` for those just
+    killed to exit."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:  # none left
+            return
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 1.0) -> None:
     """``process`` and everything in its process group: SIGTERM, then, after at most ``grace_s`` for the leader to
     exit, SIGKILL to the whole group (ranks a worker left behind included). Reaps ``process``."""
     try:
