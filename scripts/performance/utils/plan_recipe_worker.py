@@ -43,6 +43,11 @@ def _plain(value):
 
 def fields_of(cfg) -> dict:
     model = {name: _plain(getattr(cfg.model, name, None)) for name in MODEL}
+    layout = getattr(cfg.model, "pipeline_model_parallel_layout", None)
+    if layout is not None:  # its virtual stages as kind names (decoder, embedding, mtp, loss), as the check reads them
+        from tests.functional_tests.recipe_check.shrink import stages_of
+
+        model["pipeline_stages"] = stages_of(getattr(layout, "input_data", layout))
     overlap = cfg.comm_overlap
     return {
         "model": model,

@@ -11,7 +11,8 @@ Contract:
       given; the GPU count the name's (``16gpu``), else the fewest the layout needs.
     * Approximations, said in :attr:`RecipePrice.notes` where they apply: tensor and context parallelism split each
       microbatch's tokens over their ranks (their own communication is not priced, the same in both arms); a
-      pipeline is priced as its last stage (its layers and the head) plus the 1F1B bubble, ``(PP - 1) / VPP``
+      pipeline is priced as its busiest rank (the layers of its chunks, per the recipe's layout, and the head if it
+      holds it) plus the 1F1B bubble, ``(PP - 1) / VPP``
       microbatches of that stage, in both arms; FP8/FP4 recipes at BF16 rates; MTP layers not priced; dense layers
       of an interleaved ``moe_layer_freq`` priced as if first.
 """
@@ -137,7 +138,7 @@ def _layout(fields: dict, name: str, gpus: int | None) -> tuple[dict, list[str]]
     if tp * cp > 1:
         notes.append(f"TP {tp} x CP {cp} split each microbatch's tokens (their own communication not priced)")
     if pp > 1:
-        notes.append(f"PP {pp}" + (f" x VPP {vpp}" if vpp > 1 else "") + ": its last stage plus the 1F1B bubble")
+        notes.append(f"PP {pp}" + (f" x VPP {vpp}" if vpp > 1 else "") + ": its busiest rank plus the 1F1B bubble")
     return {"gpus": gpus, "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep, "dp": dp, "n": gbs // (mbs * dp),
             "mbs": mbs, "gbs": gbs}, notes  # fmt: skip
 
@@ -183,7 +184,7 @@ def price_recipe(fields: dict, name: str, profile: str | None = None, gpus: int 
     dispatcher = dispatcher_of(m)
     costs, link = costs_from_model(shape, Layout(layout["gpus"], layout["ep"], layout["gbs"], layout["mbs"]),
                                    PROFILES[profile], recompute, segments, dispatcher)  # fmt: skip
-    costs = _stage(costs.scaled(1 / (layout["tp"] * layout["cp"])), layout["pp"])
+    costs = _stage(costs.scaled(1 / (layout["tp"] * layout["cp"])), link, m, layout["pp"], layout["vpp"])
     delay = bool(fields.get("delay_wgrad"))
     n = layout["n"]
     on, other = (predict(costs, link, n, EPOverlapOptions(delay_wgrad=d)) for d in (delay, not delay))
@@ -194,11 +195,47 @@ def price_recipe(fields: dict, name: str, profile: str | None = None, gpus: int 
     )  # fmt: skip
 
 
-def _stage(costs, pp: int):
-    """The last pipeline stage's costs: its share of the layers (the last ones) and the head."""
+def virtual_stages(model: dict, pp: int, vpp: int) -> list[tuple[int, bool]]:
+    """Each virtual stage's (decoder layers, holds the head), virtual-stage-major: the recipe's
+    ``pipeline_model_parallel_layout`` where it has one, else its first/last stage counts and the rest even."""
+    if model.get("pipeline_stages"):
+        return [(stage.count("decoder"), "loss" in stage) for stage in model["pipeline_stages"]]
+    count, layers = pp * vpp, model["num_layers"]
+    first, last = model.get("num_layers_in_first_pipeline_stage"), model.get("num_layers_in_last_pipeline_stage")
+    ends = [first or 0, last or 0]
+    middle = count - (first is not None) - (last is not None)
+    rest = layers - sum(ends)
+    even = [rest // middle + (i < rest % middle) for i in range(middle)] if middle else []
+    stages = ([first] if first is not None else []) + even + ([last] if last is not None else [])
+    return [(n, i == count - 1) for i, n in enumerate(stages)]
+
+
+def _stage(costs, link, model: dict, pp: int, vpp: int):
+    """The costs of the pipeline rank whose plain work is the largest: its chunks' layers, and the head if it holds
+    it (rank r holds virtual stages r, r + PP, ...)."""
     if pp <= 1:
         return costs
-    count = math.ceil(len(costs.layers) / pp)
-    first = len(costs.layers) - count
-    segments = tuple((a - first, b - first) for a, b in costs.segments if a >= first)
-    return replace(costs, layers=costs.layers[first:], segments=segments)
+    stages, start, ranks = virtual_stages(model, pp, vpp), 0, [([], False) for _ in range(pp)]
+    for v, (decoders, head) in enumerate(stages):
+        layers, holds = ranks[v % pp]
+        ranks[v % pp] = (layers + list(range(start, start + decoders)), holds or head)
+        start += decoders
+
+    def work(rank) -> float:
+        layers, head = rank
+        mine = [costs.layers[i] for i in layers if i < len(costs.layers)]
+        a2a = sum(2 * (layer.dispatch_bytes + layer.combine_bytes) for layer in mine) / link.bandwidth_Bps
+        compute = sum(layer.f_pre + layer.f_exp + layer.b_exp + layer.b_pre for layer in mine)
+        return compute + a2a + ((costs.f_tail + costs.b_head) if head else 0.0)
+
+    layers, head = max(ranks, key=work)
+    position = {layer: i for i, layer in enumerate(layers)}
+    segments = tuple(
+        (position[a], position[b - 1] + 1)
+        for a, b in costs.segments
+        if all(i in position for i in range(a, b)) and position[b - 1] - position[a] == b - 1 - a
+    )
+    return replace(
+        costs, layers=tuple(costs.layers[i] for i in layers), segments=segments,
+        f_tail=costs.f_tail if head else 0.0, b_head=costs.b_head if head else 0.0,
+    )  # fmt: skip

@@ -49,6 +49,11 @@ def test_the_name_picks_the_hardware_and_a_pipeline_adds_its_bubble():
     assert on_gb200.profile == "GB200" and on_gb200.plain_s < price_recipe(FIELDS, NAME).plain_s
     staged = price_recipe(_with(pipeline_model_parallel_size=2), NAME.replace("16gpu", "32gpu"))
     assert staged.microbatches == 64 and any("PP 2" in note for note in staged.notes)
+    # the recipe's layout decides which rank is busiest: 40 of the 48 layers on the first stage
+    uneven = _with(pipeline_model_parallel_size=2, pipeline_stages=[["embedding"] + ["decoder"] * 40,
+                                                                    ["decoder"] * 8 + ["loss"]])  # fmt: skip
+    lopsided = price_recipe(uneven, NAME.replace("16gpu", "32gpu"))
+    assert lopsided.plain_s > 1.4 * staged.plain_s  # 40 layers against 24 and the head
 
 
 @pytest.mark.parametrize(
