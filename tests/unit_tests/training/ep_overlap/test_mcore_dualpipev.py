@@ -5,8 +5,9 @@ Megatron-Core's non-interleaved 1F1B schedule (stages of two layers). The other 
 stages (rank 0: stages 0 and 3, with the embedding, the output layer and the loss; rank 1: stages 1 and 2), weights
 keyed by global name, and takes its schedule from ``ep_overlap.mcore.get_forward_backward_func()`` with the config's
 ``ep_overlap_pipeline_schedule = "dualpipev"``: overlap off, then overlap on (the plan's paired F&B steps). Over 2
-optimizer steps every loss, every gradient and every parameter after the steps must be bitwise equal, and each rank's
-P2P must be the generated op list's, transfer for transfer. Cases beyond that one are ``full`` (below).
+optimizer steps every loss, every gradient and every parameter after the steps must be bitwise equal, and so must the
+losses of a forward-only step after them; each rank's P2P must be the generated op list's, transfer for
+transfer. Cases beyond that one are ``full`` (below).
 """
 
 import os
@@ -123,6 +124,14 @@ def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> 
             grads.append({n: p.grad.clone() for n, p in named if p.grad is not None})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        # An evaluation step (forward only) on step 0's data: its losses go after the training steps'.
+        data = _step_data(0, data_rank, case.microbatches)
+        iterators = [iter(data), iter(list(data))] if layout == "dualpipev" else iter(data)
+        store = chosen(
+            forward_step_func=bridge_style_forward_step, data_iterator=iterators, model=models,
+            num_microbatches=case.microbatches, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=True,
+        )  # fmt: skip
+        losses.append(torch.stack([logged["lm loss"] for logged in store]) if store else None)
         recorder = getattr(getattr(models[0], "build_schedule_plan", None), "recorder", None)
         phases = {str(r.phase) for r in recorder.comm if r.op == "dispatch"} if recorder is not None else set()
         params = {n: p.detach().clone() for n, p in named}
@@ -199,6 +208,12 @@ REFUSED = {
         "DualPipeV does not run share_embeddings_and_output_weights=True yet; fix: ",
     ),
     "one-chunk": (2 * PP, {}, {"chunks": 1}, "DualPipeV runs two model chunks per pipeline rank"),
+    "ddp-overlap-grad-reduce": (
+        2 * PP,
+        {"grad_sync_func": print},
+        {},
+        "DualPipeV does not call config.grad_sync_func yet (DDP's overlapped grad reduce); fix: ",
+    ),
 }
 
 

@@ -21,16 +21,19 @@ from megatron.bridge.utils.process_groups import PEER_POLL, check_peers, set_pee
 FORWARD, PAIRED, BACKWARD = "forward", "paired", "backward"
 _KINDS = (FORWARD, PAIRED, BACKWARD)
 _ANNOUNCED: contextvars.ContextVar[int | None] = contextvars.ContextVar("ep_overlap_microbatches", default=None)
+_EARLY_BACKWARDS = contextvars.ContextVar("ep_overlap_early_backwards", default=False)
 
 
 @contextlib.contextmanager
-def announced(num_microbatches: int):
-    """The length of one forward-backward call: its microbatch count is known to the plans it builds."""
-    token = _ANNOUNCED.set(num_microbatches)
+def announced(num_microbatches: int, *, early_backwards: bool = False):
+    """The length of one forward-backward call: its microbatch count is known to the plans it builds.
+    ``early_backwards``: its schedule makes backward-only calls before its last forward (DualPipeV)."""
+    token, early = _ANNOUNCED.set(num_microbatches), _EARLY_BACKWARDS.set(early_backwards)
     try:
         yield
     finally:
         _ANNOUNCED.reset(token)
+        _EARLY_BACKWARDS.reset(early)
 
 
 def step_microbatches() -> tuple[int | None, str]:
@@ -92,7 +95,7 @@ class Agreement:
             )
 
     def check_call(self, kind: str, vp_stage: int | None, f_mb: int | None, b_mb: int | None) -> None:
-        if self.count is not None and kind == BACKWARD and self.planned < self.count:
+        if self.count is not None and kind == BACKWARD and self.planned < self.count and not _EARLY_BACKWARDS.get():
             # Backward-only calls come after every forward of the step (the cooldown): this driver ran fewer.
             self._fail(
                 f"rank {torch.distributed.get_rank()}'s driver ran {self.planned} microbatches in a step agreed at "

@@ -70,6 +70,15 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
         for name, value in fields.items()
         if value
     ]
+    problems += [
+        f"DualPipeV does not call config.{name} yet (DDP's overlapped {what}); fix: set the DDP config's "
+        f"{flag}=False, or use the 1F1B schedule"
+        for name, what, flag in (
+            ("grad_sync_func", "grad reduce", "overlap_grad_reduce"),
+            ("param_sync_func", "param gather", "overlap_param_gather"),
+        )
+        if getattr(config, name) is not None
+    ]
     if P > 1 and dist.get_backend(parallel_state.get_pipeline_model_parallel_group()) != "gloo":
         problems.append(
             "DualPipeV's P2P needs a gloo pipeline group (tagged messages; NCCL matches by order, not built); fix: "
@@ -111,7 +120,7 @@ def forward_backward_dualpipev(
     if overlap:
         set_streams(high_priority=config.high_priority_a2a_comm_stream)
     no_sync = config.no_sync_func or contextlib.nullcontext
-    with announced(num_microbatches) if overlap else contextlib.nullcontext(), no_sync():
+    with announced(num_microbatches, early_backwards=True) if overlap else contextlib.nullcontext(), no_sync():
         for step in steps:
             run.step(step, overlap)
     run.finish()
