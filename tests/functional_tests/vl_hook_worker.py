@@ -2,23 +2,25 @@
 this project's plan through the hook (test-only; run by ``test_vision_language.py`` in the stock-Bridge scratch
 interpreter).
 
-    python vl_hook_worker.py TREE OUT.json [--pp 1|2] [--steps N] [--models qwen3_vl,qwen35_vl] [--full_recompute]
-                             [--mutate vision|mrope|mrope-later|deepstack|mtp-rotary]
+    python vl_hook_worker.py TREE OUT.json [--pp 1|2] [--tp 1|2] [--steps N] [--models qwen3_vl,qwen35_vl]
+                             [--full_recompute] [--mutate vision|mrope|mrope-later|deepstack|mtp-rotary|sp-split]
 
 Two gloo ranks with EP 2 (``--pp 2``: four, PP 2 x VPP 2 x EP 2, Megatron-Core's interleaved schedule with its P2P
-hooks). Each model of ``--models`` is Bridge's ``Qwen3VLModel`` as its provider builds it, small (``vl_support.py``:
-local specs, images of 4 x 4 patches made here): Qwen3-VL's attention layers and deepstack features, or Qwen3.5-VL's
-gated delta net and gated attention layers with gated shared experts and one MTP layer. Every step mixes microbatches
-with images (one row with two) and text-only ones. The forward step is ``qwen3_vl_step.forward_step``'s, patched: the
-plan gets the forward's arguments, images included. Each arm trains ``--steps`` Adam steps and writes every
-microbatch's logged loss and every gradient.
+hooks; ``--tp 2`` doubles the ranks: TP 2 with sequence parallelism, the tests' norms taking it). Each model of
+``--models`` is Bridge's ``Qwen3VLModel`` as its provider builds it, small (``vl_support.py``: local specs, images of 4
+x 4 patches made here): Qwen3-VL's attention layers and deepstack features, or Qwen3.5-VL's gated delta net and gated
+attention layers with gated shared experts and one MTP layer. Every step mixes microbatches with images (one row with
+two) and text-only ones. The forward step is ``qwen3_vl_step.forward_step``'s, patched: the plan gets the forward's
+arguments, images included. Each arm trains ``--steps`` Adam steps and writes every microbatch's logged loss and every
+gradient.
 
 
 ``--full_recompute``: the language layers recomputed (``uniform``, 1), set on the built config in both arms, as the
 hook's keyword sets it (the vision tower is built without it). ``--mutate`` makes the plan skip one part it must run,
 to show the test catches it: ``vision`` (the vision tower and its merge), ``mrope`` (text positions instead of the
 images' on every chunk), ``mrope-later`` (on chunks without the embedding only), ``deepstack`` (the deepstack
-features), ``mtp-rotary`` (the MTP layer in the head without the microbatch's multimodal rotary embedding).
+features), ``mtp-rotary`` (the MTP layer in the head without the microbatch's multimodal rotary embedding),
+``sp-split`` (with ``--tp 2``: every rank keeps the first part of the image mask and deepstack features).
 """
 
 import argparse
@@ -85,6 +87,11 @@ def mutate(part: str) -> None:
             return per_token(self, x_SBH, labels_BS, tokens_BS, loss_mask_BS, microbatch)
 
         plan.per_token_losses = without_rotary
+    elif part == "sp-split":  # the plan's split only (the model imported the function by name)
+        import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils as utils
+
+        split = utils.split_deepstack_embs
+        utils.split_deepstack_embs = lambda *args, **kwargs: split(*args, **{**kwargs, "tp_rank": 0})
 
 
 def build_chunks(provider, pp: int) -> list:
@@ -131,20 +138,20 @@ def _as_get_model_leaves_it(model, vp_stage):
     return model.bfloat16()
 
 
-def rank_main(rank: int, world: int, pp: int, steps: int, part: str, models: list[str], recompute: bool) -> dict:
+def rank_main(rank: int, world: int, pp: int, steps: int, part: str, models: list[str], recompute: bool, tp: int = 1):
     from tests.unit_tests.training.ep_overlap.mcore_cpu import init_megatron, install_cpu_stubs
 
     install_cpu_stubs()
-    init_megatron(2, pp, 2 if pp > 1 else None)
+    init_megatron(2, pp, 2 if pp > 1 else None, tensor=tp)
     from tests.functional_tests import vl_support
 
     vl_support.use_local_specs()
     if part:
         mutate(part)
-    return {name: train_arms(name, pp, steps, recompute) for name in models}
+    return {name: train_arms(name, pp, steps, recompute, tp) for name in models}
 
 
-def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False) -> dict:
+def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False, tp: int = 1) -> dict:
     """One model's two arms on this rank: each microbatch's logged loss and every gradient, per step."""
     import torch
     from megatron.core import parallel_state
@@ -161,6 +168,8 @@ def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False) ->
     if pp > 1:
         provider.pipeline_model_parallel_size, provider.virtual_pipeline_model_parallel_size = pp, 2
         provider.pipeline_dtype = torch.bfloat16
+    if tp > 1:  # Megatron-Core's MoE layer needs sequence parallelism with TP
+        provider.tensor_model_parallel_size, provider.sequence_parallel = tp, True
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     provider.finalize()
     data_rank = parallel_state.get_data_parallel_rank()
@@ -210,16 +219,17 @@ def main() -> None:
     parser.add_argument("tree", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--pp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--steps", type=int, default=2)
-    parts = ["", "vision", "mrope", "mrope-later", "deepstack", "mtp-rotary"]
+    parts = ["", "vision", "mrope", "mrope-later", "deepstack", "mtp-rotary", "sp-split"]
     parser.add_argument("--mutate", default="", choices=parts)
     parser.add_argument("--models", default="qwen3_vl", help="comma-separated: qwen3_vl, qwen35_vl")
     parser.add_argument("--full_recompute", action="store_true", help="uniform, 1 layer (the hook's keyword)")
     args = parser.parse_args()
     from ep_overlap_lab.multiprocess import run_local_ranks
 
-    arguments = (args.pp, args.steps, args.mutate, args.models.split(","), args.full_recompute)
-    outcomes = run_local_ranks(rank_main, 2 * args.pp, arguments, collective_timeout_s=120)
+    arguments = (args.pp, args.steps, args.mutate, args.models.split(","), args.full_recompute, args.tp)
+    outcomes = run_local_ranks(rank_main, 2 * args.pp * args.tp, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 
 

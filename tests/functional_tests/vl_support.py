@@ -28,8 +28,8 @@ never in pytest's own (the gated delta net's kernel stand-ins reload Megatron-Co
 ``cfg.model``: the vision tower (:data:`VISION`; as many deepstack features as the recipe's, at most the first
 chunk's layers), the image, video and vision start/end token ids (the top four ids of the shrunk vocabulary) and
 ``language_max_sequence_length`` (the sequence length); nothing of the language model, its freezing included. What
-the plan refuses of a recipe stays refused by name: sequence parallelism (most Qwen3.5-VL MoE recipes and Qwen3-VL's
-TP > 1 ones), context parallelism. For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
+the plan refuses of a recipe stays refused by name: context parallelism (sequence parallelism runs: the tests' norms
+take it). For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
 check keeps leaves no attention layer in the shrunk model (2 keeps one of each).
 """
 

@@ -252,9 +252,10 @@ def _vl_provider(name: str, **fields):
         (_vl_provider("MiniMaxM3VLModelProvider", position_embedding_type="rope"), ["model_class"]),
         (_provider("MiniMaxM3ModelProvider", position_embedding_type="rope"), []),  # its to_text_provider()
         (_vl_provider("Qwen3VLMoEModelProvider", position_embedding_type="mrope"), []),
+        (_vl_provider("Qwen35VLMoEModelProvider", position_embedding_type="mrope", sequence_parallel=True), []),
         (
-            _vl_provider("Qwen35VLMoEModelProvider", position_embedding_type="mrope", sequence_parallel=True),
-            ["vl_sequence_parallel"],
+            _vl_provider("Qwen35VLMoEModelProvider", position_embedding_type="mrope", context_parallel_size=2),
+            ["vl_context_parallel"],
         ),
         (_provider("GPTModelProvider", position_embedding_type="mrope"), ["mrope"]),
         (_provider("HybridModelProvider", mtp_num_layers=2, mtp_use_repeated_layer=True), []),  # the MTP block whole

@@ -11,6 +11,7 @@ embedding; each makes the bitwise test fail.
 """
 
 import json
+import os
 
 import pytest
 
@@ -84,6 +85,33 @@ def test_qwen3_vl_with_full_recompute_given_to_the_hook_is_bitwise_equal(python,
         assert len(_nonzero(plain["grads"][-1], "deepstack_merger_list")) >= 2
         for what in ("losses", "grads"):
             assert hook[what] == plain[what], what
+
+
+def test_qwen3_vl_with_sequence_parallelism_is_bitwise_equal(python, plugin, tmp_path):
+    """TP 2 with sequence parallelism x EP 2 (4 ranks), PP 1: the plan scatters the merged embeddings over the
+    tensor-parallel pair and splits the image mask and the deepstack features as the model's forward does
+    (``--mutate sp-split``, every rank keeping the first part, makes it fail)."""
+    ranks = _ranks(python, plugin, "vl_hook_worker.py", tmp_path / "out.json", "--tp", "2")
+    assert len(ranks) == 4
+    for rank in ranks:
+        plain, hook = rank["qwen3_vl"]["plain"], rank["qwen3_vl"]["hook"]
+        assert hook["plan"] == "McoreVisionLanguageChunk" and hook["paired"] and plain["images"] > 0
+        assert len(_nonzero(plain["grads"][-1], "deepstack_merger_list")) >= 2
+        for what in ("losses", "grads"):
+            assert hook[what] == plain[what], what
+
+
+@pytest.mark.skipif(os.environ.get("EP_OVERLAP_WIDER") != "1", reason="bigger case: EP_OVERLAP_WIDER=1")
+def test_qwen3_vl_and_qwen35_vl_with_sequence_parallelism_at_pp2_vpp2_are_bitwise_equal(python, plugin, tmp_path):
+    """PP 2 x VPP 2 x TP 2 (sequence parallelism) x EP 2: 8 ranks, Megatron-Core's interleaved schedule."""
+    ranks = _ranks(python, plugin, "vl_hook_worker.py", tmp_path / "out.json", "--tp", "2", "--pp", "2",
+                   "--models", "qwen3_vl,qwen35_vl")  # fmt: skip
+    assert len(ranks) == 8
+    for rank in ranks:
+        for model, arms in rank.items():
+            assert arms["hook"]["paired"] and arms["plain"]["images"] > 0
+            for what in ("losses", "grads"):
+                assert arms["hook"][what] == arms["plain"][what], (model, what)
 
 
 def test_with_the_patch_qwen3_vl_and_qwen35_vl_train_bitwise_equal_through_bridges_loop(python, patched, tmp_path):

@@ -161,7 +161,7 @@ class McoreChunk(ChunkHooks):
                 attention_mask=self.attention_mask if attention_mask is None else attention_mask,
                 rotary_pos_emb=rotary_pos_emb,
                 packed_seq_params=packed_seq_params,
-                embedding=lambda **inputs: torch.func.functional_call(model.embedding, aliases, (), inputs),
+                embedding=self._mtp_embedding(aliases),
             )
             x_SBH = process_mtp_loss(
                 hidden_states=x_SBH,
@@ -181,6 +181,10 @@ class McoreChunk(ChunkHooks):
             )
         logits, _ = model.output_layer(x_SBH, weight=weight)
         return model.compute_language_model_loss(labels_BS, model._scale_logits(logits))
+
+    def _mtp_embedding(self, aliases: dict):
+        """The embedding the MTP block calls: the model's, with this microbatch's aliases of tied weights."""
+        return lambda **inputs: torch.func.functional_call(self.model.embedding, aliases, (), inputs)
 
     def head_loss(
         self,

@@ -137,24 +137,17 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: 
 
 
 def _vision_language_refusals(config) -> list[tuple[str, str]]:
-    refusals = []
-    if getattr(config, "sequence_parallel", False):
-        refusals.append(
-            (
-                "vl_sequence_parallel",
-                "sequence_parallel with Qwen3VLModel: the model scatters its merged embeddings and splits its "
-                "deepstack features over the tensor-parallel ranks, which the EP-overlap plan does not do yet; fix: "
-                f"tensor_model_parallel_size=1 and sequence_parallel=False, {_OFF}",
-            )
-        )
+    refusals = []  # sequence parallelism: the plan scatters the merged embeddings and splits deepstack as the model
     context = getattr(config, "context_parallel_size", 1) or 1
     if context > 1:
         refusals.append(
             (
                 "vl_context_parallel",
-                f"context_parallel_size={context} with Qwen3VLModel: its images and rotary positions are split over "
-                "the context-parallel ranks, which the EP-overlap plan does not do yet; fix: "
-                f"context_parallel_size=1, {_OFF}",
+                f"context_parallel_size={context} with Qwen3VLModel: its forward splits the merged embeddings, "
+                "deepstack features, multimodal positions, labels and loss mask over the context-parallel ranks and "
+                "returns the split loss mask, from which Megatron-Bridge's qwen3_vl_step builds the loss; its "
+                "overlapped branch builds it from the whole mask, so the plan would also need that step changed; "
+                f"fix: context_parallel_size=1, {_OFF}",
             )
         )
     graphs = getattr(config, "vision_cuda_graph_impl", "none")

@@ -8,6 +8,7 @@ Bridge's VL classes are never imported here (:func:`is_vision_language` looks th
 import sys
 
 import torch
+from megatron.core import tensor_parallel
 
 from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
 from megatron.bridge.training.ep_overlap.mcore.layer import McoreLayer
@@ -198,10 +199,32 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         # Every token's word embedding (no position ids: they are rotary), copied to write image embeddings in place.
         x_SBH = self.model.embedding(input_ids=tokens_BS, position_ids=None).clone()
         if images is None:
-            return x_SBH, None, []
+            return self._sequence_part(x_SBH, None, [])
         x_BSH = x_SBH.transpose(0, 1).contiguous()
         x_BSH[mask_BS] = images
-        return x_BSH.transpose(0, 1).contiguous(), mask_BS, list(features or [])
+        return self._sequence_part(x_BSH.transpose(0, 1).contiguous(), mask_BS, list(features or []))
+
+    def _sequence_part(self, x_SBH: torch.Tensor, mask_BS, features: list):
+        """With sequence parallelism, this rank's part of the merged embeddings, image mask and deepstack features,
+        as the model's forward scatters and splits them (its embedding scatters nothing itself)."""
+        if not self.config.sequence_parallel:
+            return x_SBH, mask_BS, features
+        tp = self.vision_language.pg_collection.tp
+        x_SBH = tensor_parallel.scatter_to_sequence_parallel_region(x_SBH, group=tp).contiguous()
+        if mask_BS is not None:
+            mask_BS, features = sys.modules[_UTILS_MODULE].split_deepstack_embs(
+                mask_BS, features, tp_size=tp.size(), tp_rank=tp.rank(), sequence_parallel=True
+            )
+        return x_SBH, mask_BS, list(features or [])
+
+    def _mtp_embedding(self, aliases: dict):
+        """With sequence parallelism, the MTP block's embedding scattered as Bridge's language model scatters it (its
+        embedding scatters nothing itself)."""
+        embed = super()._mtp_embedding(aliases)
+        if not self.config.sequence_parallel:
+            return embed
+        tp = self.vision_language.pg_collection.tp
+        return lambda **inputs: tensor_parallel.scatter_to_sequence_parallel_region(embed(**inputs), group=tp)
 
     def embed_microbatch(
         self, tokens_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, packed_seq_params=None
