@@ -22,6 +22,10 @@ if os.environ.get("EP_OVERLAP_HIDE_LAB") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
+    if "memory" not in (config.getoption("markexpr") or ""):  # the slow memory matrix runs when asked for
+        for item in items:
+            if "memory" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="the full memory comparison runs with -m memory"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this host has none")

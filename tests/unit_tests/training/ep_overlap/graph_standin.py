@@ -20,11 +20,40 @@ def _checksum(value) -> tuple:
     return (tuple(value.shape), value.detach().double().sum().item())
 
 
-class StandInGraph:
-    """One layer's graph for one microbatch (see the module docstring)."""
+class _IntoStatic(torch.autograd.Function):
+    """A graphed callable's output: its static buffer, written by the replay and ``.detach()``ed (the same storage on
+    every replay), tied to the graph's backward (here the eager computation's)."""
 
-    def __init__(self, layer, index: int):
-        self.layer, self.index = layer, index
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        buffer.copy_(value)
+        return buffer.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _written(buffers: list, position: int, value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    if position == len(buffers):
+        buffers.append(torch.empty_like(value))
+    buffer = buffers[position]
+    if buffer.untyped_storage().nbytes() < value.nbytes:
+        raise RuntimeError("a graph replay writes into its static output buffer, which was freed")
+    if value.requires_grad:
+        return _IntoStatic.apply(value, buffer)
+    return buffer.copy_(value).detach()
+
+
+class StandInGraph:
+    """One layer's graph for one microbatch (see the module docstring); ``static``: its outputs are static buffers,
+    as Transformer Engine's are (the same storage on every replay)."""
+
+    def __init__(self, layer, index: int, static: bool = False):
+        self.layer, self.index, self.static = layer, index, static
+        self.buffers: list[torch.Tensor] = []
 
     def __call__(self, *args, is_first_microbatch=None, **kwargs):
         from megatron.core.transformer import cuda_graphs
@@ -34,9 +63,14 @@ class StandInGraph:
         REPLAYS[(self.layer.layer_number, self.index, inputs)] += 1
         cuda_graphs._set_capture_start()
         try:
-            return self.layer._te_cuda_graph_capture(*args, **kwargs)
+            out = self.layer._te_cuda_graph_capture(*args, **kwargs)
         finally:
             cuda_graphs._set_capture_end()
+        if not self.static:
+            return out
+        if isinstance(out, tuple):
+            return tuple(_written(self.buffers, i, value) for i, value in enumerate(out))
+        return _written(self.buffers, 0, out)
 
     def backward_dw(self) -> None:
         WGRADS[(self.layer.layer_number, self.index)] += 1
@@ -50,8 +84,9 @@ def install() -> None:
     TransformerLayer._get_te_cuda_graph_replay_args = GraphableMegatronModule._get_te_cuda_graph_replay_args
 
 
-def capture(model, microbatches: int, modules: list[str]) -> int:
-    """Graphs ``model``'s graphable layers (see the module docstring); returns how many layers got graphs."""
+def capture(model, microbatches: int, modules: list[str], static: bool = False) -> int:
+    """Graphs ``model``'s graphable layers (see the module docstring; ``static``: see :class:`StandInGraph`); returns
+    how many layers got graphs."""
     from megatron.core.transformer.cuda_graphs import _layer_is_graphable
     from megatron.core.transformer.enums import CudaGraphModule
     from megatron.core.transformer.module import GraphableMegatronModule
@@ -65,6 +100,6 @@ def capture(model, microbatches: int, modules: list[str]) -> int:
     graphed = 0
     for layer in model.decoder.layers:
         if _layer_is_graphable(layer, config):
-            layer.cuda_graphs = [StandInGraph(layer, i) for i in range(microbatches)]
+            layer.cuda_graphs = [StandInGraph(layer, i, static) for i in range(microbatches)]
             graphed += 1
     return graphed

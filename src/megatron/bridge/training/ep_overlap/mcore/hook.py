@@ -140,6 +140,7 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         )
         run_ops([op for window in windows for op in window.ops], {0: f, 1: b})
         call.post_what_is_left()
+        call.unbind()
         if b is not None:
             session.in_flight.discard((id(b_schedule_plan.builder), b.mb))
         if f is None:
@@ -206,6 +207,14 @@ class _DriverCall:
 
         b.io.send_grad = send_grad
         return b
+
+    def unbind(self) -> None:
+        """Drops this call's hooks from the microbatches' I/O: they would chain each finished microbatch, and what
+        its nodes hold, to the next until Python's garbage collector ran."""
+        for plan in (self.f_plan, self.b_plan):
+            if plan is not None:
+                io = plan.nodes.io
+                io.input = io.grad = io.send_output = io.send_grad = None
 
     def post_what_is_left(self) -> None:
         if self.f_plan is not None and FORWARD not in self.posted:

@@ -9,10 +9,12 @@ itself, so each microbatch's :class:`McoreRouting` puts back what the dispatcher
 import contextlib
 import copy
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from megatron.core.models.common.utils import should_free_input
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -155,9 +157,10 @@ class _Unit(LayerHooks):
     replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
 
     def bound_to(self, context):
-        """A copy reading masks, rotary embedding and packed-sequence parameters from ``context`` (a microbatch's)."""
+        """A copy reading masks, rotary embedding and packed-sequence parameters from ``context`` (a microbatch's,
+        which holds the copy: a weak reference, so the two are no cycle left for the garbage collector)."""
         bound = copy.copy(self)
-        bound.chunk = context
+        bound.chunk = weakref.proxy(context)
         return bound
 
     @property
@@ -240,6 +243,10 @@ class McoreLayer(_Unit):
     def _routing(self, before: tuple[dict, dict]) -> McoreRouting:
         return McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
 
+    def frees_input(self, node: str) -> bool:
+        experts = self.layer.mlp.num_local_experts if self.is_moe else None
+        return should_free_input(node, self.is_moe, self.layer.config, experts)
+
     def start_split_exchange(self, routing: McoreRouting | None) -> None:
         """Nothing to send ahead: Megatron-Core's dispatcher exchanged the counts in ``preprocess``."""
 
@@ -251,8 +258,12 @@ class McoreLayer(_Unit):
             dispatcher.tokens_per_expert = dispatcher._maybe_dtoh_and_synchronize(
                 "before_ep_alltoall", dispatcher.tokens_per_expert
             )
-            routing.in_splits = _as_list(dispatcher.input_splits)
-            routing.out_splits = _as_list(dispatcher.output_splits)
+            if getattr(dispatcher, "drop_and_pad", False):  # padded to capacity: equal shares, no sizes given
+                share = [int(dispatcher.num_out_tokens) // dispatcher.ep_size] * dispatcher.ep_size
+                routing.in_splits, routing.out_splits = share, list(share)
+            else:
+                routing.in_splits = _as_list(dispatcher.input_splits)
+                routing.out_splits = _as_list(dispatcher.output_splits)
         routing.exchanged = (routing.in_splits, routing.out_splits)
 
     def replay_splits(self, routing: McoreRouting | None, exchanged) -> None:
@@ -293,7 +304,9 @@ class McoreLayer(_Unit):
             return back  # a dense layer's experts node added its residual
         with routing.active():
             output = self.layer.mlp.postprocess(back, shared)
-        self._combined[0] = routing
+        previous, self._combined[0] = self._combined[0], routing
+        if previous is not routing:  # its forward is done: it keeps its splits, not the dispatcher's tensors
+            previous.state, previous.manager_state = {}, {}
         if self.layer.config.fp32_residual_connection:  # as _forward_mlp keeps its residual
             h = h.float()
         return self.layer._forward_post_mlp((output, None), h)

@@ -45,7 +45,11 @@ def _backward(outputs: list[torch.Tensor | None], grads: list[torch.Tensor | Non
 
 
 def _grad(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.grad
+    """``t``'s gradient, taken off it: a graph that outlives the node (the routing a dispatcher keeps) keeps ``t``."""
+    if t is None:
+        return None
+    grad, t.grad = t.grad, None
+    return grad
 
 
 def _free(t: torch.Tensor) -> None:
@@ -57,6 +61,21 @@ def _release_early(t: torch.Tensor, lane) -> None:
     """Frees an all-to-all's output after its consumer, unless a saved tensor shares its storage (``lane.saved``)."""
     if lane.saved is not None and not lane.saved.holds(t):
         _free(t)
+
+
+class _GradTap(torch.autograd.Function):
+    """``value`` as a graph input whose gradient goes to ``holder``: unlike a leaf's, its buffer is kept only by what
+    autograd saves (as inside one Megatron-Core node). ``anchor``: an empty leaf that makes the output need grad."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor, holder: list) -> torch.Tensor:
+        ctx.holder = holder
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.holder.append(grad)
+        return None, None, None
 
 
 class LayerNodes:
@@ -152,24 +171,36 @@ class LayerNodes:
             self._finish_exchange, sent, op=self._name("dispatch"), layer=self.index, microbatch=self.mb
         )
 
+    # Each wait drops its Pending: what it holds is the nodes' own from then on, kept only as long as they need it.
     def wait_dispatch(self) -> None:
+        dispatched, self._dispatched = self._dispatched, None
         if self._fused:
-            self._dispatch_out = self._dispatched.wait()
+            self._dispatch_out = dispatched.wait()
             self.received = [_leaf(t) for t in self._dispatch_out]
             return
-        self.received = [pending.wait() for pending in self._dispatched]
+        self.received = [pending.wait() for pending in dispatched]
+
+    def _frees(self, node: str) -> bool | None:
+        """Whether ``node``'s input is freed after its forward by the layer's policy (Megatron-Core's
+        ``should_free_input``: ``moe_dispatch``, ``mlp``, ``moe_combine``); None: the layer has none."""
+        policy = getattr(self.layer, "frees_input", None)
+        return None if policy is None else policy(node)
 
     def compute_experts(self) -> None:
         received = self.received
         with self._compute("experts"):
             if self.routing is not None and not self.owns_comm:  # a fused dispatch's input may be saved elsewhere
                 for sent, got in zip(self.send, received):
-                    _free(sent)
                     got.requires_grad_(sent.requires_grad)
+                    if self._frees("moe_dispatch") is not False:  # not a graph's static buffer
+                        _free(sent)
             with torch.set_grad_enabled(self._autograd):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
             if self.routing is not None:
-                for got in received:
+                frees = self._frees("mlp")
+                if frees:
+                    _free(received[0])  # the tokens; the probabilities stay, as Megatron-Core keeps them
+                for got in received if frees is None else ():
                     _release_early(got, self.lane)
 
     def launch_combine(self) -> None:
@@ -191,7 +222,7 @@ class LayerNodes:
         )
 
     def wait_combine(self) -> None:
-        self.back = self._combined.wait()
+        self.back, self._combined = self._combined.wait(), None
         if self._fused:
             self._combine_out, self.back = self.back, _leaf(self.back)
 
@@ -199,15 +230,20 @@ class LayerNodes:
         back = self.back
         with self._compute("combine"):
             if self._fused:
-                _release_early(self.expert_out, self.lane)  # a backend may hand the experts' output on as it is
+                if self._frees("moe_combine") is None:  # a backend may hand the experts' output on as it is
+                    _release_early(self.expert_out, self.lane)
             elif self.routing is not None:
                 _free(self.expert_out)
-                back.requires_grad_(self._autograd)
+                self.back, self._back_grad = None, []
+                if self._autograd:
+                    back = _GradTap.apply(back, back.new_empty(0).requires_grad_(), self._back_grad)
             self.h_in, self.keep_in = _leaf(self.h), _leaves(self.keep)
             with torch.set_grad_enabled(self._autograd):
                 self.out = self.layer.combine(back, self.keep_in, self.h_in, self.routing)
             if self.routing is not None:
                 _release_early(back, self.lane)
+            if self._fused and self._frees("moe_combine"):
+                _free(self.expert_out)
         if self.grad and not self._autograd:
             return self._forget_forward()
         return self.out
@@ -251,7 +287,9 @@ class LayerNodes:
         self.out = None
 
     def launch_combine_bwd(self) -> None:
-        grad_back, routing = self.back.grad, self.routing
+        routing = self.routing
+        grad_back = _grad(self.back) if self.back is not None else next(iter(self._back_grad), None)
+        self._back_grad = None
         if routing is None:
             self._combine_grad = done(grad_back)
             return
@@ -261,14 +299,14 @@ class LayerNodes:
 
             def combine_bwd() -> torch.Tensor:
                 _backward([combined], [grad_back])
-                return expert_out.grad
+                return _grad(expert_out)
 
             self._combine_grad = self._run_comm(combine_bwd, "combine_bwd")
             return
         (self._combine_grad,) = self._all_to_all([grad_back], routing.out_splits, routing.in_splits, "combine_bwd")
 
     def wait_combine_bwd(self) -> None:
-        self._grad_expert_out = self._combine_grad.wait()
+        self._grad_expert_out, self._combine_grad = self._combine_grad.wait(), None
 
     def compute_experts_bwd(self) -> None:
         with self._compute("experts_bwd"):
@@ -301,16 +339,17 @@ class LayerNodes:
             self.layer.expert_backward_dw()
 
     def wait_dispatch_bwd(self) -> None:
+        grads, self._dispatch_grads = self._dispatch_grads, None
         if self._fused:  # a unit's own dispatch: one backward for all its inputs
-            self._grad_send = self._dispatch_grads.wait()
+            self._grad_send = grads.wait()
             return
-        self._grad_send = [None if p is None else p.wait() for p in self._dispatch_grads]
+        self._grad_send = [None if p is None else p.wait() for p in grads]
 
     def compute_pre_dispatch_bwd(self) -> torch.Tensor:
         with self._compute("pre_dispatch_bwd"):
             kept, kept_grads = _kept(self.keep), [_grad(t) for t in _kept(self.keep_in)]
-            _backward([self.h, *self.send, *kept], [self.h_in.grad, *self._grad_send, *kept_grads])
-        grad_in = self.x.grad
+            _backward([self.h, *self.send, *kept], [_grad(self.h_in), *self._grad_send, *kept_grads])
+        grad_in = _grad(self.x)
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self._grad_send = None
         return grad_in
 
@@ -371,7 +410,7 @@ class MicrobatchNodes:
                 self.loss.backward()
             else:
                 _backward([self.loss], [self.output_grad])
-        grad, self.head_in, self.output_grad = self.head_in.grad, None, None
+        grad, self.head_in, self.output_grad = _grad(self.head_in), None, None
         return grad
 
     def wait_recv_grad(self) -> torch.Tensor:
