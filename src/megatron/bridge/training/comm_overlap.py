@@ -536,6 +536,7 @@ class CommOverlapConfig:
             te_at_least=lambda minimum: is_te_min_version(minimum),
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_cfg),
+            megatron_fsdp=bool(getattr(ddp_config, "use_megatron_fsdp", False)),
         ).violations
         if problems is not None:
             problems += found

@@ -79,6 +79,7 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
             overlap_grad_reduce=bool(grad_reduce),
             # a Bridge model provider runs Megatron-Core's own checks after this setup
             model_config_built=not defers_mcore_checks(model_config),
+            megatron_fsdp=bool(getattr(ddp_config, "use_megatron_fsdp", False)),
         ).violations
         if problems:
             raise CommOverlapConfigError(problems)

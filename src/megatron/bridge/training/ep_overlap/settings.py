@@ -78,6 +78,7 @@ def resolve(
     torch_at_least=None,
     te_at_least=None,
     model_config_built: bool = True,
+    megatron_fsdp: bool = False,
 ) -> Settings:
     """The settings of ``model_config`` with ``options`` (None: from the config); the keywords are what a caller knows
     beyond them (version checks default to what is installed)."""
@@ -92,6 +93,7 @@ def resolve(
         options=options,
         micro_batch_size=micro_batch_size,
         model_config_built=model_config_built,
+        megatron_fsdp=megatron_fsdp,
     )
     full = None
     if getattr(model_config, "recompute_granularity", None) == "full":

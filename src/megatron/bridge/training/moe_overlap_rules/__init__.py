@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatron.bridge.training.moe_overlap_rules.cuda_graphs import CUDA_GRAPH_RULES
+from megatron.bridge.training.moe_overlap_rules.data_parallel import DATA_PARALLEL_RULES
 from megatron.bridge.training.moe_overlap_rules.facts import (
     CommOverlapConfigError,
     Rule,
@@ -32,6 +33,7 @@ MOE_OVERLAP_RULES: tuple[Rule, ...] = (
     + ARCHITECTURE_RULES
     + DELAY_WGRAD_RULES
     + SCHEDULE_OPTION_RULES
+    + DATA_PARALLEL_RULES
 )
 
 __all__ = [
@@ -60,6 +62,7 @@ def check_moe_overlap(
     options: Any = None,
     micro_batch_size: int | None = None,
     model_config_built: bool = True,
+    megatron_fsdp: bool = False,
 ) -> list[Violation]:
     """Evaluates every rule and returns all violations (empty when the config is fine). Never raises.
 
@@ -75,5 +78,6 @@ def check_moe_overlap(
         options=options,
         micro_batch_size=micro_batch_size,
         model_config_built=model_config_built,
+        megatron_fsdp=megatron_fsdp,
     )
     return [rule.violation(facts) for rule in rules if rule.applies(facts) and not rule.holds(facts)]

@@ -36,6 +36,7 @@ RECOMPUTE_MODULES = "model.recompute_modules"
 SPELLED = "check.spelled_as"
 # False at a recipe's CommOverlapConfig.setup, before Bridge builds the model config.
 MODEL_BUILT = "check.model_config_built"
+MEGATRON_FSDP = "ddp.use_megatron_fsdp"
 
 # The supported Megatron-Core line, whose TransformerConfig refuses full recompute with EP overlap.
 MCORE_FULL_RECOMPUTE = "0.19"
@@ -220,6 +221,7 @@ def gather_facts(
     options: Any = None,
     micro_batch_size: int | None = None,
     model_config_built: bool = True,
+    megatron_fsdp: bool = False,
 ) -> dict[str, Any]:
     """Collects every value the rules read into one flat mapping (arguments as :func:`check_moe_overlap`)."""
     facts: dict[str, Any] = {
@@ -243,6 +245,7 @@ def gather_facts(
         facts[key] = getattr(options, key.split(".", 1)[1])
     facts[MICRO_BATCH] = micro_batch_size
     facts[MODEL_BUILT] = model_config_built
+    facts[MEGATRON_FSDP] = megatron_fsdp
     return facts
 
 

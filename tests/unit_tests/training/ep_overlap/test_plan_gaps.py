@@ -1,0 +1,65 @@
+"""What Megatron-Core's plan trains and ours once did not: experts' inputs padded to capacity run bitwise;
+Megatron-FSDP is refused by name at setup, with the fix."""
+
+import pytest
+
+from .bitwise import assert_bitwise
+from .local_ranks import run_local_ranks
+from .mcore_arms import run_arm
+from .mcore_cpu import init_megatron, install_cpu_stubs
+from .mcore_models import McoreCase
+
+PADDED = McoreCase(
+    microbatches=3,
+    config=(("moe_expert_capacity_factor", 1.0), ("moe_pad_expert_input_to_capacity", True)),
+)
+
+
+def _padded(rank: int, world: int) -> dict:
+    install_cpu_stubs()
+    init_megatron(world)
+    out = {}
+    for arm in ("plain", "mcore", "hook"):
+        result = run_arm(arm, PADDED)
+        out[arm] = {"losses": result["losses"], "grads": result["grads"]}
+    return out
+
+
+def test_experts_padded_to_capacity_train_bitwise():
+    for outcome in run_local_ranks(_padded, PADDED.world):
+        plain = outcome.result["plain"]
+        for arm in ("mcore", "hook"):
+            got = outcome.result[arm]
+            for step, (want, have) in enumerate(zip(plain["losses"], got["losses"])):
+                assert_bitwise(want, have, f"rank {outcome.rank} {arm} step {step} losses")
+            assert got["grads"].keys() == plain["grads"].keys()
+            for name, grad in plain["grads"].items():
+                assert_bitwise(grad, got["grads"][name], f"rank {outcome.rank} {arm} {name}")
+
+
+@pytest.mark.parametrize("bridge_checks", [True, False], ids=["in-tree", "plugin"])
+def test_megatron_fsdp_is_refused_by_name_at_setup(fake_versions, monkeypatch, bridge_checks):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron.bridge.training.comm_overlap import CommOverlapConfig, CommOverlapConfigError
+    from megatron.bridge.training.ep_overlap_config import EPOverlapCommOverlapConfig
+    from megatron.bridge.training.moe_overlap_rules import use_bridge_schedule
+
+    from .test_comm_overlap_rules import moe_model
+
+    # in-tree, CommOverlapConfig runs the rules itself; the plugin's config runs them on any Megatron-Bridge
+    monkeypatch.setattr(CommOverlapConfig, "checks_ep_overlap_rules", bridge_checks)
+
+    def setup(fsdp: bool):
+        model = use_bridge_schedule(moe_model())
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, use_megatron_fsdp=fsdp)
+        EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(
+            model, OptimizerConfig(), ddp
+        )
+
+    setup(False)
+    with pytest.raises(CommOverlapConfigError) as raised:
+        setup(True)
+    lines = [line for line in str(raised.value).splitlines() if "use_megatron_fsdp" in line]
+    assert len(lines) == 1 and "Fix: " in lines[0] and "use_megatron_fsdp=False" in lines[0], str(raised.value)
