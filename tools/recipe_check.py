@@ -17,6 +17,10 @@ one package has it. Each config gets two verdicts:
   ``train()`` overlap off and on (``bitwise``, ``refused``, ``differs`` with the first tensor, ``failed`` naming the
   GPU-only piece it needs, or ``not checked`` where the check itself could not: counted apart).
 
+And the **predicted gain**: the planner's speedup for the recipe as it is with the overlap on, on the hardware its name
+says (``scripts/performance/utils/plan_recipe.py``, priced where the worker builds the config), or ``not priced`` and
+why. A prediction, not a measurement; a pricing that fails never changes a verdict or the exit status.
+
 Configs whose CPU run would be the same (shrunk structure, substitutions) share one run; every config keeps its row.
 ``tests/functional_tests/recipe_check/`` says exactly what runs. Exit status 0 only when nothing differs and every
 failure names a GPU-only piece; 2, one line each and before any run, for a name that is not a MoE recipe with expert
@@ -145,10 +149,21 @@ def cpu_runs(trees: Trees, names: list[str], patched: bool, delay_wgrad: bool, r
     return results
 
 
+def gain_words(row: dict) -> str:
+    """The planner's predicted gain for the row (its speedup and hardware), or ``not priced`` and why."""
+    gain = row.get("gain")
+    if gain is None:
+        return "not priced: not built here" if row.get("built") is False else "-"
+    if "why" in gain:
+        return f"not priced: {gain['why']}"
+    guessed = any(note.startswith("its name names no GPU") for note in gain.get("notes", []))
+    return f"{gain['speedup']:.2f}x ({gain['gpus']} x {gain['profile']}{', its name names no GPU' if guessed else ''})"
+
+
 def table(rows: list[dict]) -> list[str]:
     """The rows as a Markdown table."""
-    lines = ["| recipe | setting | recipe's shape | GPU, as it is | shape run on CPU | substituted on CPU | config "
-             "| CPU |", "|---" * 8 + "|"]  # fmt: skip
+    lines = ["| recipe | setting | recipe's shape | GPU, as it is | predicted gain | shape run on CPU "
+             "| substituted on CPU | config | CPU |", "|---" * 9 + "|"]  # fmt: skip
     for row in rows:
         gpu = row.get("gpu", {})
         gpu_words = f"**{gpu.get('verdict', '-')}**" + (f": {gpu['why']}" if gpu.get("why") else "")
@@ -156,7 +171,7 @@ def table(rows: list[dict]) -> list[str]:
         if row.get("run") not in (None, row["recipe"]):
             cpu += f" (the run of `{row['run']}`)"
         cells = [f"`{row['recipe']}`", row.get("setting", "-"), row.get("recipe_shape", "-"), gpu_words,
-                 row.get("shape", "-"), "; ".join(row.get("substituted", [])) or "-",
+                 gain_words(row), row.get("shape", "-"), "; ".join(row.get("substituted", [])) or "-",
                  "; ".join(row.get("config", [])) or "-", cpu]  # fmt: skip
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
     return lines
@@ -190,6 +205,11 @@ def summary(rows: list[dict]) -> list[str]:
              + (f" (GPU-only: {', '.join(f'{p} {n}' for p, n in pieces.most_common())})" if pieces else ""),
              f"bitwise on CPU but refused on GPU: {both}",
              "families: " + ", ".join(f"{f} {n}" for f, n in sorted(families.items()))]  # fmt: skip
+    gains = sorted(row["gain"]["speedup"] for row in rows if "speedup" in row.get("gain", {}))
+    if gains:
+        lines.append(f"predicted gain (the planner, overlap on as the recipe is): {len(gains)} priced, median "
+                     f"{gains[len(gains) // 2]:.2f}x, {sum(g >= 1.1 for g in gains)} at 1.10x or more, "
+                     f"{sum(g < 1.03 for g in gains)} under 1.03x; {len(rows) - len(gains)} not priced")  # fmt: skip
     failed_elsewhere = cpu["failed"] - sum(pieces.values())
     lines.append(f"recipes: {cpu['bitwise']} bitwise, {cpu['refused']} refused, {cpu['differs']} differ, "
                  f"{failed_elsewhere} failed, {cpu['not checked']} not checked of {len(rows)}")  # fmt: skip

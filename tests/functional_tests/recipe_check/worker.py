@@ -11,7 +11,7 @@ What runs, in order:
 1. **The recipe as a user builds it** (``universe.py``), offline (``offline.py``: the published config fields the
    check carries, an H100's properties, empty ``diffusers``). The recipe function runs unchanged.
 2. **As the recipe is, on a GPU** (``verdicts.gpu_verdict``): this project's rules on the unshrunk config with the
-   overlap on.
+   overlap on; and the planner's predicted gain (:func:`predicted`), priced from the same built config.
 3. **The overlap on, as Bridge's performance scripts' ``--moe_a2a_overlap true`` does** (:func:`overlap_on`): the
    overlap flag and delayed wgrad, ``moe_shared_expert_overlap`` off; this project's config class and pre-wrap hook
    (the README's recipe lines); a recipe's full recompute through the hook's ``full_recompute`` keyword.
@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
+PERF_SCRIPTS = ROOT / "scripts" / "performance"  # the planner's recipe entry (``utils.plan_recipe``)
 
 
 def overlap_on(cfg) -> dict:
@@ -125,6 +126,24 @@ def prepared(cfg) -> dict:
     return {"keywords": keywords, "shape": shape, "substituted": substituted, "patched": bool(needs)}
 
 
+def predicted(cfg, name: str) -> dict:
+    """The planner's predicted gain for the recipe as it is, with the overlap on, on the hardware its name says
+    (``plan_recipe.predicted_gain``, torch-free; ``cfg`` only read): speedup, steps, GPUs, or ``{"why": one line}``.
+    Never raises: a pricing that fails says so in its ``why``, and the row keeps its verdicts."""
+    try:
+        if str(PERF_SCRIPTS) not in sys.path:
+            sys.path.append(str(PERF_SCRIPTS))  # last: nothing the worker already finds is shadowed
+        from utils.plan_recipe import predicted_gain
+
+        gain = predicted_gain(cfg, name)
+    except Exception as error:
+        line = (str(error).strip().splitlines() or [""])[-1]
+        return {"why": f"the planner failed: {type(error).__name__}: {line}"[:300]}
+    if "why" in gain:
+        return {"why": gain["why"]}
+    return {key: gain[key] for key in ("speedup", "plain_s", "overlap_s", "profile", "gpus", "microbatches", "notes")}
+
+
 def universe_row(name: str, function, configs) -> dict:
     """One config function: built, classified, judged as it is; for the universe, its CPU run's key."""
     from tests.functional_tests.recipe_check import universe
@@ -140,7 +159,9 @@ def universe_row(name: str, function, configs) -> dict:
     row |= {"built": True, "moe_ep": universe.is_moe_with_ep(cfg.model), "config": list(configs.used)}
     if not row["moe_ep"]:
         return row
-    row |= {"setting": universe.setting(cfg, function), "recipe_shape": describe(cfg.model), "gpu": gpu_verdict(cfg)}
+    # the gain is priced here, on the recipe as built: prepared() below shrinks cfg in place
+    row |= {"setting": universe.setting(cfg, function), "recipe_shape": describe(cfg.model), "gpu": gpu_verdict(cfg),
+            "gain": predicted(cfg, name)}  # fmt: skip
     try:
         run = prepared(cfg)
     except Exception as error:
