@@ -83,11 +83,17 @@ class _Block:
 
 @dataclass
 class HostWait:
-    """One host wait: after ``issued`` kernels, on ``stream`` (``what``: the call)."""
+    """One host wait: after ``issued`` kernels, on ``stream`` (``what``: the call). ``beyond``: the labels of the
+    default stream's kernels it waits for that were queued after the last forward routing kernel (whose split sizes
+    a wait reads): work the host did not need to wait for."""
 
     issued: int
     stream: int
     what: str
+    beyond: tuple = ()
+
+
+ROUTING_LABELS = ("pre_dispatch", "replay_pre_dispatch", "pre_dispatch_computation forward")  # ours; Megatron-Core's
 
 
 class Emulation(TorchDispatchMode):
@@ -105,6 +111,9 @@ class Emulation(TorchDispatchMode):
         self._current = [DEFAULT_STREAM]
         self.handler._handle_stream_creation(DEFAULT_STREAM)
         self._static: dict[object, torch.Tensor] = {}
+        self.label: str | None = None  # the node the kernels now issued belong to (set by the arms' spies)
+        self.launched: list[tuple[int, int, str | None]] = []  # (seq, stream, label) of every kernel
+        self.labels: dict[int, str | None] = {}
 
     # -- streams and events -----------------------------------------------------------------------------------
     def new_id(self) -> int:
@@ -123,7 +132,13 @@ class Emulation(TorchDispatchMode):
 
     def host_wait(self, stream: int, what: str, event: int | None = None) -> None:
         self.counts["host waits"] += 1
-        self.host_waits.append(HostWait(self.kernels, stream, what))
+        syncs = self.handler.syncs
+        state = syncs.current_sync_states[stream] if event is None else syncs.recorded_sync_states[event]
+        last_routing = max((seq for seq, _, label in self.launched if label in ROUTING_LABELS), default=-1)
+        reached = state.get(DEFAULT_STREAM, -1)
+        beyond = tuple(sorted({str(label) for seq, where, label in self.launched
+                               if where == DEFAULT_STREAM and last_routing < seq <= reached}))  # fmt: skip
+        self.host_waits.append(HostWait(self.kernels, stream, what, beyond))
         if event is None:
             self.handler._handle_stream_synchronization(stream)
         else:
@@ -132,10 +147,13 @@ class Emulation(TorchDispatchMode):
     # -- kernels and memory -----------------------------------------------------------------------------------
     def kernel(self, reads: set, writes: set, outputs: set, name: str, aliases: dict) -> None:
         self.kernels += 1
+        self.launched.append((self.handler.seq_num + 1, self.current, self.label))
+        self.labels[self.handler.seq_num + 1] = self.label
         aliases = {ptr: aliases.get(ptr, []) for ptr in reads | writes}
         for error in self.handler._handle_kernel_launch(self.current, reads - writes, writes, outputs, name, aliases):
-            self.errors.append(f"unsynchronized: {error.current_access.operator} on stream "
-                               f"{error.current_access.stream} after {error.previous_access.operator} on stream "
+            self.errors.append(f"unsynchronized: {error.current_access.operator} ({self.label}) on stream "
+                               f"{error.current_access.stream} after {error.previous_access.operator} "
+                               f"({self.labels.get(error.previous_access.seq_num)}) on stream "
                                f"{error.previous_access.stream} ({error.current_access.type} after "
                                f"{error.previous_access.type})")  # fmt: skip
 
@@ -190,7 +208,8 @@ class Emulation(TorchDispatchMode):
         for value in list(args) + list(kwargs.values()):
             if isinstance(value, torch.Tensor) and value.numel() and value.untyped_storage().nbytes() == 0:
                 self.errors.append(f"use of a freed block: {schema.name} on stream {self.current}")
-        is_factory = bool(san.FACTORY_FUNCTION_REGEX.match(schema.name))
+        # new_empty/zeros_like read only their input's metadata (the sanitizer matches the name with its namespace)
+        is_factory = bool(san.FACTORY_FUNCTION_REGEX.match(schema.name.split("::")[-1]))
         arguments = _Arguments()
         arguments.parse_inputs(schema, args, kwargs, is_factory=is_factory)
         out = func(*args, **kwargs)
@@ -367,6 +386,8 @@ def _device_to_host_copies(emu: Emulation) -> None:
             return tensor
         emu.counts["device-to-host copies"] += 1
         emu.kernel({tensor.untyped_storage().data_ptr()}, set(), set(), "device_to_host", {})
+        if record_stream:
+            emu.record_stream(tensor, emu.current)
         return tensor.numpy() if as_numpy else tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host

@@ -6,14 +6,19 @@ from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase
 
 
-def emulated_arm(rank: int, world: int, arm: str, case: McoreCase, pipeline: bool = False, plant=None) -> dict:
-    """``arm`` ("plain", "mcore" or "hook") under the emulation: losses, gradients, errors, each step's counts."""
+def emulated_arm(
+    rank: int, world: int, arm: str, case: McoreCase, pipeline: bool = False, plant=None, setup: str | None = None
+) -> dict:
+    """``arm`` ("plain", "mcore" or "hook") under the emulation: losses, gradients, errors, each step's counts.
+    ``setup``: "static-flex" (the static-shape HybridEP stand-in) or "graphed-preprocess" (TE-style graphs of
+    attention, router and ``moe_preprocess``, static output buffers)."""
     from . import cuda_emulation
 
     install_cpu_stubs()
     emu = cuda_emulation.install()
-    init_megatron(world, pipeline=2 if pipeline else 1, virtual=2 if pipeline else None)
+    init_megatron(world // 2 if pipeline else world, pipeline=2 if pipeline else 1, virtual=2 if pipeline else None)
     _cuda_lane_on_cpu()
+    _labelled(emu)
     if plant is not None:
         plant(emu)
     steps = []
@@ -22,7 +27,7 @@ def emulated_arm(rank: int, world: int, arm: str, case: McoreCase, pipeline: boo
         steps.append(None)
         return _Counted(emu, steps)
 
-    result = run_arm(arm, case, pipeline=pipeline, around_step=around_step)
+    result = run_arm(arm, case, pipeline=pipeline, around_step=around_step, prepare=_prepare(setup, case))
     return {
         "losses": [None if loss is None else loss.tolist() for loss in result["losses"]],
         "grads": {name: grad.clone() for name, grad in result["grads"].items()},
@@ -42,7 +47,7 @@ class _Counted:
 
     def __exit__(self, *exc):
         self.window.__exit__(*exc)
-        waits = [(w.issued, w.stream, w.what) for w in self.emu.host_waits]
+        waits = [(w.issued, w.stream, w.what, w.beyond) for w in self.emu.host_waits]
         self.steps[-1] = {"counts": dict(self.counts), "host_waits": waits}
 
 
@@ -54,3 +59,61 @@ def _cuda_lane_on_cpu() -> None:
 
     make_lane = hook.make_lane
     hook.make_lane = lambda groups, device, **kwargs: make_lane(groups, torch.device("cuda"), **kwargs)
+
+
+def _labelled(emu) -> None:
+    """The kernels of each node carry its name: ours by the lane's compute nodes, Megatron-Core's by its
+    ``ScheduleNode`` (``"<name> forward"``/``"<name> backward"``)."""
+    from contextlib import contextmanager
+
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    from megatron.bridge.training.ep_overlap.runtime.lanes import CudaLane, _Lane
+
+    def labelled(enter, label_of):
+        @contextmanager
+        def wrapped(self, *args, **kwargs):
+            outer, emu.label = emu.label, label_of(*args, **kwargs)
+            try:
+                with enter(self, *args, **kwargs):
+                    yield
+            finally:
+                emu.label = outer
+
+        return wrapped
+
+    _Lane.compute = labelled(_Lane.compute, lambda node, *rest: node)
+    run_comm = CudaLane.run_comm
+
+    def comm_labelled(self, fn, *, op, layer, microbatch):
+        outer, emu.label = emu.label, f"comm {op}"
+        try:
+            return run_comm(self, fn, op=op, layer=layer, microbatch=microbatch)
+        finally:
+            emu.label = outer
+
+    CudaLane.run_comm = comm_labelled
+    ScheduleNode.stream_acquire_context = labelled(ScheduleNode.stream_acquire_context, lambda name=None: name)
+
+
+def _prepare(setup: str | None, case: McoreCase):
+    if setup == "static-flex":
+        from .static_hybridep import install_static_hybridep, make_static
+
+        install_static_hybridep()
+        return make_static
+    if setup == "graphed-preprocess":
+        from . import graph_standin
+
+        graph_standin.install()
+
+        def graphed(model) -> None:
+            graph_standin.capture(model, case.microbatches, ["attn", "moe_router", "moe_preprocess"], static=True)
+            for module in model.modules():  # what the dispatcher picks when built with moe_preprocess graphed
+                dispatcher = getattr(module, "token_dispatcher", None)
+                if hasattr(dispatcher, "cuda_dtoh_point"):
+                    dispatcher.cuda_dtoh_point = "before_ep_alltoall"
+
+        return graphed
+    assert setup is None, setup
+    return None

@@ -2,8 +2,10 @@
 the real ``CudaLane``, a planted missing wait and a planted early free (both reported), Megatron-Core's own plan as
 the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's."""
 
+import functools
 from datetime import timedelta
 
+import pytest
 import torch
 
 from .emulated_arms import emulated_arm
@@ -44,7 +46,7 @@ def test_the_cuda_lane_runs_clean_and_a_planted_missing_wait_or_early_free_is_re
     for outcome in run_local_ranks(_dispatch_then_free, 2, (None,)):
         assert outcome.result == []
     for outcome in run_local_ranks(_dispatch_then_free, 2, ("missing wait",)):
-        assert any(e.startswith("unsynchronized: all_to_all_single on stream") for e in outcome.result), outcome
+        assert any(e.startswith("unsynchronized: all_to_all_single") for e in outcome.result), outcome
     for outcome in run_local_ranks(_dispatch_then_free, 2, ("early free",)):
         assert any(e.startswith("early free") for e in outcome.result), outcome.result
 
@@ -67,17 +69,72 @@ def test_a_launch_waits_for_its_own_chunks_compute_not_another_stages_same_micro
         assert outcome.result == {"waits_for_b": False, "errors": []}
 
 
+@functools.cache
+def _arms(arms: tuple[str, ...], case: McoreCase, setup: str | None = None, pipeline: bool = False) -> dict:
+    world = 4 if pipeline else 2
+    return {arm: [o.result for o in run_local_ranks(emulated_arm, world, (arm, case, pipeline, None, setup))]
+            for arm in arms}  # fmt: skip
+
+
+def _bitwise(plain: dict, hook: dict) -> bool:
+    grads = plain["grads"].keys() == hook["grads"].keys()
+    return hook["losses"] == plain["losses"] and grads and all(torch.equal(hook["grads"][n], g) for n, g in
+                                                                plain["grads"].items())  # fmt: skip
+
+
 CASE = McoreCase(delay_wgrad=True, microbatches=3, steps=2)
 
 
-def test_megatron_cores_plan_and_ours_run_clean_under_the_emulation_and_ours_bitwise():
-    runs = {arm: run_local_ranks(emulated_arm, 2, (arm, CASE)) for arm in ("plain", "mcore", "hook")}
-    for rank in range(2):
-        plain, mcore, hook = (runs[arm][rank].result for arm in ("plain", "mcore", "hook"))
-        assert mcore["errors"] == [] and hook["errors"] == [], (mcore["errors"][:3], hook["errors"][:3])
-        assert hook["losses"] == plain["losses"]
-        assert hook["grads"].keys() == plain["grads"].keys()
-        assert all(torch.equal(hook["grads"][n], plain["grads"][n]) for n in plain["grads"])
+def test_megatron_cores_own_plan_runs_clean_under_the_emulation():
+    for mcore in _arms(("mcore",), CASE)["mcore"]:
+        assert mcore["errors"] == [], mcore["errors"][:3]
+
+
+def test_our_plan_runs_clean_bitwise_and_creates_no_more_than_megatron_cores():
+    runs = _arms(("plain", "hook"), CASE)
+    for plain, hook, mcore in zip(runs["plain"], runs["hook"], _arms(("mcore",), CASE)["mcore"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
         steady_hook, steady_mcore = hook["steps"][-1]["counts"], mcore["steps"][-1]["counts"]
         for count in ("events", "timing events", "streams", "host waits"):
             assert steady_hook.get(count, 0) <= steady_mcore.get(count, 0), (count, steady_hook, steady_mcore)
+
+
+# One step each: a graph's second replay, a block's reuse and every pairing already happen in the first.
+GRAPHED = McoreCase(microbatches=3, steps=1)  # attention, router and moe_preprocess graphed: static output buffers
+STATIC_FLEX = McoreCase(dispatcher="flex", flex_backend="hybridep", topk=1, steps=1, microbatches=3,
+                        config=(("num_moe_experts", 2),))  # fmt: skip
+PIPELINE = McoreCase(layer_freq=(1, 0, 1, 1), delay_wgrad=True, microbatches=2, steps=1)
+
+
+def test_graphed_moe_preprocess_runs_clean_and_bitwise_with_static_graph_buffers():
+    runs = _arms(("plain", "hook"), GRAPHED, "graphed-preprocess")
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook)
+
+
+@pytest.mark.xfail(strict=True, reason="runtime/nodes.py: _finish_exchange must run under lane.reading(layer, mb)")
+def test_graphed_moe_preprocess_no_host_wait_waits_for_b_experts_backward():
+    """The split sizes' copy (Megatron-Core's, at ``before_ep_alltoall`` when ``moe_preprocess`` is graphed) must be
+    made where it waits for F's routing only, as Megatron-Core makes it from its comm stream."""
+    for hook in _arms(("plain", "hook"), GRAPHED, "graphed-preprocess")["hook"]:
+        late = [w for step in hook["steps"] for w in step["host_waits"] if "experts_bwd" in w[3]]
+        assert late == []
+
+
+def test_pp2_vpp2_runs_clean_and_bitwise():
+    runs = _arms(("plain", "hook"), PIPELINE, pipeline=True)
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook)
+
+
+def test_the_static_shape_flex_stand_in_runs_bitwise():
+    runs = _arms(("plain", "hook"), STATIC_FLEX, "static-flex")
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert _bitwise(plain, hook)
+
+
+@pytest.mark.xfail(strict=True, reason="runtime/nodes.py: the fused backward comm ops must hand the gradients they "
+                   "read to lane.used_on_comm (as Megatron-Core's ScheduleNode records them)")  # fmt: skip
+def test_the_static_shape_flex_stand_in_runs_clean():
+    for hook in _arms(("plain", "hook"), STATIC_FLEX, "static-flex")["hook"]:
+        assert hook["errors"] == []

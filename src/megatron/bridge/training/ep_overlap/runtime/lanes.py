@@ -19,12 +19,7 @@ from megatron.bridge.training.ep_overlap.runtime.records import (
     StepRecorder,
     profiling,
 )
-from megatron.bridge.utils.process_groups import (
-    EPGroups,
-    exchanged_bytes,
-    tell_alive,
-    wait_work,
-)
+from megatron.bridge.utils.process_groups import EPGroups, exchanged_bytes, tell_alive, wait_work
 
 Splits = Callable[[], tuple[list[int], list[int]]]  # -> (out_splits, in_splits) of an all-to-all
 
@@ -112,17 +107,19 @@ class _Lane:
         record.done = self.recorder.clock.mark()
         return Pending(out)
 
+    @contextmanager
+    def reading(self, layer: int, microbatch: int) -> Iterator[None]:
+        """Where a host read of the key's split sizes is issued (on CUDA: the comm stream, after the key's compute)."""
+        yield
+
+    def used_on_comm(self, tensors) -> None:
+        """``tensors`` (made by compute) are read by the next ``run_comm``: on CUDA, kept from reuse until it ran."""
+
     def close(self, *, failed: bool = False) -> None:
         """Ends the step's lane (shuts its helper thread down, if any); ``failed``: the step raised, wait for none."""
 
     def record_comm(
-        self,
-        op: str,
-        layer: int,
-        microbatch: int,
-        stream=None,
-        exchanged: tuple[int, int] = (0, 0),
-        asked: tuple[str, float] | None = None,
+        self, op: str, layer: int, microbatch: int, stream=None, exchanged=(0, 0), asked: tuple | None = None
     ) -> CommRecord:
         """Records an all-to-all launched now; ``asked``: (phase, host time) the host asked for it, when earlier."""
         phase, issued_host = (self.recorder.phase, time.perf_counter()) if asked is None else asked
@@ -232,6 +229,18 @@ class CudaLane(_Lane):
         x.record_stream(self.comm_stream)
         out.record_stream(compute_stream)
         return Pending(out, self._finished(layer, microbatch), record)
+
+    def used_on_comm(self, tensors) -> None:
+        for tensor in tensors:  # as Megatron-Core's ScheduleNode records the gradients its backward is given
+            if tensor is not None:
+                tensor.record_stream(self.comm_stream)
+
+    @contextmanager
+    def reading(self, layer: int, microbatch: int) -> Iterator[None]:
+        # As Megatron-Core's dispatch node: its copy then waits for no compute queued after the key's own
+        self._comm_waits_for(layer, microbatch)
+        with torch.cuda.stream(self.comm_stream):
+            yield
 
     def run_comm(self, fn: Callable[[], object], *, op: str, layer: int, microbatch: int) -> Pending:
         """``fn`` on the comm stream after the microbatch's compute; its autograd backward stays on that stream."""
