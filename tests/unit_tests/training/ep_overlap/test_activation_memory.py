@@ -89,3 +89,16 @@ def test_the_hook_holds_at_most_what_megatron_cores_plan_holds():
 def test_memory_parity_matrix(case):
     _check_garbage_and_losses(case)
     _check_parity(case)
+
+
+def _built_masks(rank: int, world: int) -> list[bool]:
+    install_cpu_stubs()
+    init_megatron(world)
+    models = run_arm("hook", McoreCase(microbatches=2, steps=1))["models"]
+    return ["attention_mask" in vars(model.build_schedule_plan.chunk) for model in models]
+
+
+def test_the_hook_builds_no_sequence_by_sequence_mask_of_its_own():
+    # The driver hands each microbatch its mask; a chunk's own causal mask (S x S bytes) is for whole-model calls.
+    for outcome in run_local_ranks(_built_masks, 2):
+        assert outcome.result == [False], outcome.result

@@ -68,9 +68,7 @@ class McoreChunk(ChunkHooks):
         self.vocab_size = model.vocab_size
         self.sequence_length = model.max_sequence_length
         use_bridge_schedule(config)
-        seq = model.max_sequence_length
         device = next(model.parameters()).device
-        self.attention_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
         self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
         self.settings = resolve(config)
@@ -79,6 +77,13 @@ class McoreChunk(ChunkHooks):
         self.recompute_segments = self.settings.segments(len(self.layers))
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
+
+    @functools.cached_property
+    def attention_mask(self) -> torch.Tensor:
+        """The causal S x S mask of the plan's own whole-model calls; built on first use (a microbatch's view reads
+        the driver's mask instead)."""
+        seq, device = self.sequence_length, next(self.model.parameters()).device
+        return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
     def _build_units(self) -> tuple[list, list[int]]:
         raise NotImplementedError
