@@ -5,7 +5,6 @@ the control, and our plan clean and bitwise equal to the plain path, creating no
 import functools
 from datetime import timedelta
 
-import pytest
 import torch
 
 from .emulated_arms import emulated_arm
@@ -112,7 +111,6 @@ def test_graphed_moe_preprocess_runs_clean_and_bitwise_with_static_graph_buffers
         assert hook["errors"] == [] and _bitwise(plain, hook)
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/nodes.py: _finish_exchange must run under lane.reading(layer, mb)")
 def test_graphed_moe_preprocess_no_host_wait_waits_for_b_experts_backward():
     """The split sizes' copy (Megatron-Core's, at ``before_ep_alltoall`` when ``moe_preprocess`` is graphed) must be
     made where it waits for F's routing only, as Megatron-Core makes it from its comm stream."""
@@ -133,8 +131,6 @@ def test_the_static_shape_flex_stand_in_runs_bitwise():
         assert _bitwise(plain, hook)
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/nodes.py: the fused backward comm ops must hand the gradients they "
-                   "read to lane.used_on_comm (as Megatron-Core's ScheduleNode records them)")  # fmt: skip
 def test_the_static_shape_flex_stand_in_runs_clean():
     for hook in _arms(("plain", "hook"), STATIC_FLEX, "static-flex")["hook"]:
         assert hook["errors"] == []

@@ -275,6 +275,7 @@ class EPOverlapPlanBuilder:
         self.shape = ChunkShape.of(self.chunk)
         self._step, self._next_microbatch = 0, 0
         self.packed_guard = PackedGuard()  # reads position ids in a shape's first step only
+        self.event = _HostEvent()  # one per chunk: Megatron-Core's loss node keeps the last plan's in a cycle
 
     @property
     def recorder(self) -> StepRecorder | None:
@@ -339,9 +340,8 @@ class EPOverlapPlanBuilder:
         view = _MicrobatchModel(self.chunk, index, position_ids, attention_mask, loss_mask, packed_seq_params)
         view = self.chunk.bind_inputs(view, input_ids, inputs)
         nodes = MicrobatchNodes(UnitInput(view, index, input_ids, labels, None), lane, ChunkIO())
-        event = _HostEvent()
         input_tensor = None if self.chunk.pre_process else self.chunk.model.decoder.input_tensor
-        return EPOverlapSchedulePlan(self, nodes, event, input_tensor)
+        return EPOverlapSchedulePlan(self, nodes, self.event, input_tensor)
 
 
 def use_ep_overlap_schedule(

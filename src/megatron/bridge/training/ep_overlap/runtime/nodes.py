@@ -146,7 +146,8 @@ class LayerNodes:
         if not self._splits_known:
             record = self._exchange
             record.wait_start_host = time.perf_counter()
-            self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
+            with self.lane.reading(self.index, self.mb):  # waits for this microbatch's compute only
+                self.layer.exchange_splits(routing, op=f"{self.layer.name} split exchange (microbatch {self.mb})")
             record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
             self._splits_known = True
         return routing.out_splits, routing.in_splits
@@ -296,6 +297,7 @@ class LayerNodes:
         if self.owns_comm:
             combined, expert_out = self._combine_out, self._expert_out_in
             self._combine_out = self._expert_out_in = None
+            self.lane.used_on_comm([grad_back])  # made by compute, read on the comm stream
 
             def combine_bwd() -> torch.Tensor:
                 _backward([combined], [grad_back])
@@ -323,6 +325,7 @@ class LayerNodes:
         if self.owns_comm:
             dispatched, sent = self._dispatch_out, self._sent
             self._dispatch_out = self._sent = None
+            self.lane.used_on_comm(grads)
 
             def dispatch_bwd() -> list[torch.Tensor | None]:
                 _backward(dispatched, grads)
