@@ -36,8 +36,9 @@ VALID_MODEL = dict(
 
 ATTN_GRAPH = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn"])
 ON = dict(
-    overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None, built=True
-)
+    overlap=True, delay=False, grad_reduce=False, te=None, torch="2.8.0", options={}, micro_batch=None, built=True,
+    fsdp=False,
+)  # fmt: skip
 PP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 CHUNKS = {"options": {"moe_ep_overlap_chunks": 2}}
 BRIDGE = {"ep_overlap_schedule": "bridge"}
@@ -198,6 +199,8 @@ CASES = {
     "chunks_z_loss": (({"moe_z_loss_coeff": 0.001}, CHUNKS), ({"moe_z_loss_coeff": None}, CHUNKS)),
     "chunks_capacity": (({"moe_expert_capacity_factor": 1.0}, CHUNKS), ({}, CHUNKS)),
     "chunks_micro_batch": (({}, {**CHUNKS, "micro_batch": 1}), ({}, {**CHUNKS, "micro_batch": 2})),
+    # Megatron-Core's own plan drives Megatron-FSDP's per-layer hooks; this project's plan does not.
+    "megatron_fsdp": ((BRIDGE, {"fsdp": True}), (BRIDGE, {})),
 }
 
 
@@ -213,6 +216,7 @@ def _checked(fake_versions, check, model_overrides, context_overrides):
         options=EPOverlapOptions(**context["options"]),
         micro_batch_size=context["micro_batch"],
         model_config_built=context["built"],
+        megatron_fsdp=context["fsdp"],
     )
 
 
@@ -468,15 +472,17 @@ CALLABLES |= {"enable_hyper_connections", "moe_n_hash_layers"}
 
 
 def _existing_names() -> set[str]:
-    """Fields of the configs a fix can name: the model (Megatron-Core's TransformerConfig), comm_overlap, the
-    schedule's options, and the training config's micro_batch_size (Megatron-Bridge's and the harness's)."""
+    """Fields of the configs a fix can name: the model (Megatron-Core's TransformerConfig), comm_overlap, ddp
+    (Megatron-Core's DistributedDataParallelConfig), the schedule's options, and the training config's
+    micro_batch_size (Megatron-Bridge's and the harness's)."""
     import dataclasses
 
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron.bridge.training.comm_overlap import CommOverlapConfig
 
-    configs = (TransformerConfig, CommOverlapConfig, EPOverlapOptions)
+    configs = (TransformerConfig, CommOverlapConfig, DistributedDataParallelConfig, EPOverlapOptions)
     return {f.name for config in configs for f in dataclasses.fields(config)} | {"micro_batch_size", "comm_overlap"}
 
 
