@@ -38,3 +38,15 @@ def assert_steps_bitwise(plain: dict, overlap: dict, steps: int, rank: int) -> N
         assert plain["grads"][step].keys() == overlap["grads"][step].keys() and plain["grads"][step], where
         for param, grad in plain["grads"][step].items():
             assert_bitwise(grad, overlap["grads"][step][param], f"{where} {param}")
+
+
+def assert_arms_match_plain(result: dict, rank: int, arms=("mcore", "hook")) -> None:
+    """``result["plain"]``'s losses (per step) and gradients (by parameter), bit for bit in each of ``arms``."""
+    plain = result["plain"]
+    for arm in arms:
+        got = result[arm]
+        for step, (want, have) in enumerate(zip(plain["losses"], got["losses"])):
+            assert_bitwise(want, have, f"rank {rank} {arm} step {step} losses")
+        assert got["grads"].keys() == plain["grads"].keys()
+        for name, grad in plain["grads"].items():
+            assert_bitwise(grad, got["grads"][name], f"rank {rank} {arm} {name}")

@@ -12,7 +12,7 @@ import functools
 import pytest
 
 from .activation_memory import MATRIX, MemoryCase, measure
-from .bitwise import assert_bitwise
+from .bitwise import assert_arms_match_plain, assert_bitwise
 from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
@@ -40,14 +40,7 @@ def _static_graphs(rank: int, world: int) -> dict:
 
 def test_graphed_dispatch_inputs_are_static_buffers_the_plan_does_not_free():
     for outcome in run_local_ranks(_static_graphs, STATIC_CASE.world):
-        plain = outcome.result["plain"]
-        for arm in ("mcore", "hook"):
-            got = outcome.result[arm]
-            for step, (want, have) in enumerate(zip(plain["losses"], got["losses"])):
-                assert_bitwise(want, have, f"rank {outcome.rank} {arm} step {step} losses")
-            assert got["grads"].keys() == plain["grads"].keys()
-            for name, grad in plain["grads"].items():
-                assert_bitwise(grad, got["grads"][name], f"rank {outcome.rank} {arm} {name}")
+        assert_arms_match_plain(outcome.result, outcome.rank)
 
 
 @functools.cache

@@ -3,7 +3,7 @@ Megatron-FSDP is refused by name at setup, with the fix."""
 
 import pytest
 
-from .bitwise import assert_bitwise
+from .bitwise import assert_arms_match_plain
 from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
@@ -27,14 +27,7 @@ def _padded(rank: int, world: int) -> dict:
 
 def test_experts_padded_to_capacity_train_bitwise():
     for outcome in run_local_ranks(_padded, PADDED.world):
-        plain = outcome.result["plain"]
-        for arm in ("mcore", "hook"):
-            got = outcome.result[arm]
-            for step, (want, have) in enumerate(zip(plain["losses"], got["losses"])):
-                assert_bitwise(want, have, f"rank {outcome.rank} {arm} step {step} losses")
-            assert got["grads"].keys() == plain["grads"].keys()
-            for name, grad in plain["grads"].items():
-                assert_bitwise(grad, got["grads"][name], f"rank {outcome.rank} {arm} {name}")
+        assert_arms_match_plain(outcome.result, outcome.rank)
 
 
 @pytest.mark.parametrize("bridge_checks", [True, False], ids=["in-tree", "plugin"])
