@@ -22,10 +22,13 @@ if os.environ.get("EP_OVERLAP_HIDE_LAB") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
-    if "memory" not in (config.getoption("markexpr") or ""):  # the slow memory matrix runs when asked for
-        for item in items:
-            if "memory" in item.keywords:
-                item.add_marker(pytest.mark.skip(reason="the full memory comparison runs with -m memory"))
+    asked = config.getoption("markexpr") or ""
+    for slow in ("memory", "wide"):  # the slow cases run when asked for by their marker
+        if slow not in asked:
+            skip_slow = pytest.mark.skip(reason=f"a slow case: runs with -m {slow}")
+            for item in items:
+                if slow in item.keywords:
+                    item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this host has none")

@@ -10,7 +10,6 @@ losses of a forward-only step after them; each rank's P2P must be the generated 
 transfer. Cases beyond that one are ``full`` (below).
 """
 
-import os
 from dataclasses import replace
 from datetime import timedelta
 
@@ -25,8 +24,8 @@ from .mcore_stages import build_plans, global_name, set_weights
 from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
 from .test_plain_pipeline import _step_data
 
-# The slower cases (more ranks, more arms) run with EP_OVERLAP_DUALPIPEV_FULL=1; make test holds the P = 2 case.
-full = pytest.mark.skipif(os.environ.get("EP_OVERLAP_DUALPIPEV_FULL") != "1", reason="EP_OVERLAP_DUALPIPEV_FULL=1")
+# The slower cases (more ranks, more arms) run with -m wide; make test holds the P = 2 case.
+full = pytest.mark.wide
 PP = 2
 CASE = McoreCase(layer_freq=(0, 1, 1, 1), microbatches=2 * PP, steps=2)
 # name: (case, pipeline size); one layer per DualPipeV stage, a dense first layer

@@ -3,10 +3,8 @@
 The plan's head calls Megatron-Core's MTP block whole, which runs every depth in turn, so two MTP layers must give
 the plain path's losses and gradients bitwise, under Megatron-Core's drivers at PP 1 and at PP 2 x VPP 2. A Bridge
 provider gets the overlap flag once Megatron-Core's checks (which assert MTP <= 1 with it) have run.
-``EP_OVERLAP_WIDER=1`` runs the bigger cases (HybridModel depths, the interleaved pipeline).
+``-m wide`` runs the bigger cases (HybridModel depths, the interleaved pipeline).
 """
-
-import os
 
 import pytest
 
@@ -16,7 +14,7 @@ from .mcore_models import HybridCase, McoreCase
 from .test_comm_overlap_rules import DeferringProvider
 from .test_mcore_hook import train_interleaved, train_with_mcore_driver
 
-wider = pytest.mark.skipif(os.environ.get("EP_OVERLAP_WIDER") != "1", reason="bigger case: EP_OVERLAP_WIDER=1")
+wider = pytest.mark.wide
 TWO_MTP = (("mtp_num_layers", 2),)
 
 

@@ -11,7 +11,6 @@ embedding; each makes the bitwise test fail.
 """
 
 import json
-import os
 
 import pytest
 
@@ -101,7 +100,7 @@ def test_qwen3_vl_with_sequence_parallelism_is_bitwise_equal(python, plugin, tmp
             assert hook[what] == plain[what], what
 
 
-@pytest.mark.skipif(os.environ.get("EP_OVERLAP_WIDER") != "1", reason="bigger case: EP_OVERLAP_WIDER=1")
+@pytest.mark.wide
 def test_qwen3_vl_and_qwen35_vl_with_sequence_parallelism_at_pp2_vpp2_are_bitwise_equal(python, plugin, tmp_path):
     """PP 2 x VPP 2 x TP 2 (sequence parallelism) x EP 2: 8 ranks, Megatron-Core's interleaved schedule."""
     ranks = _ranks(python, plugin, "vl_hook_worker.py", tmp_path / "out.json", "--tp", "2", "--pp", "2",
