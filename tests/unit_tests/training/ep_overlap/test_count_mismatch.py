@@ -15,22 +15,9 @@ import torch
 from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_model
+from .test_mcore_hook import SEQ, bridge_style_forward_step
 
-SEQ, MICRO_BATCH, AGREED = 8, 2, 4
-
-
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    tokens, labels = next(data_iterator)
-    position_ids = torch.arange(SEQ)[None].expand_as(tokens)
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-
-    def loss_func(per_token_BS):
-        loss = per_token_BS.float().sum()
-        return loss, torch.tensor(tokens.numel()), {"lm loss": loss.detach()}
-
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, mask, labels=labels), loss_func
-    return model(input_ids=tokens, position_ids=position_ids, attention_mask=mask, labels=labels), loss_func
+MICRO_BATCH, AGREED = 2, 4
 
 
 def run_other_count(rank: int, world: int, counts: tuple[int, int]) -> dict:
@@ -51,8 +38,8 @@ def run_other_count(rank: int, world: int, counts: tuple[int, int]) -> dict:
     start = time.monotonic()
     try:
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(data), model=[model], num_microbatches=count,
-            seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
+            forward_step_func=bridge_style_forward_step, data_iterator=iter(data), model=[model],
+            num_microbatches=count, seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
         )  # fmt: skip
         return {"error": None}
     except RuntimeError as exc:
