@@ -19,6 +19,8 @@ from .host_reads import spy
 from .local_ranks import run_local_ranks
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase, build_model
+from .test_mcore_hook import SEQ
+from .test_new_families import unmasked_forward_step  # stock gpt_step's call: no mask, no packed_seq_params
 
 PADDED = torch.arange(8)[None].expand(2, 8)
 PACKED = torch.cat([torch.arange(5), torch.arange(3)])[None]  # two documents in one row, each numbered from 0
@@ -94,21 +96,7 @@ def test_the_guard_checks_a_shapes_first_steps_microbatches_and_then_reads_nothi
         ]
 
 
-STEPS, MICROBATCHES, SEQ = 3, 3, 8
-
-
-def stock_gpt_step(data_iterator, model, return_schedule_plan: bool = False):
-    """Stock Megatron-Bridge 0.6.2's ``gpt_step`` call: position ids, no attention mask, no ``packed_seq_params``."""
-    tokens, labels = next(data_iterator)
-    position_ids = torch.arange(SEQ)[None].expand_as(tokens)
-
-    def loss_func(per_token_BS):
-        loss = per_token_BS.float().sum()
-        return loss, torch.tensor(tokens.numel()), {"lm loss": loss.detach()}
-
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss_func
-    return model(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels), loss_func
+STEPS, MICROBATCHES = 3, 3
 
 
 def guard_reads_per_step(rank: int, world: int) -> list[int]:
@@ -131,7 +119,7 @@ def guard_reads_per_step(rank: int, world: int) -> list[int]:
         data = [tuple(torch.randint(0, 64, (2, 2, SEQ), generator=gen)) for _ in range(MICROBATCHES)]
         with spy() as records:
             get_forward_backward_func()(
-                forward_step_func=stock_gpt_step, data_iterator=iter(data), model=[model],
+                forward_step_func=unmasked_forward_step, data_iterator=iter(data), model=[model],
                 num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=2, forward_only=False,
             )  # fmt: skip
         reads.append(sum("packed_guard.py" in where for _, where in records))
