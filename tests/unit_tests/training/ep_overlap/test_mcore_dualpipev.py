@@ -40,43 +40,14 @@ FULL_CASES = {
 }
 
 
-class _RankAs:
-    """A pipeline group that reports another rank: Megatron-Core numbers a chunk's layers from its group's rank."""
-
-    def __init__(self, group, rank: int):
-        self._group, self._rank = group, rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
-
-
 def dualpipev_models(case: McoreCase, pp: int) -> list:
-    """This rank's chunks for DualPipeV's stages r and 2P-1-r. Stage s is the interleaved layout's chunk s (virtual
-    stage s // P of pipeline rank s % P), with pre_process on stage 0 and post_process on stage 2P-1."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron.bridge.training.ep_overlap.program.dualpipev import stage_of
+    """This rank's chunks for DualPipeV's stages r and 2P-1-r (``dualpipev_chunks``) of ``case``'s model."""
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
 
     config = gpt_config(
         case, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
-    rank, found = parallel_state.get_pipeline_model_parallel_rank(), parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
-    models = []
-    for v in (0, 1):
-        stage = stage_of(rank, v, pp)
-        groups = ProcessGroupCollection.use_mpu_process_groups()
-        groups.pp = _RankAs(groups.pp, stage % pp)
-        parallel_state.set_pipeline_model_parallel_rank(stage % pp)  # the layer spec reads it
-        try:
-            chunk = dict(pre_process=stage == 0, post_process=stage == 2 * pp - 1, pg_collection=groups)
-            models.append(gpt_model(case, config, vp_stage=stage // pp, **chunk))
-        finally:
-            parallel_state.set_pipeline_model_parallel_rank(found)
-    return models
+    return dualpipev_chunks(lambda **chunk: gpt_model(case, config, **chunk))
 
 
 def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> dict:

@@ -15,6 +15,7 @@ Contract:
 """
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.utils import ScheduleNode, get_comp_stream, set_streams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.bridge.training.ep_overlap.mcore.agreement import announced
@@ -38,6 +40,47 @@ P2P_TIMEOUT = timedelta(minutes=10)
 def dualpipev_requested(model) -> bool:
     models = model if isinstance(model, (list, tuple)) else [model]
     return bool(models) and getattr(get_model_config(models[0]), PIPELINE_SCHEDULE, None) == "dualpipev"
+
+
+class _RankAs:
+    """A pipeline group that reports another rank: Megatron-Core numbers a chunk's layers from its group's rank."""
+
+    def __init__(self, group, rank: int):
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def dualpipev_chunks(build_chunk: Callable[..., torch.nn.Module]) -> list[torch.nn.Module]:
+    """This rank's two chunks, for DualPipeV's stages r and 2P-1-r.
+
+    Stage s is built as the interleaved layout's chunk s (virtual stage s // P of pipeline rank s % P), so layer
+    numbers and parameter names are the global ones: ``build_chunk(vp_stage=, pre_process=, post_process=,
+    pg_collection=)`` builds it (a ``GPTModel`` of a config with ``virtual_pipeline_model_parallel_size=2``), with
+    ``pre_process`` on stage 0 and ``post_process`` on stage 2P-1. Needs Megatron-Core's parallel state with two
+    virtual stages.
+    """
+    P = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for v in (0, 1):
+        stage = stage_of(rank, v, P)
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        groups.pp = _RankAs(groups.pp, stage % P)
+        parallel_state.set_pipeline_model_parallel_rank(stage % P)  # the layer spec reads it
+        try:
+            chunks.append(
+                build_chunk(
+                    vp_stage=stage // P, pre_process=stage == 0, post_process=stage == 2 * P - 1, pg_collection=groups
+                )
+            )
+        finally:
+            parallel_state.set_pipeline_model_parallel_rank(rank)
+    return chunks
 
 
 def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
