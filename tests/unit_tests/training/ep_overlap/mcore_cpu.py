@@ -9,6 +9,7 @@ equal sizes: the gather pads them to the longest.
 """
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,20 @@ def install_cpu_stubs() -> None:
 
     dist.all_to_all_single = all_to_all_with_list_splits
     dist.all_gather = uneven_all_gather(dist.all_gather)
+    install_recompute_without_te()
+
+
+def install_recompute_without_te() -> None:
+    """Transformer Engine's fp8 state where ``CheckpointWithoutOutput`` reads it. Megatron-Core 0.19 sets its ``fp8``
+    to ``fp8 is not None``, true even for ``fp8=False``, so a recomputed norm (``recompute_modules=['layernorm']``)
+    asks Transformer Engine for the fp8 state on every build: with fp8 off it answers "disabled", as here."""
+    from megatron.core.tensor_parallel import random
+
+    if random.HAVE_TE:
+        return
+    random.FP8GlobalStateManager = SimpleNamespace(is_fp8_enabled=lambda: False, get_fp8_recipe=lambda: None)
+    random.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+    random.fp8_autocast = lambda **kwargs: contextlib.nullcontext()
 
 
 UNEVEN_GATHERS = [0]  # how many gathers took the padded path in this process (tests check it ran)

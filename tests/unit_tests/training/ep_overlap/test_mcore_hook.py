@@ -56,8 +56,10 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
 
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
+    rebuilt = count_norm_recomputes()
     out = {}
     for arm in ("plain", "overlap"):
+        rebuilt.clear()
         model = build_model(case, overlap_flag=arm == "overlap" and case.bf16)
         if arm == "overlap":
             model.config.overlap_moe_expert_parallel_comm = True  # fp32: Megatron-Core's config refuses it at build
@@ -86,8 +88,28 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
                 phases.append(sorted({(r.phase, r.microbatch) for r in recorder.comm if r.op == "dispatch"}))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        out[arm] = {"losses": losses, "grads": grads, "phases": phases, "fused_calls": dict(FUSED_CALLS)}
+        out[arm] = {
+            "losses": losses,
+            "grads": grads,
+            "phases": phases,
+            "fused_calls": dict(FUSED_CALLS),
+            "norm_recomputes": len(rebuilt),
+        }
     return out
+
+
+def count_norm_recomputes() -> list:
+    """Each rebuild of a dropped norm output (``recompute_modules=['layernorm']``) appends to the list returned."""
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+    rebuilt, recompute = [], CheckpointWithoutOutput._recompute
+
+    def counted(self, grad):
+        rebuilt.append(self.ctx is not None)
+        return recompute(self, grad)
+
+    CheckpointWithoutOutput._recompute = counted
+    return rebuilt
 
 
 CASES = {
@@ -111,6 +133,8 @@ CASES = {
     "hybrid-*E-E-flex": HybridCase(pattern="*E-E", dispatcher="flex", microbatches=3),
     # Full recompute: Megatron-Core's plain path checkpoints its blocks; its driver runs our plan, which replays
     # (Megatron-Core 0.19's config refuses the overlap flag with full recompute at build; set after, as for fp32).
+    # The norms' outputs dropped and rebuilt (layernorm recompute): the pre-MLP norm's across our nodes.
+    "ep2-fp32-recompute-layernorm-shared": McoreCase(recompute=("layernorm",), shared_ffn=16, microbatches=3),
     "ep2-fp32-full-uniform1": McoreCase(microbatches=3, full_recompute=("uniform", 1)),
     "hybrid-*E*E/*E-mtp-full-uniform1": HybridCase(pattern="*E*E/*E", microbatches=3, full_recompute=("uniform", 1)),
 }
@@ -130,6 +154,9 @@ def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
         # A flex backend's fused functions ran as often as in the plain path (once per layer and microbatch each).
         assert overlap["fused_calls"] == plain["fused_calls"]
         assert bool(plain["fused_calls"]) == (case.dispatcher == "flex")
+        # Each dropped norm output rebuilt once per layer and microbatch, in our nodes as in the plain path.
+        assert overlap["norm_recomputes"] == plain["norm_recomputes"]
+        assert bool(plain["norm_recomputes"]) == ("layernorm" in case.recompute)
 
 
 def refuse(rank: int, world: int, change: dict) -> str:
@@ -344,6 +371,14 @@ def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overla
         assert all((losses is None) == (outcome.rank < 2) for losses in plain["losses"])  # the last stage's only
         assert_steps_bitwise(plain, overlap, case.steps, outcome.rank)
         assert "paired" in overlap["phases"]
+
+
+@pytest.mark.wide
+def test_layernorm_recompute_under_megatron_cores_interleaved_driver_is_bitwise_equal():
+    case = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, recompute=("layernorm",), shared_ffn=16)
+    for outcome in run_local_ranks(train_interleaved, 4, (case, True)):
+        assert_steps_bitwise(outcome.result["plain"], outcome.result["overlap"], case.steps, outcome.rank)
+        assert "paired" in outcome.result["overlap"]["phases"]
 
 
 def build_with(rank: int, world: int, argument: str) -> str:

@@ -299,7 +299,7 @@ def test_a_built_config_has_no_config_refusals_and_the_plan_raises_the_same_line
 
     config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=2)
     assert config_refusals(config) == []
-    config.recompute_granularity, config.recompute_modules = "selective", ["layernorm"]
+    config.recompute_granularity, config.recompute_modules = "selective", ["layernorm", "moe"]
     ((name, line),) = config_refusals(config)
     model = SimpleNamespace(config=config, position_embedding_type="rope")
     with pytest.raises(ValueError) as refused:

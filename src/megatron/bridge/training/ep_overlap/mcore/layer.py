@@ -123,6 +123,7 @@ class McoreRouting:
     out_splits: list[int] = field(default_factory=list)
     manager_state: dict = field(default_factory=dict)
     exchanged: tuple | None = None  # (in_splits, out_splits) once read: what a replay must see again
+    norm_checkpoint: object = None  # recompute of 'layernorm': this microbatch's pre-MLP norm checkpoint
 
     @classmethod
     def of(cls, dispatcher, written: StepWritten | None = None, before: tuple[dict, dict] | None = None):
@@ -149,6 +150,16 @@ class McoreRouting:
         yield self.dispatcher
         self.written.learn(before, _attributes(self.dispatcher))
         self.save()
+
+
+@contextlib.contextmanager
+def _norm_recompute_registered(layer: torch.nn.Module):
+    """``_forward_post_mlp`` without registering the pre-MLP norm's recompute: the experts node registered it."""
+    recompute, layer.recompute_pre_mlp_layernorm = layer.recompute_pre_mlp_layernorm, False
+    try:
+        yield
+    finally:
+        layer.recompute_pre_mlp_layernorm = recompute
 
 
 class _Unit(LayerHooks):
@@ -241,7 +252,10 @@ class McoreLayer(_Unit):
         return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
 
     def _routing(self, before: tuple[dict, dict]) -> McoreRouting:
-        return McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
+        routing = McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
+        if self.layer.recompute_pre_mlp_layernorm:  # the layer keeps one; another microbatch may replace it
+            routing.norm_checkpoint = self.layer.pre_mlp_norm_checkpoint
+        return routing
 
     def frees_input(self, node: str) -> bool:
         experts = self.layer.mlp.num_local_experts if self.is_moe else None
@@ -284,6 +298,9 @@ class McoreLayer(_Unit):
             if self.owns_comm:  # the backend's permute reads the received probabilities from its manager
                 dispatcher._comm_manager.dispatched_probs = probs
             output, _ = self.layer.mlp.routed_experts_compute(tokens, probs)
+        if routing.norm_checkpoint is not None:  # as Megatron-Core's plan: the norm's output rebuilt before this
+            routing.norm_checkpoint.discard_output_and_register_recompute(output)  # node's backward
+            routing.norm_checkpoint = None
         return output
 
     @_in_layer_context
@@ -309,7 +326,8 @@ class McoreLayer(_Unit):
             previous.state, previous.manager_state = {}, {}
         if self.layer.config.fp32_residual_connection:  # as _forward_mlp keeps its residual
             h = h.float()
-        return self.layer._forward_post_mlp((output, None), h)
+        with _norm_recompute_registered(self.layer):
+            return self.layer._forward_post_mlp((output, None), h)
 
     def attention_backward_dw(self) -> None:
         """What ``pre_dispatch`` computed: the layers before, attention and shared experts (a dense layer's MLP)."""

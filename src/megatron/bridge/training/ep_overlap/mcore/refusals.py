@@ -85,7 +85,7 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
             )
         )
     modules = getattr(config, "recompute_modules", None) or ()
-    stepped = {"moe", "layernorm"} & set(modules)
+    stepped = set(_STEPPED_RECOMPUTE) & set(modules)
     if getattr(config, "recompute_granularity", None) == "selective" and stepped:
         why = [_STEPPED_RECOMPUTE[name] for name in sorted(stepped)]
         refusals.append(
@@ -98,13 +98,9 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
     return refusals
 
 
-# What Megatron-Core 0.19 does with each selectively recomputed module the plan refuses.
+# What Megatron-Core 0.19 does with each selectively recomputed module the plan refuses ('layernorm' it runs: the
+# pre-MLP norm's output is dropped after the experts node, as in Megatron-Core's own plan).
 _STEPPED_RECOMPUTE = {
-    "layernorm": (
-        "Megatron-Core's own overlapped plan recomputes 'layernorm' inside its layer nodes, through the norm "
-        "checkpoints its transformer layer keeps (the pre-MLP norm's from the attention node to the post-combine "
-        "node); the EP-overlap plan calls those layer steps from its own nodes and has no test of that recompute yet"
-    ),
     "moe": (
         "Megatron-Core recomputes 'moe' by checkpointing the MoE layer's whole forward (router, dispatch, experts, "
         "combine), which the EP-overlap plan runs as separate steps (Megatron-Core's config refuses 'moe' with "
