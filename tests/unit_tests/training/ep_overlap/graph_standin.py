@@ -98,7 +98,8 @@ def capture(model, microbatches: int, modules: list[str], static: bool = False) 
         if isinstance(module, GraphableMegatronModule):
             module.cuda_graphs, module.cuda_graph_manual_hooks, module.cuda_graph_backward_dw_wrapper = [], [], None
     graphed = 0
-    for layer in model.decoder.layers:
+    depths = [depth.mtp_model_layer for depth in getattr(getattr(model, "mtp", None), "layers", ())]
+    for layer in [*model.decoder.layers, *depths]:  # Megatron-Core graphs each MTP depth's layer too
         if _layer_is_graphable(layer, config):
             layer.cuda_graphs = [StandInGraph(layer, i, static) for i in range(microbatches)]
             graphed += 1

@@ -34,6 +34,12 @@ CASES = {
         ["attn", "moe_router"],
         ("plain", "mcore", "hook"),
     ),
+    # The MTP depth's layer is graphed too; the plan runs the MTP block whole in its head, each graph replayed there.
+    "gpt-mtp-attn-router-preprocess": (
+        McoreCase(layer_freq=(1, 0, 1), microbatches=3, mtp=True),
+        ROUTER,
+        ("plain", "hook"),
+    ),
     # A hybrid stack's attention layers run whole in the plan: their graphs replay there.
     "hybrid-attn-router": (HybridCase(pattern="*E*E-", microbatches=3), ROUTER, ("plain", "hook")),
 }

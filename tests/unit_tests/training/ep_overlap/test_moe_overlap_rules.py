@@ -109,7 +109,6 @@ CASES = {
         ({**BRIDGE, "cuda_graph_impl": "local"}, {}),
         ({**BRIDGE, "cuda_graph_impl": "local", **STATIC_HYBRIDEP}, {}),
     ),
-    "cuda_graph_mtp": (({**BRIDGE, **ATTN_GRAPH, "mtp_num_layers": 1}, {}), ({**ATTN_GRAPH, "mtp_num_layers": 1}, {})),
     "cuda_graph_full_recompute": (({**BRIDGE, **FULL, **ATTN_GRAPH}, {}), ({**BRIDGE, **FULL}, {})),
     "cuda_graph_chunks": ((ATTN_GRAPH, CHUNKS), ({}, CHUNKS)),
     # Current scaling quantizes the replay as the first forward; delayed scaling's scales move in between.

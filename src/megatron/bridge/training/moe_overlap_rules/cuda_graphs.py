@@ -71,15 +71,6 @@ CUDA_GRAPH_RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
-        "cuda_graph_mtp",
-        (GRAPH_IMPL, "model.mtp_num_layers"),
-        lambda f: bridge_schedule(f) and te_graphs(f),
-        lambda f: not f["model.mtp_num_layers"],
-        "this project's plan runs the multi-token prediction layer whole in its head, and a graphed layer's call "
-        "with overlap_moe_expert_parallel_comm on stops at its dispatch.",
-        lambda f: f"set mtp_num_layers=None, or {graphs_off(f)}.",
-    ),
-    Rule(
         "cuda_graph_full_recompute",
         (GRAPH_IMPL, "model.recompute_granularity"),
         lambda f: full_recompute(f) and te_graphs(f),

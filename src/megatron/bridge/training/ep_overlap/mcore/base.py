@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks
+from megatron.bridge.training.ep_overlap.mcore.graphs import mtp_layers_whole
 from megatron.bridge.training.ep_overlap.mcore.quantization import step_context
 from megatron.bridge.training.ep_overlap.mcore.refusals import (
     check_delayed_wgrad,
@@ -159,15 +160,16 @@ class McoreChunk(ChunkHooks):
             if tokens_BS is None:
                 raise ValueError("the multi-token prediction layer needs the microbatch's input tokens on this chunk")
             positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
-            x_SBH = model.mtp(
-                input_ids=tokens_BS,
-                position_ids=positions,
-                hidden_states=x_SBH,
-                attention_mask=self.attention_mask if attention_mask is None else attention_mask,
-                rotary_pos_emb=rotary_pos_emb,
-                packed_seq_params=packed_seq_params,
-                embedding=self._mtp_embedding(aliases),
-            )
+            with mtp_layers_whole(model.mtp, getattr(microbatch, "microbatch", None)):
+                x_SBH = model.mtp(
+                    input_ids=tokens_BS,
+                    position_ids=positions,
+                    hidden_states=x_SBH,
+                    attention_mask=self.attention_mask if attention_mask is None else attention_mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    packed_seq_params=packed_seq_params,
+                    embedding=self._mtp_embedding(aliases),
+                )
             x_SBH = process_mtp_loss(
                 hidden_states=x_SBH,
                 labels=labels_BS,

@@ -4,6 +4,8 @@ A replay reads graph ``current_microbatch % len(cuda_graphs)``; :func:`set_micro
 layer cut into nodes replays through ``_te_cuda_graph_replay``, which stops at the dispatch with the overlap on.
 """
 
+import contextlib
+
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -39,10 +41,15 @@ def replay_pre_dispatch(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> tu
         packed_seq_params=view.packed_seq_params,
         sequence_len_offset=None,
     )
+    _routed(layer)
+    return out
+
+
+def _routed(layer: torch.nn.Module) -> None:
+    """After a split replay: the graph's outputs the layer keeps were consumed by route/preprocess."""
     mlp = getattr(layer, "mlp", None)
     if mlp is not None and hasattr(mlp, "cudagraph_tensor_store"):
-        mlp.cudagraph_tensor_store.clear()  # consumed by route/preprocess; the next microbatch routes its own
-    return out
+        mlp.cudagraph_tensor_store.clear()  # the next microbatch routes its own
 
 
 def replays_split(layer: torch.nn.Module) -> bool:
@@ -54,6 +61,30 @@ def run_whole(layer: torch.nn.Module, x_SBH: torch.Tensor, view) -> torch.Tensor
     """A graphed ``TransformerLayer`` run whole: its graph, then ``_forward_mlp`` (its replay with the overlap off)."""
     residual = replay_pre_dispatch(layer, x_SBH, view)[0]
     return layer._forward_mlp(residual)
+
+
+@contextlib.contextmanager
+def mtp_layers_whole(mtp_block: torch.nn.Module | None, microbatch: int | None):
+    """Inside the block, the graphed layer of each MTP depth (Megatron-Core graphs ``mtp_model_layer`` as a decoder
+    layer) replays its own microbatch's graph and runs whole, as :func:`run_whole` runs a decoder layer: the plan runs
+    the MTP block whole in its head, where the graph's replay would stop at the dispatch."""
+    layers = [depth.mtp_model_layer for depth in getattr(mtp_block, "layers", ())]
+    layers = [layer for layer in layers if replays_split(layer)]
+    for layer in layers:
+        set_microbatch(layer, microbatch)
+        replay = layer._te_cuda_graph_replay
+
+        def replay_whole(*args, layer=layer, replay=replay, **kwargs):
+            residual = replay(*args, **kwargs)[0]
+            _routed(layer)
+            return layer._forward_mlp(residual, packed_seq_params=kwargs.get("packed_seq_params")), None
+
+        layer._te_cuda_graph_replay = replay_whole  # read by the layer's __call__, before its class's
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._te_cuda_graph_replay
 
 
 def pre_dispatch_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> None:
