@@ -5,14 +5,19 @@
     python tools/recipe_check.py --list      # that universe, with each recipe's own overlap setting
     python tools/recipe_check.py NAME ... [--no_delay_wgrad] [--json rows.json] [--markdown table.md]
     python tools/recipe_check.py --resume rows.json   # an interrupted run goes on: its finished rows are kept
+    python tools/recipe_check.py --all --gpu_only     # the GPU verdicts beside Megatron-Core's plan's, no CPU run
 
 The universe is found by built config: every config function of ``megatron.bridge.recipes`` and
 ``megatron.bridge.perf_recipes`` that builds a MoE model with ``expert_model_parallel_size > 1``, whatever its overlap
 flag says. A name is qualified by its package (``recipes.NAME`` or ``perf_recipes.NAME``); a bare name is taken when
-one package has it. Each config gets two verdicts:
+one package has it. Each config gets three verdicts:
 
 * **GPU, as the recipe is**: this project's rules on the unshrunk config with the overlap on (``runs``, or
   ``refused`` with the rules' names);
+* **Megatron-Core's plan**: what Megatron-Core 0.19.2's own combined-1F1B plan does with the same config, by its and
+  Bridge's own checks run on copies of it (``runs``, ``refused`` with the check's message, or ``recipe fails`` where
+  the recipe fails them with the overlap off; ``recipe_check/mcore_plan.py``). The summary puts it beside ours, 2 x 2;
+  ``--gpu_only`` prints these two verdicts alone, with no CPU run;
 * **CPU**: shrunk with its structure kept, the CPU substitutions named, trained 2 steps by stock Bridge's own
   ``train()`` overlap off and on (``bitwise``, ``refused``, ``differs`` with the first tensor, ``failed`` naming the
   GPU-only piece it needs, or ``not checked`` where the check itself could not: counted apart).
@@ -162,15 +167,16 @@ def gain_words(row: dict) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """The rows as a Markdown table."""
-    lines = ["| recipe | setting | recipe's shape | GPU, as it is | predicted gain | shape run on CPU "
-             "| substituted on CPU | config | CPU |", "|---" * 9 + "|"]  # fmt: skip
+    lines = ["| recipe | setting | recipe's shape | GPU, as it is | Megatron-Core's plan | predicted gain "
+             "| shape run on CPU | substituted on CPU | config | CPU |", "|---" * 10 + "|"]  # fmt: skip
     for row in rows:
-        gpu = row.get("gpu", {})
+        gpu, mcore = row.get("gpu", {}), row.get("mcore", {})
         gpu_words = f"**{gpu.get('verdict', '-')}**" + (f": {gpu['why']}" if gpu.get("why") else "")
+        mcore_words = f"**{mcore.get('verdict', '-')}**" + (f": {mcore['why']}" if mcore.get("why") else "")
         cpu = f"**{row.get('verdict', '-')}**: {row.get('why', '')}"
         if row.get("run") not in (None, row["recipe"]):
             cpu += f" (the run of `{row['run']}`)"
-        cells = [f"`{row['recipe']}`", row.get("setting", "-"), row.get("recipe_shape", "-"), gpu_words,
+        cells = [f"`{row['recipe']}`", row.get("setting", "-"), row.get("recipe_shape", "-"), gpu_words, mcore_words,
                  gain_words(row), row.get("shape", "-"), "; ".join(row.get("substituted", [])) or "-",
                  "; ".join(row.get("config", [])) or "-", cpu]  # fmt: skip
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
@@ -189,8 +195,42 @@ def not_built(universe: list[dict]) -> list[str]:
     return lines
 
 
-def summary(rows: list[dict]) -> list[str]:
-    """The counts: configs and runs, the GPU verdicts (by rule), the CPU verdicts (GPU-only pieces apart)."""
+BESIDE = ("both run", "ours runs, Megatron-Core's refuses", "Megatron-Core's runs, ours refuses", "both refuse")
+
+
+def beside_mcore(rows: list[dict]) -> list[str]:
+    """Our GPU verdict beside Megatron-Core's own plan's, as a Markdown 2 x 2 (performance recipes, recipes, all);
+    a recipe that fails Megatron-Core's or Bridge's checks with the overlap off is counted apart (neither plan runs
+    it), as is a row either verdict could not judge."""
+    cells: Counter = Counter()
+    for row in rows:
+        ours, theirs = row.get("gpu", {}).get("verdict"), row.get("mcore", {}).get("verdict")
+        if theirs == "recipe fails":
+            cell = "the recipe itself fails with the overlap off"
+        elif ours not in ("runs", "refused") or theirs not in ("runs", "refused"):
+            cell = "not judged"
+        else:
+            cell = BESIDE[2 * (ours == "refused") + (theirs == "refused")]
+        for column in ("perf" if row["recipe"].startswith("perf_recipes.") else "recipes", "all"):
+            cells[cell, column] += 1
+    lines = ["| ours (GPU, as the recipe is) / Megatron-Core 0.19.2's plan | performance recipes | recipes | all |",
+             "|---|---|---|---|"]  # fmt: skip
+    for cell in BESIDE + ("the recipe itself fails with the overlap off", "not judged"):
+        if cell in BESIDE or cells[cell, "all"]:
+            lines.append(f"| {cell} | {cells[cell, 'perf']} | {cells[cell, 'recipes']} | {cells[cell, 'all']} |")
+    why = Counter(row["mcore"]["why"].split(" (")[0][:100] for row in rows
+                  if row.get("mcore", {}).get("verdict") in ("refused", "recipe fails"))  # fmt: skip
+    if why:
+        lines.append(
+            "Megatron-Core's plan refuses (or the recipe fails): "
+            + "; ".join(f"{n} x {w}" for w, n in why.most_common())
+        )
+    return lines
+
+
+def summary(rows: list[dict], with_cpu: bool = True) -> list[str]:
+    """The counts: configs and runs, the GPU verdicts (by rule) beside Megatron-Core's plan's, the CPU verdicts
+    (GPU-only pieces apart); ``with_cpu=False`` (``--gpu_only``): the verdicts decided from the config alone."""
     runs = len({row.get("run", row["recipe"]) for row in rows})
     gpu = Counter(row.get("gpu", {}).get("verdict", "not judged") for row in rows)
     rules = Counter(rule for row in rows for rule in row.get("gpu", {}).get("rules", []))
@@ -198,10 +238,15 @@ def summary(rows: list[dict]) -> list[str]:
     pieces = Counter(row["gpu_only"] for row in rows if row.get("gpu_only"))
     families = Counter(row.get("family", "-") for row in rows)
     both = sum(row.get("verdict") == "bitwise" and row.get("gpu", {}).get("verdict") == "refused" for row in rows)
-    lines = [f"{len(rows)} configs, {runs} runs",
-             f"GPU, as the recipe is: {gpu['runs']} runs, {gpu['refused']} refused"
-             + (f" ({', '.join(f'{rule} {n}' for rule, n in rules.most_common())})" if rules else ""),
-             "CPU: " + ", ".join(f"{cpu[v]} {v}" for v in CPU_VERDICTS)
+    lines = [
+        f"{len(rows)} configs" + (f", {runs} runs" if with_cpu else ""),
+        f"GPU, as the recipe is: {gpu['runs']} runs, {gpu['refused']} refused"
+        + (f" ({', '.join(f'{rule} {n}' for rule, n in rules.most_common())})" if rules else ""),
+    ]
+    lines += beside_mcore(rows)
+    if not with_cpu:
+        return lines + ["families: " + ", ".join(f"{f} {n}" for f, n in sorted(families.items()))]
+    lines += ["CPU: " + ", ".join(f"{cpu[v]} {v}" for v in CPU_VERDICTS)
              + (f" (GPU-only: {', '.join(f'{p} {n}' for p, n in pieces.most_common())})" if pieces else ""),
              f"bitwise on CPU but refused on GPU: {both}",
              "families: " + ", ".join(f"{f} {n}" for f, n in sorted(families.items()))]  # fmt: skip
@@ -222,6 +267,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--all", action="store_true", help="every MoE config with expert parallelism above 1")
     parser.add_argument("--list", action="store_true", help="print the universe with each recipe's setting and stop")
     parser.add_argument("--no_delay_wgrad", action="store_true", help="the overlap without delayed wgrad")
+    parser.add_argument(
+        "--gpu_only",
+        "--gpu-only",
+        action="store_true",
+        help="the verdicts decided from the config (ours and Megatron-Core's plan's), no CPU run",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--markdown", type=Path, help="also write the table and the summary here")
     parser.add_argument("--resume", type=Path, help="keep this --json file's finished rows; run the rest")
@@ -337,6 +388,10 @@ class Run:
             print("\n".join(errors), file=sys.stderr)
             return 2
         self.rows = [self.done.get(row["recipe"], row) for row in rows]
+        if args.gpu_only:  # the universe pass decided both GPU verdicts: nothing to run
+            self.close()
+            self.write(table(self.rows) + [""] + summary(self.rows, with_cpu=False), False)
+            return 0
         run_all(self.trees, [row for row in self.rows if not rows_file.finished(row)], not args.no_delay_wgrad)
         self.close()
         self.write(table(self.rows) + [""] + (not_built(universe) if args.all else []) + summary(self.rows), False)
@@ -357,7 +412,8 @@ class Run:
         args = self.args
         if args.json:
             rows = self.rows if self.rows is not None else list(self.done.values())
-            asked = {"recipes": args.recipes, "all": args.all, "no_delay_wgrad": args.no_delay_wgrad}
+            asked = {"recipes": args.recipes, "all": args.all, "no_delay_wgrad": args.no_delay_wgrad,
+                     "gpu_only": args.gpu_only}  # fmt: skip
             rows_file.write(args.json, rows, asked, None if self.rows is None else len(self.rows), partial)
         if args.markdown:
             args.markdown.write_text("\n".join(lines) + "\n")

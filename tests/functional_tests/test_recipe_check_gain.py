@@ -40,9 +40,9 @@ def test_a_row_carries_the_planners_predicted_gain_and_a_failed_pricing_keeps_th
 
     rows = [_row(NAME, gain), _row("perf_recipes.x_vr200", refused), _row("perf_recipes.y_h100", broken)]
     lines = recipe_check.table(rows)
-    assert lines[0].split(" | ")[4] == "predicted gain"
+    assert lines[0].split(" | ")[5] == "predicted gain"
     cells = [line.split(" | ") for line in lines[2:]]
-    assert [c[4] for c in cells] == [
+    assert [c[5] for c in cells] == [
         "1.19x (16 x H100)",
         f"not priced: {refused['why']}",
         f"not priced: {broken['why']}",

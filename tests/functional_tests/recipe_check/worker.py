@@ -11,7 +11,8 @@ What runs, in order:
 1. **The recipe as a user builds it** (``universe.py``), offline (``offline.py``: the published config fields the
    check carries, an H100's properties, empty ``diffusers``). The recipe function runs unchanged.
 2. **As the recipe is, on a GPU** (``verdicts.gpu_verdict``): this project's rules on the unshrunk config with the
-   overlap on; and the planner's predicted gain (:func:`predicted`), priced from the same built config.
+   overlap on; Megatron-Core's own plan's verdict on copies of it (``mcore_plan.mcore_verdict``: its and Bridge's
+   checks, overlap off and on); and the planner's predicted gain (:func:`predicted`), priced from the same config.
 3. **The overlap on, as Bridge's performance scripts' ``--moe_a2a_overlap true`` does** (:func:`overlap_on`): the
    overlap flag and delayed wgrad, ``moe_shared_expert_overlap`` off; this project's config class and pre-wrap hook
    (the README's recipe lines); a recipe's full recompute through the hook's ``full_recompute`` keyword.
@@ -147,6 +148,7 @@ def predicted(cfg, name: str) -> dict:
 def universe_row(name: str, function, configs) -> dict:
     """One config function: built, classified, judged as it is; for the universe, its CPU run's key."""
     from tests.functional_tests.recipe_check import universe
+    from tests.functional_tests.recipe_check.mcore_plan import mcore_verdict
     from tests.functional_tests.recipe_check.verdicts import gpu_verdict
 
     configs.clear()
@@ -161,7 +163,7 @@ def universe_row(name: str, function, configs) -> dict:
         return row
     # the gain is priced here, on the recipe as built: prepared() below shrinks cfg in place
     row |= {"setting": universe.setting(cfg, function), "recipe_shape": describe(cfg.model), "gpu": gpu_verdict(cfg),
-            "gain": predicted(cfg, name)}  # fmt: skip
+            "mcore": mcore_verdict(cfg), "gain": predicted(cfg, name)}  # fmt: skip
     try:
         run = prepared(cfg)
     except Exception as error:
