@@ -6,35 +6,53 @@ from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import McoreCase
 
 
-def emulated_arm(
-    rank: int, world: int, arm: str, case: McoreCase, pipeline: bool = False, plant=None, setup: str | None = None
-) -> dict:
-    """``arm`` ("plain", "mcore" or "hook") under the emulation: losses, gradients, errors, each step's counts.
-    ``setup``: "static-flex" (the static-shape HybridEP stand-in) or "graphed-preprocess" (TE-style graphs of
-    attention, router and ``moe_preprocess``, static output buffers)."""
+def emulated_arms(
+    rank: int,
+    world: int,
+    arms: tuple[str, ...],
+    case: McoreCase,
+    pipeline: bool = False,
+    plant=None,
+    setup: str | None = None,
+) -> dict[str, dict]:
+    """Each of ``arms`` ("plain", "mcore" or "hook"), in turn on this rank's one emulated device (a fresh model
+    each; put "plain" first: it runs on the default stream alone): per arm its losses, gradients, the errors found
+    while it ran, each step's counts. ``setup``: "static-flex" (the static-shape HybridEP stand-in),
+    "graphed-preprocess" (TE-style graphs of attention, router and ``moe_preprocess``, static output buffers) or
+    "fp8" (mxfp8: ``test_quantization``'s stand-in contexts, and its checkpoint of a quantized block)."""
+    emu = emulate()
+    init_megatron(world // 2 if pipeline else world, pipeline=2 if pipeline else 1, virtual=2 if pipeline else None)
+    if plant is not None:
+        plant(emu)
+    prepare = _prepare(setup, case)
+    out = {}
+    for arm in arms:
+        steps, found = [], len(emu.errors)
+
+        def around_step(steps=steps):
+            steps.append(None)
+            return _Counted(emu, steps)
+
+        result = run_arm(arm, case, pipeline=pipeline, around_step=around_step, prepare=prepare)
+        out[arm] = {
+            "losses": [None if loss is None else loss.tolist() for loss in result["losses"]],
+            "grads": {name: grad.clone() for name, grad in result["grads"].items()},
+            "errors": emu.errors[found:],
+            "steps": steps,
+        }
+    return out
+
+
+def emulate():
+    """This (forked) rank under the emulation, before Megatron is initialized: the CPU stubs, the emulated device,
+    the hook's CUDA lane on it, every kernel labelled with its node. Returns the emulation."""
     from . import cuda_emulation
 
     install_cpu_stubs()
     emu = cuda_emulation.install()
-    init_megatron(world // 2 if pipeline else world, pipeline=2 if pipeline else 1, virtual=2 if pipeline else None)
     _cuda_lane_on_cpu()
     _labelled(emu)
-    if plant is not None:
-        plant(emu)
-    steps = []
-
-    def around_step():
-        steps.append(None)
-        return _Counted(emu, steps)
-
-    result = run_arm(arm, case, pipeline=pipeline, around_step=around_step, prepare=_prepare(setup, case))
-    return {
-        "losses": [None if loss is None else loss.tolist() for loss in result["losses"]],
-        "grads": {name: grad.clone() for name, grad in result["grads"].items()},
-        "errors": list(emu.errors),
-        "steps": steps,
-        "kernels": emu.kernels,
-    }
+    return emu
 
 
 class _Counted:
@@ -83,16 +101,18 @@ def _labelled(emu) -> None:
         return wrapped
 
     _Lane.compute = labelled(_Lane.compute, lambda node, *rest: node)
-    run_comm = CudaLane.run_comm
 
-    def comm_labelled(self, fn, *, op, layer, microbatch):
-        outer, emu.label = emu.label, f"comm {op}"
-        try:
-            return run_comm(self, fn, op=op, layer=layer, microbatch=microbatch)
-        finally:
-            emu.label = outer
+    def comm_labelled(launch):
+        def wrapped(self, *args, op, **kwargs):
+            outer, emu.label = emu.label, f"comm {op}"
+            try:
+                return launch(self, *args, op=op, **kwargs)
+            finally:
+                emu.label = outer
 
-    CudaLane.run_comm = comm_labelled
+        return wrapped
+
+    CudaLane.run_comm, CudaLane.all_to_all = comm_labelled(CudaLane.run_comm), comm_labelled(CudaLane.all_to_all)
     ScheduleNode.stream_acquire_context = labelled(ScheduleNode.stream_acquire_context, lambda name=None: name)
 
 
@@ -115,5 +135,16 @@ def _prepare(setup: str | None, case: McoreCase):
                     dispatcher.cuda_dtoh_point = "before_ep_alltoall"
 
         return graphed
+    if setup == "fp8":
+        from . import quantization_spy
+        from .test_quantization import MXFP8, _low_precision, _te_checkpoint_on_cpu
+
+        quantization_spy.install()
+        _te_checkpoint_on_cpu()
+        import megatron.core.extensions.transformer_engine as te
+        import megatron.core.recompute as recompute
+
+        te.te_checkpoint = recompute.te_checkpoint  # the MTP layer imports it from there when it recomputes
+        return _low_precision(MXFP8)
     assert setup is None, setup
     return None

@@ -10,7 +10,7 @@ import time
 from megatron.bridge.training.ep_overlap.program.interpreter import IssueOrder, run_ops
 from megatron.bridge.training.ep_overlap.program.steps import ChunkShape, StepKind, windows_of
 
-from .emulated_arms import emulated_arm
+from .emulated_arms import emulated_arms
 from .local_ranks import run_local_ranks
 from .mcore_models import McoreCase
 
@@ -46,7 +46,7 @@ def program_ms(layers: int, calls: int = 50) -> float:
 
 def main() -> None:
     case = McoreCase(delay_wgrad=True, microbatches=3, steps=2)
-    counts = {arm: run_local_ranks(emulated_arm, 2, (arm, case))[0].result for arm in ("mcore", "hook")}
+    counts = run_local_ranks(emulated_arms, 2, (("mcore", "hook"), case))[0].result
     print("| per step (last of 2) | Megatron-Core's plan | ours |\n|---|---|---|")
     for row in ROWS:
         mcore, hook = (counts[arm]["steps"][-1]["counts"].get(row, 0) for arm in ("mcore", "hook"))

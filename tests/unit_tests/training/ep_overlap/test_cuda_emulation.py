@@ -1,18 +1,31 @@
 """The CUDA path on CPU ranks under emulated streams (``cuda_emulation.py``), race-checked by PyTorch's sanitizer:
 the real ``CudaLane``, a planted missing wait and a planted early free (both reported), Megatron-Core's own plan as
-the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's."""
+the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's:
+alltoall with delayed wgrad, graphed ``moe_preprocess`` (static buffers), PP 2 x VPP 2, the static-shape flex
+stand-in, MTP with full recompute in fp8 contexts, and (``-m wide``) Qwen3-VL in the stock-Bridge interpreter.
+The arms of one case train in turn on the same forked ranks."""
 
 import functools
+import json
 from datetime import timedelta
 
+# Imported here once, not again in every forked rank (``make test`` has them from its collection).
+import megatron.core.models.gpt  # noqa: F401
+import pytest
 import torch
 
-from .emulated_arms import emulated_arm
+import megatron.bridge.training.ep_overlap.mcore  # noqa: F401
+
+from .emulated_arms import emulated_arms
 from .local_ranks import init_ep_groups, run_local_ranks
 from .mcore_models import McoreCase
+from .test_vision_language import WORKERS, plugin, python  # noqa: F401 (the stock-Bridge fixtures)
 
 
-def _lane(world: int, plant: str | None = None):
+def _lane_cases(rank: int, world: int) -> dict:
+    """One rank's emulated device, a fresh ``CudaLane`` per case: the clean dispatch and free, the PP x VPP launch,
+    then the planted missing wait and the planted early free (each undone after); per case what the emulation
+    reported while it ran."""
     from megatron.bridge.training.ep_overlap.runtime.lanes import CudaLane
     from megatron.bridge.training.ep_overlap.runtime.records import HostClock, StepRecorder
 
@@ -21,16 +34,22 @@ def _lane(world: int, plant: str | None = None):
 
     install_cpu_stubs()
     emu = cuda_emulation.install()
-    if plant == "missing wait":
-        CudaLane._comm_waits_for = lambda self, layer, microbatch: torch.cuda.current_stream()
-    if plant == "early free":
-        torch.Tensor.record_stream = lambda self, stream: None
     groups = init_ep_groups(world, timedelta(seconds=30))
-    return emu, CudaLane(groups, StepRecorder(clock=HostClock()), torch.cuda.Stream())
+    out = {}
+    for case in ("clean", "launch", "missing wait", "early free"):
+        comm_waits_for, record_stream = CudaLane._comm_waits_for, torch.Tensor.record_stream
+        if case == "missing wait":
+            CudaLane._comm_waits_for = lambda self, layer, microbatch: torch.cuda.current_stream()
+        if case == "early free":
+            torch.Tensor.record_stream = lambda self, stream: None
+        found, lane = len(emu.errors), CudaLane(groups, StepRecorder(clock=HostClock()), torch.cuda.Stream())
+        waits_for_b = _launch_waits_for(emu, lane) if case == "launch" else _dispatch_then_free(lane, rank)
+        CudaLane._comm_waits_for, torch.Tensor.record_stream = comm_waits_for, record_stream
+        out[case] = {"errors": emu.errors[found:], "waits_for_b": waits_for_b}
+    return out
 
 
-def _dispatch_then_free(rank: int, world: int, plant: str | None) -> list[str]:
-    emu, lane = _lane(world, plant)
+def _dispatch_then_free(lane, rank: int) -> None:
     with lane.compute("pre_dispatch", 0, 0):
         sent = torch.ones(4, 8) * (rank + 1)
     pending = lane.all_to_all(sent, [2, 2], [2, 2], op="dispatch", layer=0, microbatch=0)
@@ -38,41 +57,43 @@ def _dispatch_then_free(rank: int, world: int, plant: str | None) -> list[str]:
     with lane.compute("experts", 0, 0):
         out = pending.wait() * 2
     assert out.shape == (4, 8)
-    return emu.errors
 
 
-def test_the_cuda_lane_runs_clean_and_a_planted_missing_wait_or_early_free_is_reported():
-    for outcome in run_local_ranks(_dispatch_then_free, 2, (None,)):
-        assert outcome.result == []
-    for outcome in run_local_ranks(_dispatch_then_free, 2, ("missing wait",)):
-        assert any(e.startswith("unsynchronized: all_to_all_single") for e in outcome.result), outcome
-    for outcome in run_local_ranks(_dispatch_then_free, 2, ("early free",)):
-        assert any(e.startswith("early free") for e in outcome.result), outcome.result
-
-
-def _launch_waits_for(rank: int, world: int) -> dict:
+def _launch_waits_for(emu, lane) -> bool:
     """PP x VPP: F is microbatch 0 of a chunk whose layer is 2, B microbatch 0 of a chunk whose layer is 0."""
-    emu, lane = _lane(world)
     with lane.compute("pre_dispatch", 2, 0):
         sent = torch.ones(4, 8)
     with lane.compute("experts_bwd", 0, 0):
         torch.ones(4, 8) * 3
     b_experts_bwd = emu.handler.seq_num
     lane.all_to_all(sent, [2, 2], [2, 2], op="dispatch", layer=2, microbatch=0).wait()
-    syncs = emu.handler.syncs
-    return {"waits_for_b": syncs.is_ordered_after(lane.comm_stream.id, b_experts_bwd, 0), "errors": emu.errors}
+    return emu.handler.syncs.is_ordered_after(lane.comm_stream.id, b_experts_bwd, 0)
 
 
-def test_a_launch_waits_for_its_own_chunks_compute_not_another_stages_same_microbatch():
-    for outcome in run_local_ranks(_launch_waits_for, 2):
-        assert outcome.result == {"waits_for_b": False, "errors": []}
+@pytest.fixture(scope="module")
+def lane_cases() -> list[dict]:
+    return [outcome.result for outcome in run_local_ranks(_lane_cases, 2)]
+
+
+def test_the_cuda_lane_runs_clean_and_a_planted_missing_wait_or_early_free_is_reported(lane_cases):
+    for rank in lane_cases:
+        assert rank["clean"]["errors"] == []
+        assert any(e.startswith("unsynchronized: all_to_all_single") for e in rank["missing wait"]["errors"]), rank
+        assert any(e.startswith("early free") for e in rank["early free"]["errors"]), rank
+
+
+def test_a_launch_waits_for_its_own_chunks_compute_not_another_stages_same_microbatch(lane_cases):
+    for rank in lane_cases:
+        assert rank["launch"] == {"errors": [], "waits_for_b": False}
 
 
 @functools.cache
 def _arms(arms: tuple[str, ...], case: McoreCase, setup: str | None = None, pipeline: bool = False) -> dict:
-    world = 4 if pipeline else 2
-    return {arm: [o.result for o in run_local_ranks(emulated_arm, world, (arm, case, pipeline, None, setup))]
-            for arm in arms}  # fmt: skip
+    """Each arm's result per rank; the arms of one case train in turn on the same ranks."""
+    ranks = [
+        o.result for o in run_local_ranks(emulated_arms, 4 if pipeline else 2, (arms, case, pipeline, None, setup))
+    ]
+    return {arm: [rank[arm] for rank in ranks] for arm in arms}
 
 
 def _bitwise(plain: dict, hook: dict) -> bool:
@@ -82,16 +103,17 @@ def _bitwise(plain: dict, hook: dict) -> bool:
 
 
 CASE = McoreCase(delay_wgrad=True, microbatches=3, steps=2)
+CASE_ARMS = ("plain", "mcore", "hook")
 
 
 def test_megatron_cores_own_plan_runs_clean_under_the_emulation():
-    for mcore in _arms(("mcore",), CASE)["mcore"]:
+    for mcore in _arms(CASE_ARMS, CASE)["mcore"]:
         assert mcore["errors"] == [], mcore["errors"][:3]
 
 
 def test_our_plan_runs_clean_bitwise_and_creates_no_more_than_megatron_cores():
-    runs = _arms(("plain", "hook"), CASE)
-    for plain, hook, mcore in zip(runs["plain"], runs["hook"], _arms(("mcore",), CASE)["mcore"]):
+    runs = _arms(CASE_ARMS, CASE)
+    for plain, hook, mcore in zip(runs["plain"], runs["hook"], runs["mcore"]):
         assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
         steady_hook, steady_mcore = hook["steps"][-1]["counts"], mcore["steps"][-1]["counts"]
         for count in ("events", "timing events", "streams", "host waits"):
@@ -134,3 +156,35 @@ def test_the_static_shape_flex_stand_in_runs_bitwise():
 def test_the_static_shape_flex_stand_in_runs_clean():
     for hook in _arms(("plain", "hook"), STATIC_FLEX, "static-flex")["hook"]:
         assert hook["errors"] == []
+
+
+# MTP, full recompute (the plan's replay) and fp8 contexts in one model; one step.
+MTP_RECOMPUTE_FP8 = McoreCase(mtp=True, full_recompute=("uniform", 1), delay_wgrad=True, microbatches=3, steps=1)
+
+
+def test_mtp_with_full_recompute_in_fp8_contexts_runs_clean_and_bitwise():
+    runs = _arms(("plain", "hook"), MTP_RECOMPUTE_FP8, "fp8")
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
+
+
+@pytest.mark.wide
+def test_qwen3_vl_runs_clean_and_bitwise_and_a_planted_missing_wait_is_reported(request, tmp_path):
+    """Bridge 0.6.2's Qwen3-VL MoE (vision tower, deepstack features, multimodal rotary positions; images and
+    text-only microbatches) in the stock-Bridge interpreter (``vl_emulated_worker.py``), one step."""
+    from tests.functional_tests import stock_bridge
+
+    interpreter, tree = request.getfixturevalue("python"), request.getfixturevalue("plugin")
+    for plant in ("", "missing-wait"):
+        out = tmp_path / f"out{plant}.json"
+        run = stock_bridge.run(interpreter, tree, WORKERS / "vl_emulated_worker.py", str(out), "--plant", plant)
+        assert run.returncode == 0, run.stderr[-4000:]
+        for rank in json.loads(out.read_text()):
+            plain, hook = rank["arms"]["plain"], rank["arms"]["hook"]
+            assert hook["plan"] == "McoreVisionLanguageChunk" and plain["images"] > 0
+            assert len(rank["streams"]) > 1, rank["streams"]  # the plan's all-to-alls ran on the comm stream
+            if plant:
+                assert any(e.startswith("unsynchronized: all_to_all_single") for e in rank["errors"])
+            else:
+                assert rank["errors"] == [], rank["errors"][:3]
+                assert hook["losses"] == plain["losses"] and hook["grads"] == plain["grads"]
