@@ -1,9 +1,10 @@
 """Megatron-Core 0.19.2's own plan's verdict beside ours, with no rank (about 15 s of CPU, the recipes' imports):
-``recipe_check/mcore_plan.py`` on four of Megatron-Bridge 0.6.2's recipes, built in the stock-Bridge scratch interpreter, and the summary's 2 x 2 of
-their rows. One row both plans run (an fp8 recipe with fused permutation and fused RoPE: what the check's stand-ins
-answer as a GPU host does), two that Megatron-Core's plan refuses and ours runs (its ``__post_init__`` assert on
-pipeline stages without virtual stages; a model without ``build_schedule_plan``), and one that fails Megatron-Core's
-own ``finalize()`` with the overlap off. Skipped with the reason when the package registry cannot be reached."""
+``recipe_check/mcore_plan.py`` on four of Megatron-Bridge 0.6.2's recipes, built in the stock-Bridge scratch
+interpreter, and the summary's 2 x 2 of their rows. One row both plans run (an fp8 recipe with fused permutation and
+fused RoPE: what the check's stand-ins answer as a GPU host does), two that Megatron-Core's plan refuses and ours runs
+(its ``__post_init__`` assert on pipeline stages without virtual stages; a model without ``build_schedule_plan``), and
+one that fails Megatron-Core's own ``finalize()`` with the overlap off. Skipped with the reason when the package
+registry cannot be reached."""
 
 import json
 import sys

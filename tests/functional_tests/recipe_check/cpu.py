@@ -244,7 +244,7 @@ def recipe_spec(config, vp_stage=None):
         from tests.unit_tests.training.ep_overlap.family_models import dsa_block_spec
 
         spec = dsa_block_spec(config, vp_stage)
-        return with_sequence_parallel_norms(spec) if config.sequence_parallel else spec
+        return _zero_centered(config, with_sequence_parallel_norms(spec) if config.sequence_parallel else spec)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     if config.multi_latent_attention:
         from megatron.core.transformer.identity_op import IdentityOp
@@ -260,7 +260,45 @@ def recipe_spec(config, vp_stage=None):
                 attention.q_layernorm = IdentityOp
     if config.context_parallel_size > 1:
         with_context_parallel_attention(spec)
-    return with_sequence_parallel_norms(spec) if config.sequence_parallel else spec
+    return _zero_centered(config, with_sequence_parallel_norms(spec) if config.sequence_parallel else spec)
+
+
+class ZeroCenteredNormTakingSP:
+    """Transformer Engine's norm as it reads ``layernorm_zero_centered_gamma`` (the weight starts at zero and scales
+    by ``1 + weight``: ``mcore_models.ZeroCenteredNorm``), its weights carrying ``sequence_parallel`` as the SP norms'
+    do. Megatron-Core's local norm refuses the field; the tests' SP norm would ignore it."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        from tests.unit_tests.training.ep_overlap.mcore_models import ZeroCenteredNorm
+
+        norm = ZeroCenteredNorm(hidden_size, eps, rms=config.normalization == "RMSNorm")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+_NORMS = ("layer_norm", "input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm",
+          "enorm", "hnorm")  # fmt: skip
+
+
+def _zero_centered(config, spec):
+    """``spec`` (a block spec, or an MTP block spec) with each torch norm zero-centred where ``config`` asks for it
+    (Step-3.5); identities stay identities."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
+
+    if spec is None or not config.layernorm_zero_centered_gamma:
+        return spec
+    holders = [spec]
+    for layer in spec.layer_specs:
+        holders.append(layer.submodules)
+        holders.append(getattr(getattr(layer.submodules, "self_attention", None), "submodules", None))
+    for holder in holders:
+        for name in _NORMS:
+            if holder is not None and getattr(holder, name, None) in (WrappedTorchNorm, SequenceParallelNorm):
+                setattr(holder, name, ZeroCenteredNormTakingSP)
+    return spec
 
 
 def local_mtp_block_spec(config, vp_stage=None):
@@ -289,4 +327,4 @@ def local_mtp_block_spec(config, vp_stage=None):
         for name in ("enorm", "hnorm", "layer_norm"):
             if getattr(layer.submodules, name, None) is not None:
                 setattr(layer.submodules, name, SequenceParallelNorm)
-    return block
+    return _zero_centered(config, block)
