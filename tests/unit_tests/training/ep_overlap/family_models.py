@@ -4,11 +4,11 @@ What each family's provider sets (``tests/.../test_new_families.py`` says which 
 here at a small size, with the stand-ins Megatron-Core's Transformer Engine-only modules need on CPU:
 
 * :class:`DuplicatedLinear`: Transformer Engine's ``TELinear`` with ``parallel_mode="duplicated"`` (every rank holds
-  the whole weight; it returns ``(output, bias or None)``; its ``backward_dw`` has nothing to run, as Megatron-Core's
-  local linears). Megatron-Core builds two modules from it only: an MoE layer's latent projections
-  (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch, ``fc2_latent_proj`` after the combine; it asserts
-  Transformer Engine is installed) and the DSA indexer's projections. :func:`install_latent_projections` makes
-  ``moe_layer`` take it, in this (forked) process only.
+  the whole weight; it returns ``(output, bias or None)``; with ``delay_wgrad_compute`` its backward leaves the weight
+  gradient to ``backward_dw``, as Transformer Engine's does). Megatron-Core builds two modules from it only: an MoE
+  layer's latent projections (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch, ``fc2_latent_proj`` after
+  the combine; it asserts Transformer Engine is installed) and the DSA indexer's projections.
+  :func:`install_latent_projections` makes ``moe_layer`` take it, in this (forked) process only.
 * :func:`dsa_block_spec`: the local twin of ``get_transformer_block_with_experimental_attention_variant_spec`` for a
   ``dsa`` config (GLM-5's ``transformer_layer_spec``; Transformer Engine only): per layer Megatron-Core's absorbed MLA
   with ``DSAttention`` (its indexer's linears :class:`DuplicatedLinear`, the down projections Megatron-Core's local
@@ -69,14 +69,40 @@ class DuplicatedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
         self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         self.skip_bias_add = skip_bias_add
+        self.config, self.deferred = config, []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.skip_bias_add:
-            return torch.nn.functional.linear(x, self.weight), self.bias
-        return torch.nn.functional.linear(x, self.weight, self.bias), None
+        bias = None if self.skip_bias_add else self.bias
+        if self.config.delay_wgrad_compute and torch.is_grad_enabled():  # read per call: tests set it after the build
+            out = _DeferredWgrad.apply(x, self.weight, bias, self)
+        else:
+            out = torch.nn.functional.linear(x, self.weight, bias)
+        return (out, self.bias) if self.skip_bias_add else (out, None)
 
     def backward_dw(self) -> None:
-        """Nothing deferred: the weight gradient runs in the backward, as a local linear's."""
+        """The weight gradients the backward deferred (``delay_wgrad_compute``), as Transformer Engine's
+        ``backward_dw`` runs them: each added to ``weight.grad`` in the order the backwards ran."""
+        deferred, self.deferred = self.deferred, []
+        for grad_out, x in deferred:
+            wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+            self.weight.grad = wgrad if self.weight.grad is None else self.weight.grad + wgrad
+
+
+class _DeferredWgrad(torch.autograd.Function):
+    """A linear whose backward computes the input's (and bias's) gradient, leaving the weight's to ``backward_dw``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.has_bias = module, bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        ctx.module.deferred.append((grad_out, x))
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_out.matmul(weight), None, grad_bias, None
 
 
 def install_latent_projections() -> None:

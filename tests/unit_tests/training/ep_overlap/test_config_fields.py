@@ -153,7 +153,6 @@ REFUSED = {
     "mlp_chunks": {"mlp_chunks_for_training": 2},
     "activation_offloading": {"fine_grained_activation_offloading": True},
     "early_attention_release": {"ep_overlap_early_attn_memory_release": True},
-    "latent_moe_delayed_wgrad": {"moe_latent_size": 16, "delay_wgrad_compute": True},
     # DeepSeek-V4's layer features and GLM-5.2's top-k sharing under full recompute (moe_overlap_rules.model_features)
     "hyper_connections": {"enable_hyper_connections": True},
     "hash_routing": {"moe_n_hash_layers": 3},

@@ -126,11 +126,6 @@ CASES = {
         ({**BRIDGE, "ep_overlap_early_attn_memory_release": True}, {}),
         ({"ep_overlap_early_attn_memory_release": True}, {}),
     ),
-    # The plan runs latent projections bitwise; with delayed wgrad Megatron-Core defers one onto its own stream.
-    "latent_moe_delayed_wgrad": (
-        ({**BRIDGE, "moe_latent_size": 16}, {"delay": True}),
-        ({**BRIDGE, "moe_latent_size": 16}, {}),
-    ),
     # Newer families' layer features (model_features.py): DeepSeek-V4's, and GLM-5.2's top-k sharing with recompute.
     "hyper_connections": (
         ({**BRIDGE, "enable_hyper_connections": True}, {}),

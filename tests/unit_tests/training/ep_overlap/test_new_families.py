@@ -25,8 +25,8 @@ What each provider sets, read from ``megatron/bridge/models/`` and built from th
                                   a shared expert, a dense first layer, MTP: ``k-exaone``
     Nemotron-3 Super, Ultra       HybridModel: Mamba, attention, latent MoE (``moe_latent_size``: projections into
                                   and out of a smaller expert width around the dispatch), a shared expert, one MTP
-                                  depth ``*E``: ``nemotron3-latent-moe``; with delayed wgrad: refused
-                                  (``latent_moe_delayed_wgrad``)
+                                  depth ``*E``: ``nemotron3-latent-moe``; with delayed wgrad (the projections'
+                                  weight gradients deferred): ``nemotron3-latent-moe-delayed-wgrad``
     DeepSeek-V4 Flash, Pro        refused: ``hyper_connections``, ``hash_routing``, ``attention_variant``
                                   (``dsv4_hybrid``); none of them is in Megatron-Core 0.19
 
@@ -45,7 +45,7 @@ from .family_models import DSA_FIELDS, build_dsa_gpt, build_minimax_like, instal
 from .local_ranks import run_local_ranks
 from .mcore_arms import train_plain_and_hook
 from .mcore_cpu import init_megatron, install_cpu_stubs
-from .mcore_models import HybridCase, McoreCase, install_kernels_for
+from .mcore_models import HybridCase, McoreCase, build_model, install_kernels_for
 from .test_mcore_hook import SEQ, bridge_style_forward_step, masked_token_loss, train_with_mcore_driver
 
 
@@ -140,6 +140,12 @@ CASES = {
         "masked",
     ),
     "nemotron3-latent-moe": (HybridCase(pattern="M*EME/*E", microbatches=3, config=NEMOTRON3), None, "masked"),
+    # Through train_plain_and_hook, which sets delay_wgrad_compute on the overlapped arm: the projections defer.
+    "nemotron3-latent-moe-delayed-wgrad": (
+        HybridCase(pattern="*E*E", microbatches=3, config=NEMOTRON3, delay_wgrad=True),
+        "mcore",
+        "masked",
+    ),
 }
 
 
@@ -168,7 +174,7 @@ def _train(rank: int, world: int, name: str) -> dict:
 
         install_fake_deepep()
     init_megatron(world)
-    build = {"dsa": build_dsa_gpt, "minimax": build_minimax_like}[builder]
+    build = {"dsa": build_dsa_gpt, "minimax": build_minimax_like, "mcore": build_model}[builder]
     return train_plain_and_hook(lambda: build(case), case, STEPS[step])
 
 
@@ -181,6 +187,7 @@ LIVE = {
     "k-exaone": "mtp.layers.0",
     "minimax-m3": "router.weight",
     "nemotron3-latent-moe": "fc2_latent_proj",
+    "nemotron3-latent-moe-delayed-wgrad": "fc2_latent_proj",
 }
 
 
@@ -206,7 +213,6 @@ def _model_facts(rank: int, world: int) -> dict:
     install_fake_deepep()
     install_kernels_for(CASES["nemotron3-latent-moe"][0])
     init_megatron(world)
-    from .mcore_models import build_model
 
     sharing = build_dsa_gpt(CASES["glm5.2-dsa-shared-topk"][0])
     latent = build_model(CASES["nemotron3-latent-moe"][0])

@@ -4,7 +4,6 @@ plan does not run: refused by name, never trained with a part skipped; each mess
 from megatron.bridge.training.moe_overlap_rules.facts import (
     Rule,
     bridge_schedule,
-    delay_wgrad_on,
     full_recompute,
 )
 
@@ -37,18 +36,6 @@ MODEL_FEATURE_RULES: tuple[Rule, ...] = (
         "ep_overlap_early_attn_memory_release reorders Megatron-Core's own layer step; this project's schedule has "
         "its own order, in which B's attention backward runs beside F's combine (the planner states what it holds).",
         "set ep_overlap_early_attn_memory_release=False, or run Megatron-Core's own schedule (no pre-wrap hook).",
-    ),
-    Rule(
-        "latent_moe_delayed_wgrad",
-        ("model.moe_latent_size", "comm_overlap.delay_wgrad_compute"),
-        lambda f: bridge_schedule(f) and delay_wgrad_on(f),
-        lambda f: f["model.moe_latent_size"] is None,
-        "the plan runs the MoE latent projections where the plain path does (preprocess, postprocess: bitwise), but "
-        "with delayed wgrad Megatron-Core's MoE layer runs the output projection's deferred weight gradient on the "
-        "communication stream of its own combined-1F1B driver, which this project's schedule neither uses nor orders "
-        "with its compute stream. Supporting it takes the plan running both projections' backward_dw on its own "
-        "streams, and a GPU test with Transformer Engine.",
-        f"set delay_wgrad_compute=False (or moe_latent_size=None), {_OFF}",
     ),
 )
 

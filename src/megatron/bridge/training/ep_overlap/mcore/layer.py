@@ -339,8 +339,17 @@ class McoreLayer(_Unit):
             whole_layer_backward_dw(self.layer, self.microbatch)
 
     def expert_backward_dw(self) -> None:
-        if self.is_moe:
-            self.layer.mlp.backward_dw()
+        if not self.is_moe:
+            return
+        mlp = self.layer.mlp
+        latent = getattr(mlp, "fc2_latent_proj", None)
+        if latent is None:
+            mlp.backward_dw()
+            return
+        # Megatron-Core runs the latent output projection's deferred wgrad on its comm stream, where its own plan
+        # runs that projection (the combine node); ours runs it in the combine compute node, so its wgrad goes here.
+        mlp.experts.backward_dw()
+        latent.backward_dw()
 
 
 class McoreComputeRun(_Unit):
