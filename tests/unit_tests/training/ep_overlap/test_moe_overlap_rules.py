@@ -126,7 +126,7 @@ CASES = {
         ({**BRIDGE, "ep_overlap_early_attn_memory_release": True}, {}),
         ({"ep_overlap_early_attn_memory_release": True}, {}),
     ),
-    # Newer families' layer features (model_features.py): DeepSeek-V4's, and GLM-5.2's top-k sharing with recompute.
+    # Newer families' layer features (model_features.py): DeepSeek-V4's.
     "hyper_connections": (
         ({**BRIDGE, "enable_hyper_connections": True}, {}),
         ({"enable_hyper_connections": True}, {}),
@@ -135,10 +135,6 @@ CASES = {
     "attention_variant": (
         ({**BRIDGE, "experimental_attention_variant": "dsv4_hybrid"}, {}),
         ({**BRIDGE, "experimental_attention_variant": "dsa"}, {}),
-    ),
-    "dsa_topk_sharing_recompute": (
-        ({**BRIDGE, **FULL, "experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 4}, {}),
-        ({**BRIDGE, "experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 4}, {}),
     ),
     "moe_tp_needs_sp": (
         ({"tensor_model_parallel_size": 2}, {}),

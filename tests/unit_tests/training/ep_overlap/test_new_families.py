@@ -113,6 +113,19 @@ CASES = {
         "dsa",
         "unmasked",
     ),
+    # GLM-5.2's top-k sharing under full recompute: a replayed layer reads its own microbatch's top-k (unmasked, as
+    # Bridge's GPT step runs it; with a mask carrying the holder, Megatron-Core's own checkpoint loses it).
+    "glm5.2-dsa-shared-topk-full-uniform1": (
+        McoreCase(
+            mla=True,
+            layer_freq=(1, 1, 1, 1),
+            microbatches=3,
+            full_recompute=("uniform", 1),
+            config=DSA_FIELDS + TOPK_SHARING + ROUTER,
+        ),
+        "dsa",
+        "unmasked",
+    ),
     "glm5-dsa-full-uniform1": (
         McoreCase(mla=True, layer_freq=(1, 1, 1), microbatches=3, full_recompute=("uniform", 1), config=DSA_FIELDS),
         "dsa",
@@ -182,6 +195,7 @@ def _train(rank: int, world: int, name: str) -> dict:
 LIVE = {
     "glm5-dsa": "core_attention.indexer.linear_wq_b",
     "glm5.2-dsa-shared-topk": "core_attention.indexer.linear_wq_b",
+    "glm5.2-dsa-shared-topk-full-uniform1": "core_attention.indexer.linear_wq_b",
     "glm5-dsa-full-uniform1": "core_attention.indexer.linear_weights_proj",
     "kimi-k2": "shared_experts.linear_fc1",
     "k-exaone": "mtp.layers.0",

@@ -4,7 +4,6 @@ plan does not run: refused by name, never trained with a part skipped; each mess
 from megatron.bridge.training.moe_overlap_rules.facts import (
     Rule,
     bridge_schedule,
-    full_recompute,
 )
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off."
@@ -88,18 +87,5 @@ ARCHITECTURE_RULES: tuple[Rule, ...] = (
         lambda f: f["model.experimental_attention_variant"] in _KNOWN_VARIANTS,
         _unknown_variant,
         f"use an attention variant of Megatron-Core 0.19 (or none), {_OFF}",
-    ),
-    Rule(
-        "dsa_topk_sharing_recompute",
-        ("model.dsa_indexer_topk_freq", "model.recompute_granularity"),
-        lambda f: full_recompute(f) and f["model.experimental_attention_variant"] == "dsa",
-        lambda f: (f["model.dsa_indexer_topk_freq"] or 1) <= 1,
-        "DSA layers that reuse an earlier layer's top-k (dsa_indexer_topk_freq > 1, GLM-5.2) read it from a holder "
-        "on the microbatch's attention mask, or on the model config where there is none (Megatron-Bridge's GPT step "
-        "passes none), which each forward writes; in the overlapped schedule full recompute's replays run between "
-        "another microbatch's layers, so a replayed layer would read that microbatch's top-k (Megatron-Core 0.19's "
-        "own checkpoint loses a holder kept on a mask). Supporting it takes a holder per microbatch that its replays "
-        "read too. Without full recompute the sharing is bitwise.",
-        f"drop full recompute (or set dsa_indexer_topk_freq=1), {_OFF}",
     ),
 )

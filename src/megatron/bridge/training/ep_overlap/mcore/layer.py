@@ -153,6 +153,29 @@ class McoreRouting:
 
 
 @contextlib.contextmanager
+def _own_shared_topk(config, view):
+    """DSA layers reusing an earlier layer's top-k (``dsa_indexer_topk_freq > 1``) read it from a holder the model
+    config carries when a microbatch has no mask or packed parameters. Under full recompute a replay runs after other
+    microbatches' forwards wrote there, so inside the block the config carries ``view``'s own holders."""
+    if (getattr(config, "dsa_indexer_topk_freq", None) or 1) <= 1 or config.recompute_granularity != "full":
+        yield
+        return
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention
+
+    names = (DSAttention._HOLDER_ATTR, DSAttention._LENGTH_HOLDER_ATTR)
+    if getattr(view, "shared_topk", None) is None:
+        view.shared_topk = ({}, {})
+    found = [getattr(config, name, None) for name in names]
+    for name, holder in zip(names, view.shared_topk):
+        setattr(config, name, holder)
+    try:
+        yield
+    finally:
+        for name, holder in zip(names, found):
+            setattr(config, name, holder)
+
+
+@contextlib.contextmanager
 def _norm_recompute_registered(layer: torch.nn.Module):
     """``_forward_post_mlp`` without registering the pre-MLP norm's recompute: the experts node registered it."""
     recompute, layer.recompute_pre_mlp_layernorm = layer.recompute_pre_mlp_layernorm, False
@@ -182,7 +205,7 @@ class _Unit(LayerHooks):
         chunk = self.chunk
         for layer in layers:
             set_microbatch(layer, self.microbatch)
-            with layer_context(layer.config, layer):
+            with layer_context(layer.config, layer), _own_shared_topk(layer.config, chunk):
                 if replays_split(layer):
                     x_SBH = run_whole(layer, x_SBH, chunk)
                     continue
@@ -217,7 +240,7 @@ class McoreLayer(_Unit):
     def pre_dispatch(self, x_SBH: torch.Tensor):
         layer = self.layer
         x_SBH = self._run(self.before, x_SBH)
-        with layer_context(layer.config, layer):
+        with layer_context(layer.config, layer), _own_shared_topk(layer.config, self.chunk):
             return self._layer_pre_dispatch(x_SBH)
 
     def _layer_pre_dispatch(self, x_SBH: torch.Tensor) -> PreDispatch:
