@@ -12,12 +12,16 @@ by a copy of their rules:
    wgrad in ``comm_overlap``, ``moe_shared_expert_overlap`` off): the same steps, so Bridge's ``comm_overlap`` checks
    and Megatron-Core's ``__post_init__`` asserts for the overlap run; the first that raises is the verdict's ``why``.
 3. **The model has ``build_schedule_plan``**: Megatron-Core's combined 1F1B asks the model for it; the model class is
-   the one the provider's ``provide`` returns (its annotation), and only Megatron-Core's ``GPTModel`` has it.
+   the one the provider's ``provide`` returns (its annotation, else the module class its code names), and of the
+   recipes' models only Megatron-Core's ``GPTModel`` has it.
 
 On a host without Transformer Engine, version and kernel-availability checks inside those steps would refuse rows a
-GPU host runs. :func:`as_on_a_gpu_host` answers, only while the verdict runs, the ones that fire on the recipes
-(``is_te_min_version`` in ``transformer_config`` and ``comm_overlap``, and the fused permutation kernels Megatron-Core
-looks up for ``moe_permute_fusion``) as a host with Transformer Engine 2.14 does.
+GPU host runs (471 of the 494 rows, each as ``recipe fails``). Only while the verdict runs, :func:`as_on_a_gpu_host`
+answers those that fire on the recipes (:data:`STAND_INS`) as a GPU host with Transformer Engine 2.14 does:
+``is_te_min_version`` in Megatron-Core's ``transformer_config`` (fp8 MoE, fp8 ``moe_act``/``layernorm`` recompute)
+and in Bridge's ``mixed_precision`` (fp4) and ``comm_overlap`` (delayed wgrad with ``overlap_grad_reduce`` or
+``gradient_accumulation_fusion``); the fused permutation kernels (``moe_permute_fusion``) and fused RoPE
+(``apply_rope_fusion``) that ``__post_init__`` looks up; DSA's CUDA-device check for its kernel backend.
 """
 
 import contextlib
@@ -127,7 +131,7 @@ def _checked(cfg, overlap: bool) -> str | None:
                 mixed.finalize()
                 mixed.setup(model, cfg.optimizer, cfg.ddp)
             cfg.comm_overlap.finalize()
-            cfg.comm_overlap.data_parallel_size = 1  # the GPU count is the cluster's; no check here reads it
+            cfg.comm_overlap.data_parallel_size = 1  # the cluster's; it sets defaults, decides no check
             cfg.comm_overlap.setup(model, cfg.optimizer, cfg.ddp)
             model.finalize()
     except Exception as error:
