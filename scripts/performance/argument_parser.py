@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name in PIPELINE_FLAGS:
         model.add_argument(f"--{name}", type=int, default=None)
+    model.add_argument(
+        "--pipeline_schedule",
+        choices=["1f1b", "interleaved", "dualpipev"],
+        default=None,
+        help="with --pipeline_model_parallel_size >= 2: 1f1b, interleaved (with "
+        "--virtual_pipeline_model_parallel_size) or dualpipev (--model_impl mcore over gloo: each rank holds "
+        "stages r and 2P-1-r of 2P equal stages; at least 2P microbatches); default: 1f1b, or interleaved with "
+        "virtual stages",
+    )
     train = parser.add_argument_group("training")
     train.add_argument("-ms", "--max_steps", type=int, default=None)
     train.add_argument("--micro_batch_size", type=int, default=None)

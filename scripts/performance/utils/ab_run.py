@@ -40,7 +40,7 @@ def run(args) -> int:
                 print(describe(recipe, arms, args, device, world))
                 return 0
             partial_to = run_config(recipe, args, device, world)
-            specs = specs_for(arms, recipe, device, args.model_impl, args.profile)
+            specs = specs_for(arms, recipe, device, args.model_impl, args.profile, args.pipeline_schedule)
             results = run_torchrun(specs, device) if torchrun else run_local(specs, args, device, progress)
         except ConfigError as exc:
             for problem in exc.problems:

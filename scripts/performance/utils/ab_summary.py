@@ -72,6 +72,8 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
     tokens_per_step = world // P * t.num_microbatches * t.micro_batch_size * m.seq_length
     link = f"{args.link_gbps:g} Gbit/s emulated link" if args.link_gbps else "loopback"
     layout = f"{layout_name(P, V)}, " if P > 1 else ""
+    if next(iter(results.values()))[0].get("pipeline_schedule") == "dualpipev":
+        layout = f"PP {P} DualPipeV (stages r and 2P-1-r per rank), "
     summary = {
         "title": (
             f"EP overlap {'A/B' if args.ab else 'run'}: {world} ranks, {layout}EP {m.expert_model_parallel_size}, "
@@ -105,7 +107,12 @@ def summarize(results: dict[str, list[dict]], recipe: RecipeConfig, args, device
                 for arm in ("baseline", "overlap")
             }
         summary.update(matched_ab(results["baseline"], results["overlap"], t.warmup_steps))
-        summary["bound"] = pairing_bound(m, t.num_microbatches, EPOverlapOptions(**results["overlap"][0]["options"]))
+        schedule = results["overlap"][0].get("pipeline_schedule")
+        if schedule:  # a Megatron-Core pipeline: the reference model's program below is not the one that ran
+            summary["pipeline_schedule"] = schedule
+        else:
+            options = EPOverlapOptions(**results["overlap"][0]["options"])
+            summary["bound"] = pairing_bound(m, t.num_microbatches, options)
         if args.predict:
             summary["prediction"] = prediction_from_baseline(results, recipe, args)
     return summary

@@ -34,6 +34,7 @@ class ArmSpec:
     progress: bool = True  # rank 0 prints each finished step (under torchrun; a local run's parent prints them)
     model_impl: str = "reference"
     profile_dir: str | None = None  # one more step per arm, profiled, its trace written here (not in the statistics)
+    pipeline_schedule: str | None = None  # a Megatron-Core pipeline's (utils/mcore_pipeline.py); None at PP 1
 
 
 def microbatches(spec: ArmSpec, rank: int, step: int, device: torch.device):
@@ -75,10 +76,11 @@ def host_waited_for_core_s() -> float | None:
     return int(waiting_ns) / 1e9
 
 
-def build_mcore_model(config, device: torch.device | str) -> torch.nn.Module:
+def build_mcore_model(config, device: torch.device | str, vp_stage: int | None = None, **chunk) -> torch.nn.Module:
     """The Megatron-Core model of the recipe's config: a ``HybridModel`` of ``config.hybrid_layer_pattern`` (Megatron-
     Core's Transformer Engine spec, the only one it ships), else a ``GPTModel`` from local specs, with
-    ``config.mtp_num_layers`` MTP layers like its last decoder layer. Seed the RNGs first."""
+    ``config.mtp_num_layers`` MTP layers like its last decoder layer; with ``vp_stage`` and ``chunk``
+    (``pre_process``, ``post_process``, ``pg_collection``) one pipeline chunk of the GPTModel. Seed the RNGs first."""
     if config.hybrid_layer_pattern is not None:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
         from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -95,7 +97,7 @@ def build_mcore_model(config, device: torch.device | str) -> torch.nn.Module:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
         mtp = None
         if config.mtp_num_layers:
             mtp = get_gpt_mtp_block_spec(config, layers.layer_specs[-1], use_transformer_engine=False)
@@ -107,6 +109,8 @@ def build_mcore_model(config, device: torch.device | str) -> torch.nn.Module:
             max_sequence_length=config.seq_length,
             position_embedding_type="learned_absolute",
             share_embeddings_and_output_weights=False,
+            vp_stage=vp_stage,
+            **chunk,
         )
     model = model.to(device)
     return model.bfloat16() if config.bf16 else model
@@ -130,9 +134,10 @@ def build_mcore_plan(spec: ArmSpec, timeout: timedelta):
 
 def step_line(report: dict, max_steps: int) -> str:
     """The console line of one finished step (a rank's progress report)."""
+    exposed = report["exposed_comm_s"]
     return (
         f"  [{report['arm']}] step {report['step']}/{max_steps}: {report['step_time_s']:.3f} s, "
-        f"loss {report['loss']:.4f}, exposed comm {report['exposed_comm_s']:.3f} s"
+        f"loss {report['loss']:.4f}, exposed comm " + ("n/a" if exposed is None else f"{exposed:.3f} s")
     )
 
 
@@ -259,7 +264,9 @@ def run_arms(rank: int, world: int, specs: list[ArmSpec]) -> dict[str, dict]:
     peak memory is the process's (both replicas together); on CUDA it is each arm's own steps' peak.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if specs[0].device == "cuda" else torch.device("cpu")
-    arms = {spec.name: _Arm(spec, rank, device) for spec in specs}
+    from utils.mcore_pipeline import McorePipelineArm
+
+    arms = {spec.name: (McorePipelineArm if spec.pipeline_schedule else _Arm)(spec, rank, device) for spec in specs}
     steps = specs[0].train.max_steps
     for step in range(steps):
         for name in arm_order(step, list(arms)):

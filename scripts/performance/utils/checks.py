@@ -10,6 +10,7 @@ from argument_parser import MODEL_INT_FLAGS
 
 from ep_overlap_lab.moe_gpt.config import model_feature_problems, router_problems
 from ep_overlap_lab.pipeline_layout import chunk_layers_of
+from megatron.bridge.training.ep_overlap.program.dualpipev import VIRTUAL_STAGES
 
 TIMELINE_FORMATS = (".png", ".pdf", ".svg")
 
@@ -105,8 +106,8 @@ def lift_model_overlap_flags(recipe: Any) -> list[str]:
     return problems
 
 
-def recipe_problems(recipe: Any) -> list[str]:
-    """Model shape, training settings and what the harness's models support."""
+def recipe_problems(recipe: Any, schedule: str | None = None) -> list[str]:
+    """Model shape, training settings and what the harness's models support (``schedule``: --pipeline_schedule)."""
     model, train = recipe.model, recipe.train
     problems: list[str] = []
     for name in (*MODEL_INT_FLAGS, "vocab_size"):
@@ -150,7 +151,7 @@ def recipe_problems(recipe: Any) -> list[str]:
                 "--recompute_modules moe_act: Megatron-Core's config accepts it only with moe_grouped_gemm; add "
                 "model.moe_grouped_gemm=true (with Transformer Engine on a GPU that also picks its grouped GEMM)"
             )
-    problems += _pipeline_problems(model, train)
+    problems += schedule_problems(model, train, schedule) if schedule else _pipeline_problems(model, train)
     if model.cuda_graph_impl != "none":
         problems.append(
             f"--cuda_graph_impl={model.cuda_graph_impl!r}: the harness's models do not capture CUDA graphs; use none"
@@ -214,6 +215,54 @@ def _pipeline_problems(model: Any, train: Any) -> list[str]:
     return problems
 
 
+def schedule_problems(model: Any, train: Any, schedule: str) -> list[str]:
+    """What ``--pipeline_schedule`` cannot run with these pipeline sizes; DualPipeV's two stages per rank (r and
+    2P-1-r) then become the model's two virtual stages, as Megatron-Core numbers the chunks' layers."""
+    pp, vpp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size
+    flag = "--pipeline_schedule"
+    if schedule != "dualpipev":
+        problems = _pipeline_problems(model, train)
+        if not problems and schedule == "interleaved" and (vpp or 1) < 2:
+            problems.append(
+                f"{flag}=interleaved: it interleaves virtual stages, and virtual_pipeline_model_parallel_size="
+                f"{vpp}; add --virtual_pipeline_model_parallel_size 2 (or more) with --pipeline_model_parallel_size 2"
+            )
+        if not problems and schedule == "1f1b" and (vpp or 1) > 1:
+            problems.append(
+                f"{flag}=1f1b: --virtual_pipeline_model_parallel_size={vpp} makes the schedule interleaved; drop "
+                "one of them"
+            )
+        return problems
+    if not isinstance(pp, int) or pp < 2:
+        return [
+            f"{flag}=dualpipev: DualPipeV runs 2P stages on P pipeline ranks, and pipeline_model_parallel_size={pp} "
+            "is no pipeline; add --pipeline_model_parallel_size 2 (or more), or drop the flag"
+        ]
+    problems = []
+    if vpp not in (None, VIRTUAL_STAGES):
+        problems.append(
+            f"--virtual_pipeline_model_parallel_size={vpp}: DualPipeV holds exactly two stages per rank (r and "
+            "2P-1-r); drop the flag, or use --pipeline_schedule interleaved"
+        )
+    if isinstance(train.num_microbatches, int) and train.num_microbatches < 2 * pp:
+        problems.append(
+            f"--num_microbatches={train.num_microbatches}: DualPipeV on {pp} pipeline ranks needs at least 2 x {pp} "
+            f"= {2 * pp} microbatches; raise --num_microbatches to {2 * pp}, or use --pipeline_schedule 1f1b"
+        )
+    layers = model.num_layers
+    if isinstance(layers, int) and layers >= 1 and layers % (2 * pp):
+        problems.append(
+            f"--num_layers={layers}: DualPipeV splits the layers into 2 x pipeline_model_parallel_size = {2 * pp} "
+            f"equal stages; use a multiple of {2 * pp} layers, or another --pipeline_schedule"
+        )
+    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        if getattr(model, name, None) is not None:
+            problems.append(f"model.{name}={getattr(model, name)}: DualPipeV's stages are equal; unset it")
+    if not problems:
+        model.virtual_pipeline_model_parallel_size = VIRTUAL_STAGES
+    return problems
+
+
 def pipeline_dtype_auto(model: Any) -> None:
     """``pipeline_dtype`` None means auto: the activation dtype, which Megatron-Core needs set when PP > 1."""
     if (model.pipeline_model_parallel_size or 1) > 1 and model.pipeline_dtype is None:
@@ -238,12 +287,6 @@ def run_problems(
         )
     if pipeline > 1 and args.predict:
         problems.append("--predict: the planner simulates PP = 1; drop --predict or the pipeline flags")
-    if pipeline > 1 and args.model_impl == "mcore":
-        problems.append(
-            "--model_impl=mcore: the harness builds the Megatron-Core model for PP = 1 only (the engine runs "
-            "Megatron-Core pipeline chunks; see docs/training/megatron-core-integration.md); use --model_impl "
-            "reference for pipeline runs"
-        )
     if args.link_gbps is not None:
         if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
             problems.append(f"--link_gbps={args.link_gbps!r}: must be a positive number of Gbit/s, e.g. 0.2")
@@ -273,6 +316,43 @@ def run_problems(
             "fixture); use --model_impl reference, or a host with a GPU"
         )
     return problems + _outputs_problems(args)
+
+
+def pipeline_run_problems(args: Any, model: Any, torchrun: bool, cuda: bool) -> list[str]:
+    """What the harness's pipeline runs cannot do: the reference model runs 1F1B and interleaved in its engine; a
+    Megatron-Core pipeline runs Megatron-Core's schedules (``utils/mcore_pipeline.py``), DualPipeV's over gloo."""
+    schedule = args.pipeline_schedule
+    pipeline = (model.pipeline_model_parallel_size or 1) > 1
+    problems = []
+    if schedule == "dualpipev" and args.model_impl == "reference":
+        problems.append(
+            "--pipeline_schedule=dualpipev: the reference model's engine runs 1F1B and interleaved pipelines, not "
+            "DualPipeV; add --model_impl mcore (a Megatron-Core GPTModel)"
+        )
+    if not (pipeline and args.model_impl == "mcore"):
+        return problems
+    refused = [
+        (model.hybrid_layer_pattern is not None, f"--hybrid_layer_pattern={model.hybrid_layer_pattern!r}",
+         "the harness builds Megatron-Core pipeline chunks as GPTModel only",
+         "drop the pattern or the pipeline flags"),
+        (bool(model.mtp_num_layers) and schedule == "dualpipev", f"--mtp_num_layers={model.mtp_num_layers}",
+         "DualPipeV does not run MTP yet", "drop it, or use --pipeline_schedule 1f1b"),
+        (args.timeline is not None, f"--timeline={args.timeline!r}", "a Megatron-Core pipeline step keeps no "
+         "per-op timeline", "drop it, or use --model_impl reference"),
+        (args.profile is not None, f"--profile={args.profile!r}", "a Megatron-Core pipeline run is not profiled "
+         "yet", "drop it, or use --model_impl reference"),
+    ]  # fmt: skip
+    nccl = args.dist_backend == "nccl" or (args.dist_backend == "auto" and cuda and args.device != "cpu")
+    if schedule == "dualpipev" and (nccl or (torchrun and cuda)):
+        refused.append(
+            (
+                True,
+                "--pipeline_schedule=dualpipev",
+                "its P2P are tagged gloo messages (NCCL matches them by order; not built)",
+                "add --dist_backend gloo (local ranks)",
+            )  # fmt: skip
+        )
+    return problems + [f"{flag}: {why}; {fix}" for cannot, flag, why, fix in refused if cannot]
 
 
 def _outputs_problems(args: Any) -> list[str]:

@@ -12,6 +12,7 @@ from utils.checks import (
     lift_model_overlap_flags,
     model_impl_problems,
     pipeline_dtype_auto,
+    pipeline_run_problems,
     recipe_problems,
     run_problems,
 )
@@ -50,12 +51,12 @@ def _recipe_with_problems(args) -> tuple[RecipeConfig, list[str]]:
     # Fields the model config derived from the recipe's own shape: derived again from the final one (finalize),
     # unless an override set them. Kept, they would give a Megatron-Core model the recipe's head size.
     given = {item.partition("=")[0].strip() for item in args.overrides}
-    for name in ("kv_channels", "num_query_groups"):
+    for name in ("kv_channels", "num_query_groups", "microbatch_group_size_per_vp_stage"):
         if f"model.{name}" not in given:
             setattr(recipe.model, name, None)
     problems += lift_model_overlap_flags(recipe)
     problems += model_impl_problems(recipe.model, args.model_impl, args.num_layers)
-    problems += recipe_problems(recipe)
+    problems += recipe_problems(recipe, args.pipeline_schedule)
     if not problems:
         pipeline_dtype_auto(recipe.model)
     return recipe, problems
@@ -140,6 +141,7 @@ def checked_run(args, world: int, torchrun: bool, gpus: int) -> tuple[RecipeConf
     problems += run_problems(
         args, world, recipe.model.expert_model_parallel_size, torchrun, gpus, pipeline if pipeline else 1
     )
+    problems += pipeline_run_problems(args, recipe.model, torchrun, gpus > 0)
     if args.predict and recipe.model.moe_token_dispatcher_type == "flex":
         problems.append(
             "--predict: the planner prices each all-to-all by the bytes it moves, which a flex backend's "

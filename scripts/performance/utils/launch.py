@@ -55,12 +55,23 @@ def describe(recipe: RecipeConfig, arms: list[dict], args, device: str, world: i
 
 
 def specs_for(
-    arms: list[dict], recipe: RecipeConfig, device: str, model_impl: str = "reference", profile_dir: str | None = None
+    arms: list[dict],
+    recipe: RecipeConfig,
+    device: str,
+    model_impl: str = "reference",
+    profile_dir: str | None = None,
+    pipeline_schedule: str | None = None,
 ) -> list[ArmSpec]:
-    """One spec per arm (see :func:`arms_of`)."""
+    """One spec per arm (see :func:`arms_of`); a Megatron-Core pipeline's arms run ``pipeline_schedule`` (default:
+    1F1B, or interleaved with virtual stages)."""
+    m = recipe.model
+    schedule = None
+    if model_impl == "mcore" and (m.pipeline_model_parallel_size or 1) > 1:
+        default = "interleaved" if (m.virtual_pipeline_model_parallel_size or 1) > 1 else "1f1b"
+        schedule = pipeline_schedule or default
     return [
         ArmSpec(a["name"], a["model"], a["options"], recipe.train, device, model_impl=model_impl,
-                profile_dir=profile_dir)
+                profile_dir=profile_dir, pipeline_schedule=schedule)
         for a in arms
     ]  # fmt: skip
 

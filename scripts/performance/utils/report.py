@@ -37,12 +37,14 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
     """One arm across ranks: a step lasts as long as its slowest rank; comm figures are averaged over ranks."""
     steps = len(per_rank[0]["step_times_s"])
     step_times = [max(r["step_times_s"][s] for r in per_rank) for s in range(steps)]
-    comm = [statistics.fmean(r["comm_s"][s] for r in per_rank) for s in range(steps)]
-    exposed = [statistics.fmean(r["exposed_comm_s"][s] for r in per_rank) for s in range(steps)]
     steady = _steady(step_times, warmup)
     median = statistics.median(steady)
-    comm_median = statistics.median(_steady(comm, warmup))
-    exposed_median = statistics.median(_steady(exposed, warmup))
+    comm_median = exposed_median = None  # a Megatron-Core pipeline arm keeps no comm figures
+    if per_rank[0]["comm_s"][0] is not None:
+        comm = [statistics.fmean(r["comm_s"][s] for r in per_rank) for s in range(steps)]
+        exposed = [statistics.fmean(r["exposed_comm_s"][s] for r in per_rank) for s in range(steps)]
+        comm_median = statistics.median(_steady(comm, warmup))
+        exposed_median = statistics.median(_steady(exposed, warmup))
     waited = None
     if all(r.get("host_waited_for_core_s") for r in per_rank):
         per_step = [statistics.fmean(r["host_waited_for_core_s"][s] for r in per_rank) for s in range(steps)]
@@ -55,7 +57,9 @@ def summarize_arm(per_rank: list[dict], warmup: int, tokens_per_step: int) -> di
         "losses": per_rank[0]["losses"],
         "comm_s": comm_median,
         "exposed_comm_s": exposed_median,
-        "overlap_fraction": 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median,
+        "overlap_fraction": (
+            None if comm_median is None else 0.0 if comm_median <= 0 else 1.0 - exposed_median / comm_median
+        ),
         "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
         # The most any rank held for backward at once, over the steady steps (exact: engine/saved.py).
         "activation_peak_bytes": max(max(_steady(r["activation_peak_bytes"], warmup)) for r in per_rank),
@@ -142,7 +146,7 @@ def format_table(summary: dict[str, Any]) -> str:
             )
         )
     if "speedup" in summary:
-        lines += describe_matched(summary, summary["bound"])
+        lines += describe_matched(summary, summary.get("bound"))
     if "prediction" in summary:
         lines += describe_prediction(summary)
     return "\n".join(lines)
@@ -151,6 +155,8 @@ def format_table(summary: dict[str, Any]) -> str:
 def describe_exposed_by_phase(arms: dict[str, Any]) -> list[str]:
     """Exposed comm per phase of the step and kind of transfer (all-to-all, pipeline P2P), per arm."""
     lines = ["exposed comm / step by phase (s):"]
+    if not any(arm["exposed_comm_s_by_phase"] for arm in arms.values()):
+        return []  # no arm recorded its comm (a Megatron-Core pipeline)
     for name, arm in arms.items():
         parts = [
             f"{phase} {kind} {seconds:.3f}"

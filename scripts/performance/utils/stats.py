@@ -53,14 +53,7 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
     T_comm): the share of the time that overlap could hide at best that it did hide.
     """
     base, over = step_series(baseline, "step_times_s")[warmup:], step_series(overlap, "step_times_s")[warmup:]
-    comm = step_series(baseline, "comm_s", _mean)[warmup:]
-    exposed = step_series(overlap, "exposed_comm_s", _mean)[warmup:]
-    extra_wait = None
-    if all(r.get("host_waited_for_core_s") for r in baseline + overlap):
-        waited = [step_series(arm, "host_waited_for_core_s", _mean)[warmup:] for arm in (baseline, overlap)]
-        extra_wait = [o - b for b, o in zip(*waited)]
     ratios = [b / o for b, o in zip(base, over)]
-    hidden = [(b - o) / min(b - c, c) for b, o, c in zip(base, over, comm)]
     speedup = median_ci(ratios)
     if speedup["ci95"] is None:
         speedup["verdict"] = TOO_FEW
@@ -69,6 +62,15 @@ def matched_ab(baseline: list[dict], overlap: list[dict], warmup: int) -> dict[s
         speedup["verdict"] = (
             "no measurable difference" if lo <= 1.0 <= hi else ("overlap faster" if lo > 1.0 else "overlap slower")
         )
+    if any(r["comm_s"][0] is None for r in baseline):  # a Megatron-Core pipeline arm keeps no comm figures
+        return {"steady_steps": len(ratios), "speedup": speedup, "h": None, "exposed_comm_s": None, "h_lost": None}
+    comm = step_series(baseline, "comm_s", _mean)[warmup:]
+    exposed = step_series(overlap, "exposed_comm_s", _mean)[warmup:]
+    extra_wait = None
+    if all(r.get("host_waited_for_core_s") for r in baseline + overlap):
+        waited = [step_series(arm, "host_waited_for_core_s", _mean)[warmup:] for arm in (baseline, overlap)]
+        extra_wait = [o - b for b, o in zip(*waited)]
+    hidden = [(b - o) / min(b - c, c) for b, o, c in zip(base, over, comm)]
     return {
         "steady_steps": len(ratios),
         "speedup": speedup,
@@ -123,6 +125,8 @@ def describe_matched(matched: dict[str, Any], bound: float) -> list[str]:
         first = (
             f"speedup (matched per-step ratio, median of {matched['steady_steps']} steps): {ci(speedup, '{:.3f}x')}"
         )
+    if matched["h"] is None:  # no comm figures (a Megatron-Core pipeline arm)
+        return [first]
     exposed = matched["exposed_comm_s"]
     lines = [
         first,
