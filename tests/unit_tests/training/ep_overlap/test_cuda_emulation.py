@@ -2,8 +2,8 @@
 the real ``CudaLane``, a planted missing wait and a planted early free (both reported), Megatron-Core's own plan as
 the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's:
 alltoall with delayed wgrad, graphed ``moe_preprocess`` (static buffers), PP 2 x VPP 2, the static-shape flex
-stand-in, MTP with full recompute in fp8 contexts, and (``-m wide``) Qwen3-VL in the stock-Bridge interpreter.
-The arms of one case train in turn on the same forked ranks."""
+stand-in, MTP with full recompute in fp8 contexts, and (``-m wide``) Qwen3-VL and Qwen3.5-VL in the stock-Bridge
+interpreter. The arms of one case train in turn on the same forked ranks."""
 
 import functools
 import json
@@ -169,22 +169,26 @@ def test_mtp_with_full_recompute_in_fp8_contexts_runs_clean_and_bitwise():
 
 
 @pytest.mark.wide
-def test_qwen3_vl_runs_clean_and_bitwise_and_a_planted_missing_wait_is_reported(request, tmp_path):
-    """Bridge 0.6.2's Qwen3-VL MoE (vision tower, deepstack features, multimodal rotary positions; images and
-    text-only microbatches) in the stock-Bridge interpreter (``vl_emulated_worker.py``), one step."""
+def test_qwen3_vl_and_qwen35_vl_run_clean_and_bitwise_and_a_planted_missing_wait_is_reported(request, tmp_path):
+    """Bridge 0.6.2's Qwen3-VL MoE (vision tower, deepstack features, multimodal rotary positions) and Qwen3.5-VL MoE
+    (gated delta net, gated attention, an MTP layer in the head), images and text-only microbatches, in the
+    stock-Bridge interpreter (``vl_emulated_worker.py``), one step; the planted missing wait on Qwen3-VL."""
     from tests.functional_tests import stock_bridge
 
     interpreter, tree = request.getfixturevalue("python"), request.getfixturevalue("plugin")
-    for plant in ("", "missing-wait"):
+    for plant, models in (("", "qwen3_vl,qwen35_vl"), ("missing-wait", "qwen3_vl")):
         out = tmp_path / f"out{plant}.json"
-        run = stock_bridge.run(interpreter, tree, WORKERS / "vl_emulated_worker.py", str(out), "--plant", plant)
+        run = stock_bridge.run(interpreter, tree, WORKERS / "vl_emulated_worker.py", str(out), "--plant", plant,
+                               "--models", models)  # fmt: skip
         assert run.returncode == 0, run.stderr[-4000:]
         for rank in json.loads(out.read_text()):
-            plain, hook = rank["arms"]["plain"], rank["arms"]["hook"]
-            assert hook["plan"] == "McoreVisionLanguageChunk" and plain["images"] > 0
-            assert len(rank["streams"]) > 1, rank["streams"]  # the plan's all-to-alls ran on the comm stream
-            if plant:
-                assert any(e.startswith("unsynchronized: all_to_all_single") for e in rank["errors"])
-            else:
-                assert rank["errors"] == [], rank["errors"][:3]
-                assert hook["losses"] == plain["losses"] and hook["grads"] == plain["grads"]
+            assert len(rank.pop("streams")) > 1  # the plan's all-to-alls ran on the comm stream
+            assert rank.keys() == set(models.split(","))
+            for model in rank.values():
+                plain, hook = model["arms"]["plain"], model["arms"]["hook"]
+                assert hook["plan"] == "McoreVisionLanguageChunk" and plain["images"] > 0
+                if plant:
+                    assert any(e.startswith("unsynchronized: all_to_all_single") for e in model["errors"])
+                else:
+                    assert model["errors"] == [], model["errors"][:3]
+                    assert hook["losses"] == plain["losses"] and hook["grads"] == plain["grads"]
