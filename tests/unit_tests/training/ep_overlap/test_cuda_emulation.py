@@ -169,6 +169,15 @@ def test_mtp_with_full_recompute_in_fp8_contexts_runs_clean_and_bitwise():
 
 
 @pytest.mark.wide
+def test_pp2_vpp2_with_mtp_full_recompute_and_fp8_contexts_runs_clean_and_bitwise():
+    case = McoreCase(layer_freq=(1, 0, 1, 1), mtp=True, full_recompute=("uniform", 1), delay_wgrad=True, steps=1,
+                     microbatches=2)  # fmt: skip
+    runs = _arms(("plain", "hook"), case, "fp8", pipeline=True)
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
+
+
+@pytest.mark.wide
 def test_qwen3_vl_and_qwen35_vl_run_clean_and_bitwise_and_a_planted_missing_wait_is_reported(request, tmp_path):
     """Bridge 0.6.2's Qwen3-VL MoE (vision tower, deepstack features, multimodal rotary positions) and Qwen3.5-VL MoE
     (gated delta net, gated attention, an MTP layer in the head), images and text-only microbatches, in the
