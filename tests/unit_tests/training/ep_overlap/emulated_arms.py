@@ -19,7 +19,8 @@ def emulated_arms(
     each; put "plain" first: it runs on the default stream alone): per arm its losses, gradients, the errors found
     while it ran, each step's counts. ``setup``: "static-flex" (the static-shape HybridEP stand-in),
     "graphed-preprocess" (TE-style graphs of attention, router and ``moe_preprocess``, static output buffers) or
-    "fp8" (mxfp8: ``test_quantization``'s stand-in contexts, and its checkpoint of a quantized block)."""
+    "fp8" (mxfp8: ``test_quantization``'s stand-in contexts, and its checkpoint of a quantized block) or "latent"
+    (latent MoE's projections)."""
     emu = emulate()
     init_megatron(world // 2 if pipeline else world, pipeline=2 if pipeline else 1, virtual=2 if pipeline else None)
     if plant is not None:
@@ -146,5 +147,10 @@ def _prepare(setup: str | None, case: McoreCase):
 
         te.te_checkpoint = recompute.te_checkpoint  # the MTP layer imports it from there when it recomputes
         return _low_precision(MXFP8)
+    if setup == "latent":  # the latent projections, as Transformer Engine's deferring linear (family_models)
+        from .family_models import install_latent_projections
+
+        install_latent_projections()
+        return None
     assert setup is None, setup
     return None

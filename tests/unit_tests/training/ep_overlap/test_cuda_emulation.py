@@ -168,6 +168,35 @@ def test_mtp_with_full_recompute_in_fp8_contexts_runs_clean_and_bitwise():
         assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
 
 
+# Latent MoE with delayed wgrad: the output projection's deferred wgrad runs where the plan ran the projection.
+LATENT = McoreCase(delay_wgrad=True, microbatches=3, steps=1, config=(("moe_latent_size", 16),))
+
+
+def test_latent_moe_with_delayed_wgrad_runs_clean_and_bitwise():
+    runs = _arms(("plain", "hook"), LATENT, "latent")
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
+
+
+def _latent_wgrad_as_megatron_core_runs_it(emu) -> None:
+    """``MoELayer.backward_dw`` whole: the latent output projection's weight gradient on the comm stream."""
+    from megatron.bridge.training.ep_overlap.mcore.layer import McoreLayer
+
+    def backward_dw(self):
+        if self.is_moe:
+            self.layer.mlp.backward_dw()
+
+    McoreLayer.expert_backward_dw = backward_dw
+
+
+@pytest.mark.wide
+def test_latent_wgrad_on_megatron_cores_comm_stream_would_race_with_the_optimizer():
+    args = (("plain", "hook"), LATENT, False, _latent_wgrad_as_megatron_core_runs_it, "latent")
+    for outcome in run_local_ranks(emulated_arms, 2, args):
+        errors = [str(e) for e in outcome.result["hook"]["errors"]]
+        assert errors and all("expert_wgrad" in e and "unsynchronized" in e for e in errors), errors[:3]
+
+
 @pytest.mark.wide
 def test_pp2_vpp2_with_mtp_full_recompute_and_fp8_contexts_runs_clean_and_bitwise():
     case = McoreCase(layer_freq=(1, 0, 1, 1), mtp=True, full_recompute=("uniform", 1), delay_wgrad=True, steps=1,
