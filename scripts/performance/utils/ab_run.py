@@ -35,7 +35,8 @@ def run(args) -> int:
             recipe, arms = checked_run(args, world, torchrun, gpus)
             device = pick_device(args)
             if args.print_schedule:
-                print_schedules(recipe.model, recipe.train.num_microbatches, arms[-1]["options"])
+                schedule = args.pipeline_schedule if args.model_impl == "mcore" else None
+                print_schedules(recipe.model, recipe.train.num_microbatches, arms[-1]["options"], schedule)
             if args.dryrun:
                 print(describe(recipe, arms, args, device, world))
                 return 0

@@ -55,8 +55,20 @@ def layout_name(P: int, V: int) -> str:
     return "" if P == 1 else f"PP {P} x VPP {V}" if V > 1 else f"PP {P} (1F1B)"
 
 
-def print_schedules(model, num_microbatches: int, options: EPOverlapOptions) -> None:
+def print_schedules(model, num_microbatches: int, options: EPOverlapOptions, pipeline_schedule: str | None = None):
     P, V = _pipeline(model)
+    if pipeline_schedule == "dualpipev":  # Megatron-Core chunks run DualPipeV's op list, not the engine's program
+        from ep_overlap_lab.program.dualpipev import Costs, draw_timeline, simulate_dualpipev
+
+        print(
+            f"schedule (overlap {'on' if options.overlap else 'off'}): PP {P} DualPipeV, {num_microbatches} "
+            "microbatches, timed with F = 1, B = 2, F&B = 2 per stage (3 characters a unit); F/B stage r's, f/b "
+            "stage 2P-1-r's, then the microbatch; F3b1 an F&B step; . idle"
+        )
+        print(
+            draw_timeline(simulate_dualpipev(P, num_microbatches, overlap=options.overlap, costs=Costs(1, 2, 0, 2)), 3)
+        )
+        return
     print(
         f"schedule (overlap on): {layout_name(P, V) or 'PP 1'}, {num_microbatches} microbatches; units F/B "
         "u<unit>=m<microbatch>"

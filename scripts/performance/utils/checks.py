@@ -339,6 +339,8 @@ def pipeline_run_problems(args: Any, model: Any, torchrun: bool, cuda: bool) -> 
          "DualPipeV does not run MTP yet", "drop it, or use --pipeline_schedule 1f1b"),
         (args.timeline is not None, f"--timeline={args.timeline!r}", "a Megatron-Core pipeline step keeps no "
          "per-op timeline", "drop it, or use --model_impl reference"),
+        (args.print_schedule and schedule != "dualpipev", "--print_schedule", "it prints the engine's program, and "
+         "Megatron-Core's own schedule runs this pipeline", "drop it, or use --model_impl reference"),
         (args.profile is not None, f"--profile={args.profile!r}", "a Megatron-Core pipeline run is not profiled "
          "yet", "drop it, or use --model_impl reference"),
     ]  # fmt: skip

@@ -112,3 +112,12 @@ def test_a_megatron_core_pipeline_ab_is_bitwise_and_says_so(flags, schedule):
     assert summary["numerics"]["bitwise_equal"], summary["numerics"]
     assert any(bits.abs().sum() > 0 for r in results["overlap"] for bits in r["loss_bits"])  # a loss was computed
     assert "losses and final parameters bitwise equal: yes" in format_table(summary)
+
+
+def test_print_schedule_draws_dualpipevs_timeline_for_megatron_core_chunks(monkeypatch, capsys):
+    monkeypatch.setattr(ab_run.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ab_run.torch.cuda, "device_count", lambda: 4)
+    assert ep_overlap_ab.main([*TINY, "--ab", *DUALPIPEV, *MCORE, "--print_schedule", "-d"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "rank 0  |F0|F1|F2|f0|b0   |f1|F3b1 ...|f2B0 |b2   |f3B1 |b3   |B2   ......|B3   " in lines, lines
+    assert "rank 1  ...|F0|f0|F1|f1|F2|b0   |f2B0 |F3b1 |f3B1 |b2   |B2   |b3   |B3   ......" in lines, lines
