@@ -108,6 +108,12 @@ CASES = {
         "dsa",
         "masked",
     ),
+    # Delayed wgrad: the indexer's linears defer theirs too (Megatron-Core's attention backward_dw leaves them).
+    "glm5-dsa-delayed-wgrad": (
+        McoreCase(mla=True, layer_freq=(0, 1), delay_wgrad=True, microbatches=3, config=DSA_FIELDS + ROUTER),
+        "dsa",
+        "masked",
+    ),
     "glm5.2-dsa-shared-topk": (
         McoreCase(mla=True, layer_freq=(1, 1, 1, 1), microbatches=3, config=DSA_FIELDS + TOPK_SHARING + ROUTER),
         "dsa",
@@ -153,9 +159,10 @@ CASES = {
         "masked",
     ),
     "nemotron3-latent-moe": (HybridCase(pattern="M*EME/*E", microbatches=3, config=NEMOTRON3), None, "masked"),
-    # Through train_plain_and_hook, which sets delay_wgrad_compute on the overlapped arm: the projections defer.
+    # Through train_plain_and_hook, which sets delay_wgrad_compute on the overlapped arm: the projections defer,
+    # the MTP depth's too (its block runs whole in the head).
     "nemotron3-latent-moe-delayed-wgrad": (
-        HybridCase(pattern="*E*E", microbatches=3, config=NEMOTRON3, delay_wgrad=True),
+        HybridCase(pattern="*E*E/*E", microbatches=3, config=NEMOTRON3, delay_wgrad=True),
         "mcore",
         "masked",
     ),
@@ -194,6 +201,7 @@ def _train(rank: int, world: int, name: str) -> dict:
 # The parameters that show a family's feature ran with a gradient (its loss or its projections live).
 LIVE = {
     "glm5-dsa": "core_attention.indexer.linear_wq_b",
+    "glm5-dsa-delayed-wgrad": "core_attention.indexer.linear_wq_b",
     "glm5.2-dsa-shared-topk": "core_attention.indexer.linear_wq_b",
     "glm5.2-dsa-shared-topk-full-uniform1": "core_attention.indexer.linear_wq_b",
     "glm5-dsa-full-uniform1": "core_attention.indexer.linear_weights_proj",

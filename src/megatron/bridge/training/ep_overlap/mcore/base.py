@@ -13,6 +13,7 @@ from megatron.core.transformer.multi_token_prediction import process_mtp_loss
 
 from megatron.bridge.training.ep_overlap.contract import IGNORE_INDEX, ChunkHooks
 from megatron.bridge.training.ep_overlap.mcore.graphs import mtp_layers_whole
+from megatron.bridge.training.ep_overlap.mcore.layer import mtp_backward_dw
 from megatron.bridge.training.ep_overlap.mcore.quantization import step_context
 from megatron.bridge.training.ep_overlap.mcore.refusals import (
     check_delayed_wgrad,
@@ -42,6 +43,20 @@ class TiedWeight:
 
     def _embedding_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         return grad + self.held.popleft() if self.held else None
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity; its backward runs ``then()`` once every use of its output has run its backward."""
+
+    @staticmethod
+    def forward(ctx, then, x: torch.Tensor) -> torch.Tensor:
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.then()
+        return None, grad
 
 
 class McoreChunk(ChunkHooks):
@@ -160,7 +175,10 @@ class McoreChunk(ChunkHooks):
             if tokens_BS is None:
                 raise ValueError("the multi-token prediction layer needs the microbatch's input tokens on this chunk")
             positions = self._positions(tokens_BS) if position_ids_BS is None else position_ids_BS
-            with mtp_layers_whole(model.mtp, getattr(microbatch, "microbatch", None)):
+            index = getattr(microbatch, "microbatch", None)
+            if self.config.delay_wgrad_compute:  # the block's backward is the head's: its deferred wgrads run after
+                x_SBH = _AfterBackward.apply(functools.partial(mtp_backward_dw, model.mtp, index), x_SBH)
+            with mtp_layers_whole(model.mtp, index):
                 x_SBH = model.mtp(
                     input_ids=tokens_BS,
                     position_ids=positions,

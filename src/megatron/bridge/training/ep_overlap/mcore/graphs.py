@@ -98,5 +98,10 @@ def pre_dispatch_backward_dw(layer: torch.nn.Module, microbatch: int | None) -> 
     attention = getattr(layer, "self_attention", None)
     if attention is not None and hasattr(attention, "backward_dw") and "attn" not in scopes:
         attention.backward_dw()
+        # DSA's indexer linears defer theirs too; Megatron-Core's attention backward_dw does not run them.
+        indexer = getattr(getattr(attention, "core_attention", None), "indexer", None)
+        for module in indexer.children() if indexer is not None else ():
+            if hasattr(module, "backward_dw"):
+                module.backward_dw()
     if replayed:
         layer._te_cuda_graph_backward_dw_graph(microbatch)

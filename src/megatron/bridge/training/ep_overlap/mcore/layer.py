@@ -84,6 +84,30 @@ def _undelayable(layers) -> list[str]:
     ]
 
 
+def routed_experts_backward_dw(mlp: torch.nn.Module) -> None:
+    """The delayed weight gradients of an MoE layer after its dispatch: the experts', a latent output projection's."""
+    latent = getattr(mlp, "fc2_latent_proj", None)
+    if latent is None:
+        mlp.backward_dw()
+        return
+    # Megatron-Core runs the latent output projection's deferred wgrad on its comm stream, where its own plan
+    # runs that projection (the combine node); ours runs it in the combine compute node, so its wgrad goes here.
+    mlp.experts.backward_dw()
+    latent.backward_dw()
+
+
+def mtp_backward_dw(mtp_block: torch.nn.Module, microbatch: int | None) -> None:
+    """The delayed weight gradients of the MTP block the head runs whole: each depth's projection and layers."""
+    for depth in mtp_block.layers:
+        if hasattr(depth.eh_proj, "backward_dw"):
+            depth.eh_proj.backward_dw()
+        stack = depth.mtp_model_layer
+        for layer in getattr(stack, "layers", [stack]):  # a hybrid MTP depth is a stack
+            whole_layer_backward_dw(layer, microbatch)
+            if getattr(layer, "is_moe_layer", False):
+                routed_experts_backward_dw(layer.mlp)
+
+
 _ABSENT = object()
 
 
@@ -362,17 +386,8 @@ class McoreLayer(_Unit):
             whole_layer_backward_dw(self.layer, self.microbatch)
 
     def expert_backward_dw(self) -> None:
-        if not self.is_moe:
-            return
-        mlp = self.layer.mlp
-        latent = getattr(mlp, "fc2_latent_proj", None)
-        if latent is None:
-            mlp.backward_dw()
-            return
-        # Megatron-Core runs the latent output projection's deferred wgrad on its comm stream, where its own plan
-        # runs that projection (the combine node); ours runs it in the combine compute node, so its wgrad goes here.
-        mlp.experts.backward_dw()
-        latent.backward_dw()
+        if self.is_moe:
+            routed_experts_backward_dw(self.layer.mlp)
 
 
 class McoreComputeRun(_Unit):
