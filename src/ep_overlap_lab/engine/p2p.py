@@ -47,7 +47,7 @@ class PipelineP2P:
         record.wait_start_host = record.launch_host
         name = f"{op.removeprefix('p2p_')}_{'activation' if transfer.kind == FORWARD else 'gradient'}"
         with self.lane.ranged("p2p", name, -1, transfer.microbatch, role=transfer.kind):
-            wait_work(work, op=self._name(transfer, verb), timeout=self.groups.timeout)
+            wait_work(work, op=self._name(transfer, verb), timeout=self.groups.timeout, polled=False)
         record.done, record.wait_end_host = self.lane.recorder.clock.mark(), time.perf_counter()
 
     def post(self, transfers: tuple[Transfer, ...], shape_of, dtype: torch.dtype) -> None:

@@ -65,10 +65,12 @@ def check_peers() -> None:
         _peer_check()
 
 
-def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
+def wait_work(work: dist.Work, *, op: str, timeout: timedelta, polled: bool = True) -> None:
     """Waits for an async collective; raises CollectiveError naming this rank and ``op`` on failure or timeout, or
-    what the peer check raises (a peer's reason for stopping, read while waiting or after the failure)."""
-    completed, error = _wait_polling(work, timeout)
+    what the peer check raises (a peer's reason for stopping, read while waiting or after the failure). ``polled``
+    False: one wait for the whole timeout, as a point-to-point send or receive needs (gloo closes the connection of
+    one whose wait times out); a peer that dies is still seen at once, its connection closing."""
+    completed, error = _wait_polling(work, timeout, polled)
     if error is not None or completed is False:
         check_peers()
     if error is not None:  # gloo/NCCL report peer loss and timeouts as various RuntimeErrors
@@ -78,9 +80,10 @@ def wait_work(work: dist.Work, *, op: str, timeout: timedelta) -> None:
     tell_alive(op)
 
 
-def _wait_polling(work: dist.Work, timeout: timedelta) -> tuple[bool | None, Exception | None]:
-    """``work.wait(timeout)``, in :data:`PEER_POLL` slices with the peer check between them where one is installed."""
-    if _peer_check is None or timeout <= PEER_POLL:
+def _wait_polling(work: dist.Work, timeout: timedelta, polled: bool) -> tuple[bool | None, Exception | None]:
+    """``work.wait(timeout)``, in :data:`PEER_POLL` slices with the peer check between them where one is installed
+    (and ``polled``)."""
+    if _peer_check is None or not polled or timeout <= PEER_POLL:
         try:
             return work.wait(timeout), None
         except Exception as exc:

@@ -30,7 +30,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.bridge.training.ep_overlap.mcore.agreement import announced
 from megatron.bridge.training.ep_overlap.program.dualpipev import dualpipev_problem, dualpipev_schedule, stage_of
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, PipelineStep, Transfer
-from megatron.bridge.utils.process_groups import check_peers, wait_error
+from megatron.bridge.utils.process_groups import wait_work
 
 # The model config field that selects this schedule in ``get_forward_backward_func``.
 PIPELINE_SCHEDULE = "ep_overlap_pipeline_schedule"
@@ -217,7 +217,7 @@ class _DualPipeV:
         for t, (work, buffer) in works.items():
             what = "activation" if t.kind == FORWARD else "gradient"
             op = f"DualPipeV receive of the {what} of microbatch {t.microbatch}, stage {t.chunk} from rank {t.peer}"
-            _wait_p2p(work, op)
+            wait_work(work, op=op, timeout=P2P_TIMEOUT, polled=False)
             received[t.kind] = buffer.to(_device(self.models[0]))
         return received
 
@@ -326,19 +326,8 @@ class _DualPipeV:
 
     def finish(self) -> None:
         for work, _ in self.sends:
-            _wait_p2p(work, "DualPipeV send")
+            wait_work(work, op="DualPipeV send", timeout=P2P_TIMEOUT, polled=False)
         self.sends.clear()
-
-
-def _wait_p2p(work, op: str) -> None:
-    """One wait for the whole timeout: gloo closes the connection of a send or receive whose wait times out, so
-    ``wait_work``'s short polling slices would break the pipeline's links on any wait longer than a slice (a peer that
-    dies is still seen at once: its connection closes)."""
-    try:
-        work.wait(P2P_TIMEOUT)
-    except Exception as error:  # gloo reports peer loss and timeouts as various RuntimeErrors
-        check_peers()
-        raise wait_error(op, P2P_TIMEOUT, error) from error
 
 
 def _device(model) -> torch.device:
