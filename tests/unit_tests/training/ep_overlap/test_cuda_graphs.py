@@ -14,8 +14,10 @@ from .local_ranks import run_local_ranks
 from .mcore_arms import run_arm
 from .mcore_cpu import init_megatron, install_cpu_stubs
 from .mcore_models import HybridCase, McoreCase
+from .test_mcore_hook import count_norm_recomputes
 
 ROUTER = ["attn", "moe_router", "moe_preprocess"]
+AT_BUILD = (("cuda_graph_impl", "transformer_engine"), ("cuda_graph_modules", ROUTER))
 # name -> (case, cuda_graph_modules, arms)
 CASES = {
     "gpt-attn-router-preprocess": (
@@ -40,6 +42,14 @@ CASES = {
         ROUTER,
         ("plain", "hook"),
     ),
+    # Recompute of 'layernorm' (the config's graph scopes set at build, where Megatron-Core decides it per layer): the
+    # graph registers the norm's recompute on its outputs; the plan's experts node registers none of its own (Megatron-
+    # Core's own plan does, on the checkpoint the layer kept: left out of the arms).
+    "gpt-router-preprocess-layernorm": (
+        McoreCase(layer_freq=(1, 0, 1), microbatches=3, recompute=("layernorm",), config=AT_BUILD),
+        ROUTER,
+        ("plain", "hook"),
+    ),
     # A hybrid stack's attention layers run whole in the plan: their graphs replay there.
     "hybrid-attn-router": (HybridCase(pattern="*E*E-", microbatches=3), ROUTER, ("plain", "hook")),
 }
@@ -52,8 +62,10 @@ def replay_graphs(rank: int, world: int, name: str) -> dict:
     install_cpu_stubs()
     init_megatron(world)
     graph_standin.install()
+    rebuilt = count_norm_recomputes()
     out = {}
     for arm in arms:
+        rebuilt.clear()
         graph_standin.REPLAYS.clear()
         graph_standin.WGRADS.clear()
         graphed = []
@@ -71,6 +83,7 @@ def replay_graphs(rank: int, world: int, name: str) -> dict:
             "replays": dict(graph_standin.REPLAYS),
             "wgrads": dict(graph_standin.WGRADS),
             "graphed": graphed[0],
+            "norm_recomputes": len(rebuilt),
         }
     return out
 
@@ -87,6 +100,7 @@ def test_the_plan_replays_the_graphs_the_plain_path_replays_bitwise(name):
         for arm in arms[1:]:
             got = outcome.result[arm]
             assert got["replays"] == plain["replays"], f"rank {outcome.rank} {arm}"
+            assert got["norm_recomputes"] == plain["norm_recomputes"], f"rank {outcome.rank} {arm}"
             for step, (want, have) in enumerate(zip(plain["losses"], got["losses"])):
                 assert_bitwise(want, have, f"rank {outcome.rank} {arm} step {step} losses")
             assert got["grads"].keys() == plain["grads"].keys()

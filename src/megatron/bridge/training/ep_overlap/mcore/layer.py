@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.bridge.training.ep_overlap.contract import LayerHooks, PreDispatch
 from megatron.bridge.training.ep_overlap.mcore.graphs import (
+    graph_modules,
     pre_dispatch_backward_dw,
     replay_pre_dispatch,
     replays,
@@ -299,9 +300,13 @@ class McoreLayer(_Unit):
         return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
 
     def _routing(self, before: tuple[dict, dict]) -> McoreRouting:
-        routing = McoreRouting.of(self.layer.mlp.token_dispatcher, self._combined[0].written, before)
-        if self.layer.recompute_pre_mlp_layernorm:  # the layer keeps one; another microbatch may replace it
-            routing.norm_checkpoint = self.layer.pre_mlp_norm_checkpoint
+        layer = self.layer
+        routing = McoreRouting.of(layer.mlp.token_dispatcher, self._combined[0].written, before)
+        # A graph holding the router ran the norm and registered its recompute on the graph's outputs: the checkpoint
+        # the layer keeps is then its capture's, spent. Else the layer keeps one; another microbatch may replace it.
+        graphed = replays(layer) and "moe_router" in graph_modules(layer)
+        if layer.recompute_pre_mlp_layernorm and not graphed:
+            routing.norm_checkpoint = layer.pre_mlp_norm_checkpoint
         return routing
 
     def frees_input(self, node: str) -> bool:
