@@ -3,7 +3,8 @@
 interpreter, and the summary's 2 x 2 of their rows. One row both plans run (an fp8 recipe with fused permutation and
 fused RoPE: what the check's stand-ins answer as a GPU host does), two that Megatron-Core's plan refuses and ours runs
 (its ``__post_init__`` assert on pipeline stages without virtual stages; a model without ``build_schedule_plan``), and
-one that fails Megatron-Core's own ``finalize()`` with the overlap off. Skipped with the reason when the package
+one that fails Megatron-Core's own ``finalize()`` with the overlap off, and one whose attention variant 0.19.2 does not
+have (its layer spec fails). Skipped with the reason when the package
 registry cannot be reached."""
 
 import json
@@ -21,6 +22,8 @@ BOTH_RUN = "perf_recipes.qwen3_30b_a3b_pretrain_8gpu_b200_fp8cs_config"
 NO_VIRTUAL_STAGES = "recipes.qwen3_30b_a3b_pretrain_8gpu_h100_bf16_config"
 NO_SCHEDULE_PLAN = "perf_recipes.qwen3_vl_30b_a3b_pretrain_8gpu_b200_bf16_config"
 FAILS = "perf_recipes.qwen3_235b_a22b_pretrain_128gpu_b200_fp8mx_deepep_dev_config"
+# Passes every config check of 0.19.2 (it has no fields for V4's features), and fails its model build.
+NO_SUCH_VARIANT = "perf_recipes.deepseek_v4_flash_pretrain_128gpu_gb200_fp8mx_config"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,9 @@ def python():
 
 def test_megatron_cores_plan_runs_refuses_or_the_recipe_fails_with_the_overlap_off(python, tmp_path):
     names = (BOTH_RUN, NO_VIRTUAL_STAGES, NO_SCHEDULE_PLAN, FAILS)
-    run = stock_bridge.run(python, stock_bridge.site_packages(python), SCRIPT, str(tmp_path / "v.json"), *names)
+    run = stock_bridge.run(
+        python, stock_bridge.site_packages(python), SCRIPT, str(tmp_path / "v.json"), *names, NO_SUCH_VARIANT
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     verdicts = json.loads((tmp_path / "v.json").read_text())
     assert verdicts[BOTH_RUN] == {"verdict": "runs", "why": "", "overlap_off": None}
@@ -49,6 +54,9 @@ def test_megatron_cores_plan_runs_refuses_or_the_recipe_fails_with_the_overlap_o
         "ValueError: Conflicting deprecated SM-count knobs"
     ), failed
     assert failed["why"] == f"with the overlap off: {failed['overlap_off']}"
+    v4 = verdicts[NO_SUCH_VARIANT]
+    assert v4["verdict"] == "recipe fails", v4
+    assert v4["overlap_off"] == "ValueError: Invalid experimental attention variant: dsv4_hybrid"
 
     # Our GPU verdict on each (docs/training/recipes.md's table): runs. The 2 x 2 counts the failing recipe apart.
     rows = [{"recipe": name, "gpu": {"verdict": "runs"}, "mcore": verdicts[name]} for name in names]

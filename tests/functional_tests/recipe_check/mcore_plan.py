@@ -7,7 +7,9 @@ by a copy of their rules:
 1. **The recipe with the overlap off** (``overlap_moe_expert_parallel_comm`` and ``delay_wgrad_compute`` off on the
    model and in ``comm_overlap``): Bridge's ``runtime_config_update`` steps that check the model (its mixed precision
    applied, ``CommOverlapConfig.finalize``/``setup``), then the provider's ``finalize()``, which runs Megatron-Core's
-   ``TransformerConfig.__post_init__``. What raises here fails the recipe on any plan: ``overlap_off`` says it.
+   ``TransformerConfig.__post_init__``, and for an experimental attention variant the layer spec Megatron-Core builds
+   for it (a variant 0.19.2 does not have fails the model build). What raises here fails the recipe on any plan:
+   ``overlap_off`` says it.
 2. **The overlap on, as Bridge's performance scripts' ``--moe_a2a_overlap true`` turns it on** (the flag and delayed
    wgrad in ``comm_overlap``, ``moe_shared_expert_overlap`` off): the same steps, so Bridge's ``comm_overlap`` checks
    and Megatron-Core's ``__post_init__`` asserts for the overlap run; the first that raises is the verdict's ``why``.
@@ -134,9 +136,27 @@ def _checked(cfg, overlap: bool) -> str | None:
             cfg.comm_overlap.data_parallel_size = 1  # the cluster's; it sets defaults, decides no check
             cfg.comm_overlap.setup(model, cfg.optimizer, cfg.ddp)
             model.finalize()
+            if getattr(model, "experimental_attention_variant", None):
+                _variant_spec(model)
     except Exception as error:
         return _one_line(error)
     return None
+
+
+def _variant_spec(config) -> None:
+    """The layer spec Megatron-Core builds for an experimental attention variant, the model build's first step: a
+    variant it does not have (DeepSeek-V4's) fails there, whatever the config's checks passed."""
+    import torch
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_experimental_attention_variant_module_spec,
+    )
+
+    class Backend(LocalSpecProvider):  # as Transformer Engine's, which has the plain linear DSA names
+        def linear(self):
+            return torch.nn.Linear  # a spec names classes; nothing is built
+
+    get_experimental_attention_variant_module_spec(config=config, backend=Backend())
 
 
 def model_class(provider) -> type | None:
