@@ -37,7 +37,7 @@ def build_chunks(config, schedule: str, device: torch.device) -> list[torch.nn.M
     from utils.arms import build_mcore_model
 
     if schedule == "dualpipev":
-        return dualpipev_chunks(lambda **chunk: build_mcore_model(config, device, **chunk))
+        return dualpipev_chunks(lambda **chunk: build_mcore_model(config, device, **chunk), config)
     stages = range(config.virtual_pipeline_model_parallel_size) if schedule == "interleaved" else [None]
     return [
         build_mcore_model(

@@ -47,7 +47,7 @@ def dualpipev_models(case: McoreCase, pp: int) -> list:
     config = gpt_config(
         case, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
-    return dualpipev_chunks(lambda **chunk: gpt_model(case, config, **chunk))
+    return dualpipev_chunks(lambda **chunk: gpt_model(case, config, **chunk), config)
 
 
 def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> dict:
@@ -194,6 +194,18 @@ def test_what_dualpipev_does_not_run_is_refused_before_any_step(name):
     for outcome in run_local_ranks(_refused, 4, tuple(change)):
         assert outcome.result.startswith(line), outcome.result
         assert "fix: " in outcome.result
+
+
+def test_the_chunk_builder_refuses_an_mtp_layer_before_building_a_chunk():
+    # Building one would block: the MTP layer all-reduces its embedding over a group the V layout does not match.
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
+
+    built = []
+    with pytest.raises(ValueError, match=r"^DualPipeV does not run mtp_num_layers=1 yet .*; fix: "):
+        dualpipev_chunks(lambda **chunk: built.append(chunk), SimpleNamespace(mtp_num_layers=1))
+    assert built == []
 
 
 def _refused(rank: int, world: int, microbatches: int, config_fields: dict, chunk_fields: dict) -> str:

@@ -55,15 +55,22 @@ class _RankAs:
         return getattr(self._group, name)
 
 
-def dualpipev_chunks(build_chunk: Callable[..., torch.nn.Module]) -> list[torch.nn.Module]:
+def dualpipev_chunks(build_chunk: Callable[..., torch.nn.Module], config) -> list[torch.nn.Module]:
     """This rank's two chunks, for DualPipeV's stages r and 2P-1-r.
 
     Stage s is built as the interleaved layout's chunk s (virtual stage s // P of pipeline rank s % P), so layer
     numbers and parameter names are the global ones: ``build_chunk(vp_stage=, pre_process=, post_process=,
-    pg_collection=)`` builds it (a ``GPTModel`` of a config with ``virtual_pipeline_model_parallel_size=2``), with
-    ``pre_process`` on stage 0 and ``post_process`` on stage 2P-1. Needs Megatron-Core's parallel state with two
-    virtual stages.
+    pg_collection=)`` builds it (a ``GPTModel`` of ``config``, with ``virtual_pipeline_model_parallel_size=2``, and
+    untied embeddings), with ``pre_process`` on stage 0 and ``post_process`` on stage 2P-1. Needs Megatron-Core's
+    parallel state with two virtual stages. An MTP layer is refused before any chunk is built: the build would
+    all-reduce its embedding over Megatron-Core's embedding group (the first and last pipeline ranks), where the V
+    layout puts both ends on rank 0, and the ranks would block there.
     """
+    if config.mtp_num_layers:
+        raise ValueError(
+            f"DualPipeV does not run mtp_num_layers={config.mtp_num_layers} yet (its embedding group would need the "
+            f"V layout); fix: unset it or use the 1F1B schedule ({PIPELINE_SCHEDULE}=None)"
+        )
     P = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
