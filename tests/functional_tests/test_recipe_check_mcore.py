@@ -10,9 +10,8 @@ registry cannot be reached."""
 import json
 import sys
 
-import pytest
-
 from . import stock_bridge
+from .test_stock_bridge_loop import python  # noqa: F401  (the scratch interpreter, or a skip naming why)
 
 sys.path.insert(0, str(stock_bridge.ROOT / "tools"))
 import recipe_check  # noqa: E402
@@ -26,15 +25,7 @@ FAILS = "perf_recipes.qwen3_235b_a22b_pretrain_128gpu_b200_fp8mx_deepep_dev_conf
 NO_SUCH_VARIANT = "perf_recipes.deepseek_v4_flash_pretrain_128gpu_gb200_fp8mx_config"
 
 
-@pytest.fixture(scope="module")
-def python():
-    try:
-        return stock_bridge.scratch_env()
-    except stock_bridge.RegistryUnreachable as exc:
-        pytest.skip(f"the package registry cannot be reached: {exc}")
-
-
-def test_megatron_cores_plan_runs_refuses_or_the_recipe_fails_with_the_overlap_off(python, tmp_path):
+def test_megatron_cores_plan_runs_refuses_or_the_recipe_fails_with_the_overlap_off(python, tmp_path):  # noqa: F811
     names = (BOTH_RUN, NO_VIRTUAL_STAGES, NO_SCHEDULE_PLAN, FAILS)
     run = stock_bridge.run(
         python, stock_bridge.site_packages(python), SCRIPT, str(tmp_path / "v.json"), *names, NO_SUCH_VARIANT

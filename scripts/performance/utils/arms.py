@@ -64,6 +64,28 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def timed_step(arm, run):
+    """``run()`` as one measured step of ``arm``, then its optimizer's step: every rank starts together; the step's
+    time, the host's wait for a core and the device's peak memory go on ``arm``. Returns what ``run`` returned."""
+    device = arm.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    dist.barrier()  # start every step together
+    waited_before = host_waited_for_core_s()
+    start = time.perf_counter()
+    result = run()
+    arm.optimizer.step()
+    arm.optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    arm.step_times.append(time.perf_counter() - start)
+    waited_after = host_waited_for_core_s()
+    if waited_before is not None and waited_after is not None:
+        arm.host_waited.append(waited_after - waited_before)
+    arm.peak_mb = max(arm.peak_mb, _peak_memory_mb(device))
+    return result
+
+
 def host_waited_for_core_s() -> float | None:
     """Seconds the calling thread has so far been ready to run but waited for a core (Linux's schedstat); None
     where it is not available. On a CPU with no spare core this is the overlap tax of CPU communication made
@@ -179,21 +201,7 @@ class _Arm:
     def step(self, step: int) -> None:
         spec, device = self.spec, self.device
         data = microbatches(spec, self.data_rank, step, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        dist.barrier()  # start every step together
-        waited_before = host_waited_for_core_s()
-        start = time.perf_counter()
-        result = self.engine.step(data)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.step_times.append(time.perf_counter() - start)
-        waited_after = host_waited_for_core_s()
-        if waited_before is not None and waited_after is not None:
-            self.host_waited.append(waited_after - waited_before)
-        self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
+        result = timed_step(self, lambda: self.engine.step(data))
         self.activation_peaks.append(result.activation_peak_bytes)
         # Only the last pipeline stage has losses.
         loss = torch.stack(result.losses).sum().reshape(1) if result.losses else torch.zeros(1, device=device)

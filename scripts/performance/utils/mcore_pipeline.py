@@ -8,7 +8,6 @@ losses (on the loss's rank), and the activations held for backward at once (save
 counts them); the comm figures of the engine's recorder are not kept here (n/a in the table).
 """
 
-import time
 from datetime import timedelta
 
 import torch
@@ -110,30 +109,23 @@ class McorePipelineArm:
         self.peak_mb = 0.0
 
     def step(self, step: int) -> None:
-        from utils.arms import _peak_memory_mb, host_waited_for_core_s, microbatches, step_line
+        from utils.arms import microbatches, step_line, timed_step
 
         spec, device = self.spec, self.device
         data = microbatches(spec, self.data_rank, step, device)
         iterators = [iter(list(data)) for _ in self.chunks] if len(self.chunks) > 1 else iter(data)
-        dist.barrier()  # start every step together
-        waited_before = host_waited_for_core_s()
-        start = time.perf_counter()
-        with SavedActivations(self.parameters) as saved:
-            store = self.forward_backward(
-                forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
-                num_microbatches=spec.train.num_microbatches, seq_length=spec.model.seq_length,
-                micro_batch_size=spec.train.micro_batch_size,
-            )  # fmt: skip
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.step_times.append(time.perf_counter() - start)
-        waited_after = host_waited_for_core_s()
-        if waited_before is not None and waited_after is not None:
-            self.host_waited.append(waited_after - waited_before)
-        self.peak_mb = max(self.peak_mb, _peak_memory_mb(device))
-        self.activation_peaks.append(saved.peak_bytes)
+
+        def run():
+            with SavedActivations(self.parameters) as saved:
+                store = self.forward_backward(
+                    forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
+                    num_microbatches=spec.train.num_microbatches, seq_length=spec.model.seq_length,
+                    micro_batch_size=spec.train.micro_batch_size,
+                )  # fmt: skip
+            return store, saved.peak_bytes
+
+        store, activation_peak = timed_step(self, run)
+        self.activation_peaks.append(activation_peak)
         # Only the loss's rank has losses: the step's token-summed loss.
         loss = torch.stack([logged["lm loss"][0] for logged in store]).sum().reshape(1) if store else torch.zeros(1)
         self.loss_bits.append(loss.detach().cpu().clone())
