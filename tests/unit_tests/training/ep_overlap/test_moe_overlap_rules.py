@@ -136,6 +136,10 @@ CASES = {
         ({**BRIDGE, "experimental_attention_variant": "dsv4_hybrid"}, {}),
         ({**BRIDGE, "experimental_attention_variant": "dsa"}, {}),
     ),
+    "dsa_topk_sharing_mtp_recompute": (
+        ({**BRIDGE, **FULL, "dsa_indexer_topk_freq": 2, "mtp_num_layers": 1}, {}),
+        ({**BRIDGE, **FULL, "dsa_indexer_topk_freq": 2}, {}),
+    ),
     "moe_tp_needs_sp": (
         ({"tensor_model_parallel_size": 2}, {}),
         ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, {}),

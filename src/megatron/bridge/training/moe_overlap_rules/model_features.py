@@ -4,6 +4,7 @@ plan does not run: refused by name, never trained with a part skipped; each mess
 from megatron.bridge.training.moe_overlap_rules.facts import (
     Rule,
     bridge_schedule,
+    full_recompute,
 )
 
 _OFF = "or turn overlap_moe_expert_parallel_comm off."
@@ -87,5 +88,16 @@ ARCHITECTURE_RULES: tuple[Rule, ...] = (
         lambda f: f["model.experimental_attention_variant"] in _KNOWN_VARIANTS,
         _unknown_variant,
         f"use an attention variant of Megatron-Core 0.19 (or none), {_OFF}",
+    ),
+    Rule(
+        "dsa_topk_sharing_mtp_recompute",
+        ("model.dsa_indexer_topk_freq", "model.recompute_granularity", "model.mtp_num_layers"),
+        lambda f: full_recompute(f) and bool(f["model.mtp_num_layers"]),
+        lambda f: (f["model.dsa_indexer_topk_freq"] or 1) <= 1,
+        "Megatron-Core numbers the MTP layer 1, so its DSA top-k replaces decoder layer 1's in the shared holder, and "
+        "the plain path's full-recompute replays of the layers reusing it read the MTP layer's top-k, not their "
+        "forward's (they route otherwise than their forward did); the plan replays with their own, so the two "
+        "cannot agree bitwise.",
+        f"set dsa_indexer_topk_freq=1, or drop full recompute or the MTP layer, {_OFF}",
     ),
 )

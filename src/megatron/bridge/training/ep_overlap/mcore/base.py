@@ -72,15 +72,6 @@ class McoreChunk(ChunkHooks):
         self.pre_process, self.post_process = model.pre_process, model.post_process
         self.mtp = bool(config.mtp_num_layers) and getattr(model, "mtp_process", False)
         refuse_unscheduled(model, self.mtp, multimodal_rotary=self.multimodal_rotary)
-        freq = getattr(config, "dsa_indexer_topk_freq", None) or 1
-        if self.mtp and freq > 1 and config.recompute_granularity == "full":
-            raise ValueError(
-                f"dsa_indexer_topk_freq={freq} with full recompute and an MTP layer: Megatron-Core numbers the MTP "
-                "layer 1, so its top-k replaces decoder layer 1's in the shared holder and the plain path's replays "
-                "of the layers reusing it read the MTP layer's top-k, not their forward's; the EP-overlap plan "
-                "replays with their own and cannot match it bitwise; fix: set dsa_indexer_topk_freq=1, drop full "
-                "recompute or the MTP layer, or turn overlap_moe_expert_parallel_comm off."
-            )
         # Head uses of embedding weights get TiedWeight aliases here; a stage without the embedding holds
         # Megatron-Core's copy, which finalize_model_grads sums.
         shared = set()
