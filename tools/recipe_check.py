@@ -376,7 +376,8 @@ class Run:
         args = self.args
         self.scratch = Path(tempfile.mkdtemp(prefix="recipe-check-"))
         self.trees = Trees(self.scratch)
-        universe = self.trees.worker(self.trees.plugin, "--universe", timeout=3600)
+        judge = [] if args.all else ["--judge", *([] if args.list else args.recipes)]  # --list judges none
+        universe = self.trees.worker(self.trees.plugin, "--universe", *judge, timeout=3600)
         if not isinstance(universe, list):
             print(f"error: could not build the recipes' universe: {universe.get('why')}", file=sys.stderr)
             return 1

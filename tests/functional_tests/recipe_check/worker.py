@@ -2,7 +2,7 @@
 trained 2 steps by Bridge's own loop with the overlap off and on (run by ``tools/recipe_check.py`` in the stock-Bridge
 scratch interpreter; test-only stand-ins, never product).
 
-    python worker.py TREE OUT.json --universe                       every config function, built and judged
+    python worker.py TREE OUT.json --universe [--judge NAME ...]    every config function, built (and judged)
     python worker.py TREE OUT.json --recipe QNAME [--patched]       one CPU run: shape, substitutions, verdict
     python worker.py TREE OUT.jsonl --recipes QNAME ... [--patched]  several, one JSON line each, as each ends
 
@@ -145,8 +145,8 @@ def predicted(cfg, name: str) -> dict:
     return {key: gain[key] for key in ("speedup", "plain_s", "overlap_s", "profile", "gpus", "microbatches", "notes")}
 
 
-def universe_row(name: str, function, configs) -> dict:
-    """One config function: built, classified, judged as it is; for the universe, its CPU run's key."""
+def universe_row(name: str, function, configs, judged: bool = True) -> dict:
+    """One config function: built and classified; where ``judged``, its verdicts as it is and its CPU run's key."""
     from tests.functional_tests.recipe_check import universe
     from tests.functional_tests.recipe_check.mcore_plan import mcore_verdict
     from tests.functional_tests.recipe_check.verdicts import gpu_verdict
@@ -161,6 +161,8 @@ def universe_row(name: str, function, configs) -> dict:
     row |= {"built": True, "moe_ep": universe.is_moe_with_ep(cfg.model), "config": list(configs.used)}
     if not row["moe_ep"]:
         return row
+    if not judged:
+        return row | {"setting": universe.setting(cfg, function)}
     # the gain is priced here, on the recipe as built: prepared() below shrinks cfg in place
     row |= {"setting": universe.setting(cfg, function), "recipe_shape": describe(cfg.model), "gpu": gpu_verdict(cfg),
             "mcore": mcore_verdict(cfg), "gain": predicted(cfg, name)}  # fmt: skip
@@ -191,10 +193,15 @@ def built_error(error: BaseException, configs) -> tuple[str, bool]:
     return f"building: {line}", False
 
 
-def universe_rows(configs) -> list[dict]:
+def universe_rows(configs, judge: list[str] | None = None) -> list[dict]:
+    """Every config function's row; judged (verdicts, shrunk shape) only where its name or its bare name is in
+    ``judge`` (None: all). Judging costs most of the pass: a check of a few recipes judges only them."""
     from tests.functional_tests.recipe_check.universe import config_functions
 
-    return [universe_row(name, function, configs) for name, function in config_functions().items()]
+    def judged(name: str) -> bool:
+        return judge is None or name in judge or name.split(".", 1)[-1] in judge
+
+    return [universe_row(name, fn, configs, judged(name)) for name, fn in config_functions().items()]
 
 
 def arm_config(model, arm: str, keywords: dict, data: int, delay_wgrad: bool = True):
@@ -293,6 +300,7 @@ def main() -> None:
     parser.add_argument("tree", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--universe", action="store_true")
+    parser.add_argument("--judge", nargs="*", help="with --universe: judge only these names (bare or qualified)")
     parser.add_argument("--recipe")
     parser.add_argument("--recipes", nargs="+", help="several CPU runs in this process, one JSON line each in OUT")
     parser.add_argument("--patched", action="store_true", help="TREE is Bridge 0.6.2 with this project's patch")
@@ -310,7 +318,7 @@ def main() -> None:
                 out.flush()
         return
     if args.universe:
-        result = universe_rows(configs)
+        result = universe_rows(configs, args.judge)
     else:
         result = check(args.recipe, args.patched, configs, not args.no_delay_wgrad)
     args.out.write_text(json.dumps(result))
