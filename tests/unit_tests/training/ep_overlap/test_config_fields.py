@@ -153,7 +153,16 @@ REFUSED = {
     "mlp_chunks": {"mlp_chunks_for_training": 2},
     "activation_offloading": {"fine_grained_activation_offloading": True},
     "early_attention_release": {"ep_overlap_early_attn_memory_release": True},
-    # DeepSeek-V4's layer features (moe_overlap_rules.model_features)
+    # GLM-5.2's top-k sharing with an MTP layer under full recompute, and DeepSeek-V4's layer features
+    # (moe_overlap_rules.model_features)
+    "dsa_topk_sharing_mtp_recompute": {
+        "experimental_attention_variant": "dsa",
+        "dsa_indexer_topk_freq": 2,
+        "mtp_num_layers": 1,
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
     "hyper_connections": {"enable_hyper_connections": True},
     "hash_routing": {"moe_n_hash_layers": 3},
     "attention_variant": {"experimental_attention_variant": "dsv4_hybrid"},

@@ -225,32 +225,6 @@ def test_the_new_families_layers_under_megatron_cores_driver_are_bitwise_equal(n
         assert live and all(g.abs().sum() > 0 for g in live), (name, LIVE[name])
 
 
-def _shared_topk_mtp_full(rank: int, world: int) -> str:
-    from datetime import timedelta
-
-    from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
-
-    install_cpu_stubs()
-    install_latent_projections()
-    init_megatron(world)
-    case = McoreCase(mla=True, mtp=True, full_recompute=("block", 2), config=DSA_FIELDS + TOPK_SHARING + ROUTER)
-    model = build_dsa_gpt(case)
-    model.config.overlap_moe_expert_parallel_comm = True
-    try:
-        use_ep_overlap_schedule([model], timeout=timedelta(seconds=30))
-    except ValueError as error:
-        return str(error)
-    return "accepted"
-
-
-def test_shared_topk_with_full_recompute_and_mtp_is_refused_by_its_rule():
-    # Megatron-Core's plain path replays the layers reusing layer 1's top-k with the MTP layer's (numbered 1 too).
-    for outcome in run_local_ranks(_shared_topk_mtp_full, 2):
-        line = outcome.result
-        assert "[dsa_topk_sharing_mtp_recompute] model.dsa_indexer_topk_freq=2" in line, line
-        assert "Fix: set dsa_indexer_topk_freq=1" in line, line
-
-
 def _model_facts(rank: int, world: int) -> dict:
     """What makes the cases above the features they claim: GLM-5.2's layers sharing a top-k have no indexer, the
     latent MoE's experts see the latent width, MiniMax-M3's routers stay fp32 in a bf16 model."""
