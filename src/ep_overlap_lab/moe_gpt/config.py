@@ -3,7 +3,6 @@
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -50,9 +49,6 @@ class MoEGPTConfig(TransformerConfig):
     # For a Megatron-Core HybridModel built from this config (the harness's --model_impl mcore); the reference
     # model refuses it (model_feature_problems).
     hybrid_layer_pattern: str | None = None
-    # The reference model's experts' node recomputes the MoE module itself ('moe' in recompute_modules), which the
-    # rules allow with this project's schedule (Megatron-Core's MoE layer asserts it off with the overlap).
-    recomputes_moe_in_experts_node: ClassVar[bool] = True
 
     def activation_dtype(self) -> torch.dtype:
         """Dtype of parameters and activations: bf16, fp16, else fp32."""

@@ -238,9 +238,11 @@ def local_gdn_mtp_block_spec(config, vp_stage: int | None = None, layer_spec=Non
     return block
 
 
-def _full_recompute_fields(case: McoreCase) -> dict:
+def _recompute_fields(case: McoreCase) -> dict:
+    """Full recompute's fields, else selective recompute's (``case.recompute``), else none."""
     if case.full_recompute is None:
-        return {}
+        selective = {"recompute_granularity": "selective", "recompute_modules": list(case.recompute)}
+        return selective if case.recompute else {}
     method, layers = case.full_recompute
     return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
 
@@ -283,14 +285,7 @@ def gpt_config(case: McoreCase, *, overlap_flag: bool = False, **fields):
             moe_router_bias_update_rate=0.05,
             mtp_num_layers=1 if case.mtp else None,
             moe_shared_expert_intermediate_size=case.shared_ffn or None,
-            **(
-                _full_recompute_fields(case)
-                if case.full_recompute
-                else {
-                    "recompute_granularity": "selective" if case.recompute else None,
-                    "recompute_modules": list(case.recompute) or None,
-                }
-            ),
+            **(_recompute_fields(case) or {"recompute_granularity": None, "recompute_modules": None}),
         )
         | dict(case.config)
         | fields
@@ -526,7 +521,7 @@ def build_hybrid(
         overlap_moe_expert_parallel_comm=overlap_flag, pipeline_model_parallel_size=pp, bf16=case.bf16,
         params_dtype=torch.bfloat16 if case.bf16 else torch.float32,
         virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32 if pp > 1 else None, **mamba, **gdn,
-        **_full_recompute_fields(case),
+        **_recompute_fields(case),
     ) | dict(case.config)  # fmt: skip
     config = with_yarn((MLATransformerConfig if "+" in case.pattern else TransformerConfig)(**fields), case)
     if case.te:  # Megatron-Core's own spec: Transformer Engine layers, Mamba (and GDN) with their CUDA kernels

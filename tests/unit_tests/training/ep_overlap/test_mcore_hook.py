@@ -56,10 +56,10 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
 
     from megatron.bridge.training.ep_overlap.mcore import use_ep_overlap_schedule
 
-    rebuilt = count_norm_recomputes()
+    rebuilt, routed = count_norm_recomputes(), count_routes()
     out = {}
     for arm in ("plain", "overlap"):
-        rebuilt.clear()
+        rebuilt.clear(), routed.clear()
         model = build_model(case, overlap_flag=arm == "overlap" and case.bf16)
         if arm == "overlap":
             model.config.overlap_moe_expert_parallel_comm = True  # fp32: Megatron-Core's config refuses it at build
@@ -94,8 +94,23 @@ def train_with_mcore_driver(rank: int, world: int, case: McoreCase) -> dict:
             "phases": phases,
             "fused_calls": dict(FUSED_CALLS),
             "norm_recomputes": len(rebuilt),
+            "routes": len(routed),
         }
     return out
+
+
+def count_routes() -> list:
+    """Each MoE layer's routing of a microbatch (twice with 'moe' recomputed) appends to the list returned."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    routed, route = [], MoELayer.route
+
+    def counted(self, *args, **kwargs):
+        routed.append(self.layer_number)
+        return route(self, *args, **kwargs)
+
+    MoELayer.route = counted
+    return routed
 
 
 def count_norm_recomputes() -> list:
@@ -135,12 +150,22 @@ CASES = {
     # (Megatron-Core 0.19's config refuses the overlap flag with full recompute at build; set after, as for fp32).
     # The norms' outputs dropped and rebuilt (layernorm recompute): the pre-MLP norm's across our nodes.
     "ep2-fp32-recompute-layernorm-shared": McoreCase(recompute=("layernorm",), shared_ffn=16, microbatches=3),
+    # 'moe' recomputed: Megatron-Core checkpoints each MoE layer's MoE part; our plan replays it in backward.
+    "ep2-fp32-recompute-moe-layernorm-shared": McoreCase(
+        recompute=("moe", "layernorm"), shared_ffn=16, layer_freq=(1, 0, 1), microbatches=3
+    ),
     "ep2-fp32-full-uniform1": McoreCase(microbatches=3, full_recompute=("uniform", 1)),
+    "hybrid-*E-E-recompute-moe": HybridCase(pattern="*E-E", microbatches=3, recompute=("moe",)),
     "hybrid-*E*E/*E-mtp-full-uniform1": HybridCase(pattern="*E*E/*E", microbatches=3, full_recompute=("uniform", 1)),
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+WIDE_CASES = {"hybrid-*E-E-recompute-moe"}  # a second model for a path CI runs once
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.wide if name in WIDE_CASES else ()) for name in sorted(CASES)]
+)
 def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
     case = CASES[name]
     for outcome in run_local_ranks(train_with_mcore_driver, case.world, (case,)):
@@ -157,6 +182,10 @@ def test_megatron_core_driver_runs_our_schedule_bitwise_equal(name):
         # Each dropped norm output rebuilt once per layer and microbatch, in our nodes as in the plain path.
         assert overlap["norm_recomputes"] == plain["norm_recomputes"]
         assert bool(plain["norm_recomputes"]) == ("layernorm" in case.recompute)
+        # Each MoE layer routes each microbatch as often as in the plain path: twice where its MoE is recomputed.
+        assert overlap["routes"] == plain["routes"]
+        if "moe" in case.recompute:
+            assert plain["routes"] == 2 * case.steps * case.microbatches * sum(case.layer_freq)
 
 
 def refuse(rank: int, world: int, change: dict) -> str:
@@ -222,9 +251,12 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     elif kind == "hybrid-mtp-depths-unset":
         model, plan = build_hybrid(HybridCase(pattern="*E*E/*E")), chunk_for
         model.config.mtp_num_layers = None
-    elif kind == "recompute-moe":
+    elif kind == "recompute-moe-graphed-router":
         model, plan = build_gpt(McoreCase()), chunk_for
         model.config.recompute_granularity, model.config.recompute_modules = "selective", ["moe", "core_attn"]
+        model.config.cuda_graph_impl, model.config.cuda_graph_modules = "transformer_engine", ["moe_router"]
+        for layer in model.decoder.layers:
+            layer.mlp.moe_layer_recompute = True  # as the layer sets it when built with 'moe' recomputed
     elif kind == "full-recompute-mtp-uniform2":
         model, plan = build_gpt(McoreCase(mtp=True)), chunk_for
         model.config.recompute_granularity, model.config.recompute_method = "full", "uniform"
@@ -238,8 +270,8 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     else:  # a HybridModel handed to the GPT plan by name
         model, plan = build_hybrid(HybridCase()), McoreGPTChunk
     builds = {"hook": lambda: use_ep_overlap_schedule([model]), "plan": lambda: plan(model)}
-    if kind in ("hybrid-as-gpt", "recompute-moe", "full-recompute-mtp-uniform2"):
-        # the hook picks the plan by class; its rules refuse 'moe' recompute and uniform 2 with MTP
+    if kind in ("hybrid-as-gpt", "recompute-moe-graphed-router", "full-recompute-mtp-uniform2"):
+        # the hook picks the plan by class; its rules refuse graphs without TE and uniform 2 with MTP
         # first (test_parallel_layouts.py: on every rank of a pipeline)
         del builds["hook"]
     refused = {}
@@ -256,7 +288,7 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     "kind, line",
     [
         ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
-        ("recompute-moe", "recompute_modules=['moe', 'core_attn']: Megatron-Core recomputes 'moe' by checkpointing"),
+        ("recompute-moe-graphed-router", "layer0: recompute_modules with 'moe' and cuda_graph_modules ['moe_router']"),
         ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
         ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
         ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
@@ -386,8 +418,9 @@ def test_megatron_core_interleaved_driver_runs_our_schedule_bitwise_equal(overla
 
 
 @pytest.mark.wide
-def test_layernorm_recompute_under_megatron_cores_interleaved_driver_is_bitwise_equal():
-    case = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, recompute=("layernorm",), shared_ffn=16)
+@pytest.mark.parametrize("modules", [("layernorm",), ("moe", "layernorm")], ids="-".join)
+def test_selective_recompute_under_megatron_cores_interleaved_driver_is_bitwise_equal(modules):
+    case = McoreCase(layer_freq=(1, 0, 1, 1), microbatches=4, steps=2, recompute=modules, shared_ffn=16)
     for outcome in run_local_ranks(train_interleaved, 4, (case, True)):
         assert_steps_bitwise(outcome.result["plain"], outcome.result["overlap"], case.steps, outcome.rank)
         assert "paired" in outcome.result["overlap"]["phases"]

@@ -297,8 +297,25 @@ def _vl_provider(name: str, **fields):
             ["mtp_standalone_stage"],
         ),
         (
-            _provider("HybridModelProvider", recompute_granularity="selective", recompute_modules=["moe", "moe_act"]),
-            ["recompute_stepped_modules"],
+            _provider(
+                "GPTModelProvider",
+                recompute_granularity="selective",
+                recompute_modules=["moe"],
+                cuda_graph_impl="transformer_engine",
+                cuda_graph_modules=["attn"],
+            ),
+            ["moe_recompute_graphs"],
+        ),
+        (  # a hybrid stack's MoE layers have no attention for the 'attn' graph
+            _provider(
+                "HybridModelProvider",
+                hybrid_layer_pattern="*E",
+                recompute_granularity="selective",
+                recompute_modules=["moe"],
+                cuda_graph_impl="transformer_engine",
+                cuda_graph_modules=["attn"],
+            ),
+            [],
         ),
         (
             _provider(
@@ -327,9 +344,9 @@ def test_a_built_config_has_no_config_refusals_and_the_plan_raises_the_same_line
 
     config = TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=2)
     assert config_refusals(config) == []
-    config.recompute_granularity, config.recompute_modules = "selective", ["layernorm", "moe"]
+    config.position_embedding_type = "mrope"
     ((name, line),) = config_refusals(config)
-    model = SimpleNamespace(config=config, position_embedding_type="rope")
+    model = SimpleNamespace(config=config, position_embedding_type="mrope")
     with pytest.raises(ValueError) as refused:
         refuse_unscheduled(model, mtp=True)
-    assert name == "recompute_stepped_modules" and str(refused.value) == line
+    assert name == "mrope" and str(refused.value) == line

@@ -109,9 +109,12 @@ def defer_overlap_flag(model_config: Any) -> bool:
         getattr(model_config, "virtual_pipeline_model_parallel_size", None) is None
     )
     mtp_depths = (getattr(model_config, "mtp_num_layers", None) or 0) > 1  # Megatron-Core's checks allow one
+    moe_recompute = "moe" in (getattr(model_config, "recompute_modules", None) or ()) or bool(
+        getattr(model_config, "moe_layer_recompute", False)
+    )  # Megatron-Core's checks refuse it; the plan replays the MoE part
     if not (
         getattr(model_config, "overlap_moe_expert_parallel_comm", False)
-        and (plain_pipeline or mtp_depths)
+        and (plain_pipeline or mtp_depths or moe_recompute)
         and defers_mcore_checks(model_config)
         and schedule_of(model_config) == "bridge"
     ):
@@ -123,8 +126,8 @@ def defer_overlap_flag(model_config: Any) -> bool:
     for name in deferred:
         setattr(model_config, name, False)
     logger.info(
-        "EP overlap in the plain 1F1B pipeline or with several MTP layers: %s set once Megatron-Core's checks of "
-        "the model config have run (its TransformerConfig refuses them without virtual stages or with MTP > 1).",
+        "EP overlap in the plain 1F1B pipeline, with several MTP layers or with 'moe' recomputed: %s set once "
+        "Megatron-Core's checks of the model config have run (its TransformerConfig refuses them there).",
         " and ".join(deferred),
     )
     return True

@@ -72,8 +72,6 @@ _MODEL_FIELDS: dict[str, Any] = {
     "fp4": None,
     "mlp_chunks_for_training": 1,
     "moe_paged_stash": False,
-    # True where the MoE layer recomputes in its experts' node (the reference MoE GPT).
-    "recomputes_moe_in_experts_node": False,
     "moe_flex_dispatcher_backend": None,
     "moe_expert_rank_capacity_factor": None,
     "moe_ncclep_static_shape": False,

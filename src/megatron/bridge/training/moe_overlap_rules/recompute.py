@@ -4,7 +4,6 @@ with low precision, only current-scaling fp8 replays the first forward's quantiz
 from megatron.bridge.training.moe_overlap_rules.facts import (
     MCORE_FULL_RECOMPUTE,
     MODEL_BUILT,
-    OVERLAP,
     RECOMPUTE_MODULES,
     SCHEDULE,
     SPELLED,
@@ -86,17 +85,21 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
     Rule(
         "no_moe_recompute",
         (RECOMPUTE_MODULES, SCHEDULE),
-        # Also this project's schedule on Megatron-Core's MoE layer, whose config asserts it with the flag on.
-        lambda f: f[OVERLAP] and (f[SCHEDULE] == "mcore" or not f["model.recomputes_moe_in_experts_node"]),
+        # This project's schedule replays each such layer's MoE part (the flag set after Megatron-Core's checks).
+        mcore_schedule,
         lambda f: "moe" not in (f[RECOMPUTE_MODULES] or ()),
         lambda f: (
             "recomputing the MoE module conflicts with the split MoE layer nodes: disable moe in recompute_modules"
-            + (" (moe_layer_recompute=True puts it there)." if RECOMPUTE_MODULES in f[SPELLED] else ".")
+            + (" (moe_layer_recompute=True puts it there)" if RECOMPUTE_MODULES in f[SPELLED] else "")
+            + "; this project's schedule replays it."
         ),
         lambda f: (
-            "set moe_layer_recompute=False."
-            if RECOMPUTE_MODULES in f[SPELLED]
-            else "remove 'moe' from recompute_modules."
+            (
+                "set moe_layer_recompute=False"
+                if RECOMPUTE_MODULES in f[SPELLED]
+                else "remove 'moe' from recompute_modules"
+            )
+            + ", or run this project's schedule: register use_ep_overlap_schedule with cfg.model.register_pre_wrap_hook."
         ),
     ),
     Rule(

@@ -89,8 +89,11 @@ class McoreChunk(ChunkHooks):
         self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
         self.settings = resolve(config)
         self.layers, self.layer_numbers = self._build_units()
-        # The MTP layer is no unit: Megatron-Core's MTP block checkpoints it inside the head.
-        self.recompute_segments = self.settings.segments(len(self.layers))
+        # The MTP layer is no unit: Megatron-Core's MTP block checkpoints it inside the head. With 'moe' recomputed,
+        # each such MoE layer is a segment of its own whose MoE part the plan replays.
+        self.recompute_segments = self.settings.segments(len(self.layers)) or tuple(
+            (i, i + 1) for i, unit in enumerate(self.layers) if getattr(unit, "recomputes_moe", False)
+        )
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
 
@@ -238,8 +241,11 @@ class McoreChunk(ChunkHooks):
         return (losses * keep_BS).sum() / normalizer
 
     def run_segment(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
-        """A recomputed segment, under a reentrant checkpoint as Megatron-Core's block checkpoints its layers."""
-        if not (torch.is_grad_enabled() and x_SBH.requires_grad):
+        """A recomputed segment, under a reentrant checkpoint as Megatron-Core's block checkpoints its layers (a layer
+        recomputing 'moe' checkpoints its MoE layer itself)."""
+        if getattr(self.layers[first], "recomputes_moe", False) or not (
+            torch.is_grad_enabled() and x_SBH.requires_grad
+        ):
             return self._run_units(first, stop, x_SBH)
         run = functools.partial(self._run_units, first, stop)
         return torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)

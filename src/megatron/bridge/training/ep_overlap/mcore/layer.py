@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from megatron.core.models.common.utils import should_free_input
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -29,7 +30,7 @@ from megatron.bridge.training.ep_overlap.mcore.graphs import (
     set_microbatch,
 )
 from megatron.bridge.training.ep_overlap.mcore.quantization import layer_context
-from megatron.bridge.training.ep_overlap.mcore.refusals import zero_copy_refusal
+from megatron.bridge.training.ep_overlap.mcore.refusals import moe_recompute_graph_refusal, zero_copy_refusal
 
 
 def _as_list(splits) -> list[int]:
@@ -258,6 +259,11 @@ class McoreLayer(_Unit):
             raise ValueError(f"{self.name}: {zero_copy}")
         self.expert_wgrad_delayable = self.is_moe and uses_transformer_engine(layer.mlp.experts)
         self.undelayable = _undelayable(self.before)
+        # 'moe' in recompute_modules: the plan replays the MoE part in backward (a one-layer recompute segment).
+        self.recomputes_moe = self.is_moe and bool(getattr(layer.mlp, "moe_layer_recompute", False))
+        graphed = moe_recompute_graph_refusal(config, has_attention=not isinstance(layer.self_attention, IdentityOp))
+        if self.recomputes_moe and graphed is not None:
+            raise ValueError(f"{self.name}: {graphed}")
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self._run([*self.before, self.layer], x_SBH)
@@ -268,28 +274,54 @@ class McoreLayer(_Unit):
         with layer_context(layer.config, layer), _own_shared_topk(layer.config, self.chunk):
             return self._layer_pre_dispatch(x_SBH)
 
+    def attention(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        """With ``recomputes_moe``: the layers before and the attention, whose output the MoE part starts from."""
+        layer = self.layer
+        x_SBH = self._run(self.before, x_SBH)
+        with layer_context(layer.config, layer), _own_shared_topk(layer.config, self.chunk):
+            set_microbatch(layer, self.microbatch)
+            return self._attention(x_SBH)
+
+    def moe_pre_dispatch(self, h_SBH: torch.Tensor) -> PreDispatch:
+        """With ``recomputes_moe``: the MoE part of ``pre_dispatch`` from the attention's output ``h_SBH``, run in
+        the forward without a graph and again in the backward, as Megatron-Core's checkpoint of the MoE layer."""
+        layer = self.layer
+        with layer_context(layer.config, layer), _own_shared_topk(layer.config, self.chunk):
+            return self._moe_pre_dispatch(h_SBH, self._start_routing())
+
+    def _start_routing(self) -> tuple[dict, dict] | None:
+        """Puts back the state the last combine left (a backend resets what it consumed: HybridEP's row count)."""
+        if not self.is_moe:
+            return None
+        start = self._combined[0]
+        start.restore()
+        return _attributes(start.dispatcher)
+
+    def _attention(self, x_SBH: torch.Tensor) -> torch.Tensor:
+        h, _ = self.layer._forward_attention(
+            hidden_states=x_SBH,
+            attention_mask=self.chunk.attention_mask,
+            rotary_pos_emb=self.chunk.rotary_pos_emb,
+            packed_seq_params=self.chunk.packed_seq_params,
+        )
+        return h
+
     def _layer_pre_dispatch(self, x_SBH: torch.Tensor) -> PreDispatch:
         layer = self.layer
-        before = None
-        if self.is_moe:
-            # Start from the state the last combine left (a backend resets what it consumed: HybridEP's row count).
-            start = self._combined[0]
-            start.restore()
-            before = _attributes(start.dispatcher)
+        before = self._start_routing()
         set_microbatch(layer, self.microbatch)
         if replays(layer):
             h, tokens, permuted_probs, shared = replay_pre_dispatch(layer, x_SBH, self.chunk)
             if not self.is_moe:
                 return PreDispatch(h, (h,), None, None)
             return PreDispatch(h, (tokens, permuted_probs), shared, self._routing(before))
-        h, _ = layer._forward_attention(
-            hidden_states=x_SBH,
-            attention_mask=self.chunk.attention_mask,
-            rotary_pos_emb=self.chunk.rotary_pos_emb,
-            packed_seq_params=self.chunk.packed_seq_params,
-        )
+        h = self._attention(x_SBH)
         if not self.is_moe:  # the MLP part runs whole in experts, as the layer's forward runs it
             return PreDispatch(h, (h,), None, None)
+        return self._moe_pre_dispatch(h, before)
+
+    def _moe_pre_dispatch(self, h: torch.Tensor, before: tuple[dict, dict]) -> PreDispatch:
+        layer = self.layer
         normed = layer._forward_pre_mlp_layernorm(h)
         if isinstance(normed, tuple):
             raise ValueError(f"{self.name}: fused residual norms are not supported by the EP-overlap plan")

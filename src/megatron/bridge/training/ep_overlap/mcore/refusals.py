@@ -33,7 +33,30 @@ def config_refusals(config) -> list[tuple[str, str]]:
     zero_copy = zero_copy_refusal(config)
     if zero_copy is not None:
         refusals.append(("ncclep_zero_copy", zero_copy))
+    # A hybrid stack's MoE layers have no attention of their own for an 'attn' graph to cover.
+    hybrid = any(getattr(config, name, None) for name in ("hybrid_layer_pattern", "hybrid_override_pattern"))
+    graphed = moe_recompute_graph_refusal(config, has_attention=not hybrid)
+    if graphed is not None:
+        refusals.append(("moe_recompute_graphs", graphed))
     return refusals
+
+
+def moe_recompute_graph_refusal(config, *, has_attention: bool) -> str | None:
+    """The line refusing 'moe' recompute where a Transformer Engine graph of the MoE layer ends inside the MoE part
+    the plan replays (each such layer raises it, its name first), or None."""
+    modules = getattr(config, "recompute_modules", None) or ()
+    moe = getattr(config, "recompute_granularity", None) == "selective" and "moe" in modules
+    if not moe or getattr(config, "cuda_graph_impl", "none") != "transformer_engine":
+        return None
+    scopes = {getattr(scope, "name", scope) for scope in getattr(config, "cuda_graph_modules", None) or ()}
+    graphed = sorted(scopes & ({"moe_router", "moe_preprocess"} | ({"attn"} if has_attention else set())))
+    if not graphed:
+        return None
+    return (
+        f"recompute_modules with 'moe' and cuda_graph_modules {graphed}: the graph of each MoE layer ends inside the "
+        "MoE part that the plan replays in backward; fix: drop 'moe' from recompute_modules, or those scopes from "
+        f"cuda_graph_modules, {_OFF}"
+    )
 
 
 def _model_class_line(provider: str) -> str:
@@ -84,29 +107,7 @@ def _language_refusals(config, position_embedding_type, *, multimodal_rotary: bo
                 f"'rope' or 'learned_absolute', {_OFF}",
             )
         )
-    modules = getattr(config, "recompute_modules", None) or ()
-    stepped = set(_STEPPED_RECOMPUTE) & set(modules)
-    if getattr(config, "recompute_granularity", None) == "selective" and stepped:
-        why = [_STEPPED_RECOMPUTE[name] for name in sorted(stepped)]
-        refusals.append(
-            (
-                "recompute_stepped_modules",
-                f"recompute_modules={modules}: {'; '.join(why)}; fix: drop {sorted(stepped)} from recompute_modules, "
-                f"{_OFF}",
-            )
-        )
     return refusals
-
-
-# What Megatron-Core 0.19 does with each selectively recomputed module the plan refuses ('layernorm' it runs: the
-# pre-MLP norm's output is dropped after the experts node, as in Megatron-Core's own plan).
-_STEPPED_RECOMPUTE = {
-    "moe": (
-        "Megatron-Core recomputes 'moe' by checkpointing the MoE layer's whole forward (router, dispatch, experts, "
-        "combine), which the EP-overlap plan runs as separate steps (Megatron-Core's config refuses 'moe' with "
-        "overlap_moe_expert_parallel_comm on)"
-    ),
-}
 
 
 def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: bool = False) -> None:

@@ -89,6 +89,8 @@ class LayerNodes:
         self.owns_comm = layer.owns_comm
         self.position = position  # in the chunk (``index`` is the layer's global number)
         self.segment = segment if grad else None
+        # 'moe' recompute (a one-layer segment): the attention keeps its graph; the MoE part replays from its output
+        self.moe_replay = self.segment is not None and getattr(layer, "recomputes_moe", False)
         self._replaying = False
         self._input = self._exchanged = None
 
@@ -118,6 +120,9 @@ class LayerNodes:
         ]
 
     def compute_pre_dispatch(self, x_in: torch.Tensor) -> None:
+        if self.moe_replay:
+            self._moe_pre_dispatch(x_in)
+            return
         with self._compute("pre_dispatch"):
             self.x = _leaf(x_in)
             if not self._autograd and self.segment is not None and self.segment[0] == self.position:
@@ -126,6 +131,24 @@ class LayerNodes:
                     self.lane.saved.hold([self._input])
             with torch.set_grad_enabled(self._autograd):
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
+        self._splits_known, self._exchange = False, None
+
+    def _moe_pre_dispatch(self, x_in: torch.Tensor) -> None:
+        """The first forward runs the attention with its graph and keeps its output; the MoE part runs without one,
+        and again from that output when replayed (``x_in`` is then that output)."""
+        with self._compute("pre_dispatch"):
+            if self._replaying:
+                h = x_in
+            else:
+                self.x = _leaf(x_in)
+                with torch.set_grad_enabled(self.grad):
+                    h = self._input = self.layer.attention(self.x)
+                if self.lane.saved is not None:
+                    self.lane.saved.hold([h])
+            with torch.set_grad_enabled(self._autograd):
+                self.h, self.send, self.keep, self.routing = self.layer.moe_pre_dispatch(
+                    h if self._replaying else h.detach()
+                )
         self._splits_known, self._exchange = False, None
 
     def launch_split(self) -> None:
@@ -252,7 +275,9 @@ class LayerNodes:
     def _forget_forward(self) -> torch.Tensor:
         out = self.out.requires_grad_(True)
         self._exchanged = None if self.routing is None else self.routing.exchanged
-        self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self.out = None
+        if not self.moe_replay:  # else the attention's graph from ``x`` waits for the replay's backward
+            self.x = None
+        self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self.out = None
         self.received = self.expert_out = self.back = None
         self._dispatch_out = self._sent = self._expert_out_in = self._combine_out = None
         return out
