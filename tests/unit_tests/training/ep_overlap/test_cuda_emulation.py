@@ -2,7 +2,7 @@
 the real ``CudaLane``, a planted missing wait and a planted early free (both reported), Megatron-Core's own plan as
 the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's:
 alltoall with delayed wgrad, graphed ``moe_preprocess`` (static buffers), PP 2 x VPP 2, the static-shape flex
-stand-in, MTP with full recompute in fp8 contexts, and (``-m wide``) Qwen3-VL and Qwen3.5-VL in the stock-Bridge
+stand-in, MTP with full recompute in fp8 contexts, ``moe`` recompute's replay, and (``-m wide``) Qwen3-VL and Qwen3.5-VL in the stock-Bridge
 interpreter. The arms of one case train in turn on the same forked ranks."""
 
 import functools
@@ -166,6 +166,19 @@ def test_mtp_with_full_recompute_in_fp8_contexts_runs_clean_and_bitwise():
     runs = _arms(("plain", "hook"), MTP_RECOMPUTE_FP8, "fp8")
     for plain, hook in zip(runs["plain"], runs["hook"]):
         assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
+
+
+# 'moe' and 'layernorm' recomputed: each MoE part replayed from the attention's output, its norm dropped again.
+MOE_RECOMPUTE = McoreCase(recompute=("moe", "layernorm"), shared_ffn=16, delay_wgrad=True, microbatches=3, steps=1)
+
+
+def test_moe_recompute_replays_run_clean_and_bitwise():
+    runs = _arms(("plain", "hook"), MOE_RECOMPUTE)
+    for plain, hook in zip(runs["plain"], runs["hook"]):
+        assert hook["errors"] == [] and _bitwise(plain, hook), hook["errors"][:3]
+        # the replay reads its routing's counts again, as the plain path's checkpoint does
+        copies = [arm["steps"][0]["counts"]["device-to-host copies"] for arm in (plain, hook)]
+        assert copies[0] == copies[1], copies
 
 
 # Latent MoE with delayed wgrad: the output projection's deferred wgrad runs where the plan ran the projection.
