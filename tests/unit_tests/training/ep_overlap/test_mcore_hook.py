@@ -150,10 +150,12 @@ CASES = {
     # (Megatron-Core 0.19's config refuses the overlap flag with full recompute at build; set after, as for fp32).
     # The norms' outputs dropped and rebuilt (layernorm recompute): the pre-MLP norm's across our nodes.
     "ep2-fp32-recompute-layernorm-shared": McoreCase(recompute=("layernorm",), shared_ffn=16, microbatches=3),
-    # 'moe' recomputed: Megatron-Core checkpoints each MoE layer's MoE part; our plan replays it in backward.
+    # 'moe' recomputed: Megatron-Core checkpoints each MoE layer's MoE part; our plan replays it in backward, from
+    # the random states of its first forward (forced load balancing draws the router's logits).
     "ep2-fp32-recompute-moe-layernorm-shared": McoreCase(
-        recompute=("moe", "layernorm"), shared_ffn=16, layer_freq=(1, 0, 1), microbatches=3
-    ),
+        recompute=("moe", "layernorm"), shared_ffn=16, layer_freq=(1, 0, 1), microbatches=3,
+        config=(("moe_router_force_load_balancing", True),),
+    ),  # fmt: skip
     "ep2-fp32-full-uniform1": McoreCase(microbatches=3, full_recompute=("uniform", 1)),
     "hybrid-*E-E-recompute-moe": HybridCase(pattern="*E-E", microbatches=3, recompute=("moe",)),
     "hybrid-*E*E/*E-mtp-full-uniform1": HybridCase(pattern="*E*E/*E", microbatches=3, full_recompute=("uniform", 1)),

@@ -108,3 +108,12 @@ class LayerHooks:
     exchange_splits_off_host: bool = False
     # full recompute may replay the forward; ``replay_splits(routing, exchanged)`` then reuses its first split sizes
     replays_forward: bool = False
+
+    def rng_states(self) -> Any:
+        """The random states a replayed forward starts from (None: the layer draws nothing to replay)."""
+        return None
+
+    def rng_restored(self, states: Any) -> Any:
+        """A context in which the replay draws what the first forward drew from ``states``, leaving the step's own
+        random states as they were."""
+        return nullcontext()

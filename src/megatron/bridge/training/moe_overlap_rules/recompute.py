@@ -99,7 +99,8 @@ RECOMPUTE_RULES: tuple[Rule, ...] = (
                 if RECOMPUTE_MODULES in f[SPELLED]
                 else "remove 'moe' from recompute_modules"
             )
-            + ", or run this project's schedule: register use_ep_overlap_schedule with cfg.model.register_pre_wrap_hook."
+            + ", or run this project's schedule: register use_ep_overlap_schedule with "
+            "cfg.model.register_pre_wrap_hook."
         ),
     ),
     Rule(

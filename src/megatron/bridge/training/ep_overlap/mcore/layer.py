@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from megatron.core.models.common.utils import should_free_input
+from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -227,6 +228,17 @@ class _Unit(LayerHooks):
     def microbatch(self) -> int | None:
         return getattr(self.chunk, "microbatch", None)
 
+    def rng_states(self):
+        """What Megatron-Core's checkpoint saves: CPU, CUDA and tracker states (forced load balancing draws the
+        router's logits from the expert-parallel tracker)."""
+        return _get_all_rng_states()
+
+    @contextlib.contextmanager
+    def rng_restored(self, states):
+        with _fork_rng():
+            _set_all_rng_states(*states)
+            yield
+
     def _run(self, layers, x_SBH: torch.Tensor) -> torch.Tensor:
         chunk = self.chunk
         for layer in layers:
@@ -370,7 +382,7 @@ class McoreLayer(_Unit):
         if routing is not None and not self.owns_comm and routing.exchanged != tuple(exchanged):
             raise RuntimeError(
                 f"{self.name}: the replayed router's split sizes {routing.exchanged} differ from its first forward's "
-                f"{tuple(exchanged)}; full recompute needs deterministic routing (same inputs, same expert bias)"
+                f"{tuple(exchanged)}; a replay needs deterministic routing (same inputs, same expert bias)"
             )
 
     @_in_layer_context

@@ -3,6 +3,7 @@
 Bitwise equal to the plain path: each node runs exactly the layer's plain ops, and the residual ``h`` gets its two
 gradients in one sum."""
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +93,7 @@ class LayerNodes:
         # 'moe' recompute (a one-layer segment): the attention keeps its graph; the MoE part replays from its output
         self.moe_replay = self.segment is not None and getattr(layer, "recomputes_moe", False)
         self._replaying = False
-        self._input = self._exchanged = None
+        self._input = self._exchanged = self._rng = None
 
     @property
     def _autograd(self) -> bool:
@@ -129,9 +130,20 @@ class LayerNodes:
                 self._input = self.x
                 if self.lane.saved is not None:
                     self.lane.saved.hold([self._input])
-            with torch.set_grad_enabled(self._autograd):
+            with torch.set_grad_enabled(self._autograd), self._random_states():
                 self.h, self.send, self.keep, self.routing = self.layer.pre_dispatch(self.x)
         self._splits_known, self._exchange = False, None
+
+    def _random_states(self):
+        """The first forward of a replayed layer keeps its random states; its replay draws from them again (the
+        router's forced load balancing: the same routing), as a checkpoint's recompute does."""
+        if self.segment is None:
+            return contextlib.nullcontext()
+        if not self._replaying:
+            self._rng = self.layer.rng_states()
+            return contextlib.nullcontext()
+        states, self._rng = self._rng, None
+        return self.layer.rng_restored(states)
 
     def _moe_pre_dispatch(self, x_in: torch.Tensor) -> None:
         """The first forward runs the attention with its graph and keeps its output; the MoE part runs without one,
@@ -145,7 +157,7 @@ class LayerNodes:
                     h = self._input = self.layer.attention(self.x)
                 if self.lane.saved is not None:
                     self.lane.saved.hold([h])
-            with torch.set_grad_enabled(self._autograd):
+            with torch.set_grad_enabled(self._autograd), self._random_states():
                 self.h, self.send, self.keep, self.routing = self.layer.moe_pre_dispatch(
                     h if self._replaying else h.detach()
                 )
