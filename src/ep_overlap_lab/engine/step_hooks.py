@@ -78,7 +78,7 @@ def layout_problems() -> list[str]:
 def step_problems(model: torch.nn.Module, config) -> list[str]:
     """What Megatron-Core's driver does for a step that the engine does not: replay Transformer Engine CUDA graphs
     (``graphs.py``), scale the loss (``grad_scale_func``), autocast, DSA's indexer loss scale, start paged stash's
-    step (``paged_stash_reset``)."""
+    step (``paged_stash_reset``), make and reset the activation offload manager's chunk handlers."""
     problems = []
     graphed = [m.layer_number for m in model.modules() if hasattr(m, "cuda_graphs") and replays(m)]
     if graphed:
@@ -108,6 +108,13 @@ def step_problems(model: torch.nn.Module, config) -> list[str]:
             "moe_paged_stash: Megatron-Core's driver starts each step's paged stash (paged_stash_reset: its "
             f"profiling, buffers and page lists), the engine does not; {_UNDER_THE_DRIVER}, or set "
             "moe_paged_stash=False"
+        )
+    if getattr(config, "fine_grained_activation_offloading", False):
+        problems.append(
+            "fine_grained_activation_offloading: Megatron-Core's offload manager takes a chunk handler per "
+            "microbatch, made where its forward starts (the plan makes it when Megatron-Core's driver builds it) "
+            f"and reset after each step by that driver; the engine does neither; {_UNDER_THE_DRIVER}, or set "
+            "fine_grained_activation_offloading=False"
         )
     return problems
 

@@ -151,7 +151,14 @@ def test_the_tables_name_real_fields_and_no_field_twice():
 # step) by its rule's name.
 REFUSED = {
     "mlp_chunks": {"mlp_chunks_for_training": 2},
-    "activation_offloading": {"fine_grained_activation_offloading": True},
+    "activation_offloading": {"cpu_offloading": True},
+    "offloading_full_recompute": {
+        "fine_grained_activation_offloading": True,
+        "offload_modules": ["core_attn"],
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
     "early_attention_release": {"ep_overlap_early_attn_memory_release": True},
     # GLM-5.2's top-k sharing with an MTP layer under full recompute, and DeepSeek-V4's layer features
     # (moe_overlap_rules.model_features)

@@ -37,7 +37,8 @@ NOT_READ_BY_THE_ENGINE: dict[str, str] = {
     "timers": "Megatron's timers; the engine records its own (engine/records.py)",
     "overlap_moe_expert_parallel_comm": "the engine takes overlap from its options (EPOverlapOptions.from_config "
     "reads it when the engine is built)",
-    "fine_grained_activation_offloading": "refused when the engine is built (rule activation_offloading)",
+    "fine_grained_activation_offloading": "refused at each engine step (step_hooks.step_problems): the engine never "
+    "makes the offload manager's chunk handlers; under Megatron-Core's driver the plan does (mcore/offloading.py)",
     "moe_paged_stash": "refused at each engine step (step_hooks.step_problems): the engine never starts a paged-stash "
     "step (paged_stash_reset); under Megatron-Core's driver the plan runs it",
 }

@@ -21,12 +21,26 @@ MODEL_FEATURE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "activation_offloading",
-        ("model.fine_grained_activation_offloading", "model.cpu_offloading"),
+        ("model.cpu_offloading",),
         bridge_schedule,
-        lambda f: not (f["model.fine_grained_activation_offloading"] or f["model.cpu_offloading"]),
-        "activation offloading is driven by the model's and the block's forward (its groups started per microbatch "
-        "and committed per layer there), which the plan replaces with its own nodes.",
-        f"set fine_grained_activation_offloading=False and cpu_offloading=False, {_OFF}",
+        lambda f: not f["model.cpu_offloading"],
+        "cpu_offloading is Transformer Engine's layer-level offload context, which the stack's forward enters around "
+        "each layer; the plan runs each layer's steps as its own nodes, not the stack's forward (nor does "
+        "Megatron-Core's plan). Supporting it takes the plan entering that context per layer, and a GPU test.",
+        "set cpu_offloading=False (fine_grained_activation_offloading=True with offload_modules offloads under the "
+        f"plan, driven as Megatron-Core's plan drives it), {_OFF}",
+    ),
+    Rule(
+        "offloading_full_recompute",
+        ("model.fine_grained_activation_offloading", "model.recompute_granularity"),
+        full_recompute,
+        lambda f: not f["model.fine_grained_activation_offloading"],
+        "fine-grained activation offloading with full recompute: Megatron-Core's plan refuses full recompute, and "
+        "its plain path fails with both on (an offload group frees the layer input its checkpoint replays from: the "
+        "ranks crash in this project's CPU run), so there is no run to be bitwise equal to. Supporting it takes "
+        "Megatron-Core keeping that input for the replay, then the plan's replays tested against the plain path.",
+        "recompute selectively (DeepSeek-V3's recipes: recompute_modules=['layernorm', 'mla_up_proj']), or set "
+        f"fine_grained_activation_offloading=False, {_OFF}",
     ),
     Rule(
         "early_attention_release",

@@ -18,6 +18,7 @@ from megatron.bridge.training.ep_overlap.mcore.base import McoreChunk, Microbatc
 from megatron.bridge.training.ep_overlap.mcore.forward_backward import unpaired_loop_problem
 from megatron.bridge.training.ep_overlap.mcore.gpt import McoreGPTChunk
 from megatron.bridge.training.ep_overlap.mcore.hybrid import McoreHybridChunk
+from megatron.bridge.training.ep_overlap.mcore.offloading import start_offloading
 from megatron.bridge.training.ep_overlap.mcore.packed_guard import (
     DROPPED,
     NOT_GIVEN,
@@ -327,6 +328,7 @@ class EPOverlapPlanBuilder:
         if getattr(self.chunk.config, "moe_paged_stash", False):
             # Where Megatron-Core's build_schedule_plan calls it, so the stash's pages keep the recorded order.
             self.chunk.model.preprocess_for_paged_stash()
+        start_offloading(self.chunk.model)
         session = self.session
         device = next(self.chunk.parameters()).device
         lane = session.lane_for(device)
