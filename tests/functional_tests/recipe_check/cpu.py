@@ -29,7 +29,8 @@ _GPU_ONLY = ("moe_hybridep_num_sms", "moe_hybridep_num_sms_preprocessing", "moe_
              # read by fused or fp8 kernels only, which the CPU run has none of
              "attention_backend", "cross_entropy_fusion_impl", "fp8_output_proj", "fp8_param",
              "keep_mtp_spec_in_bf16")  # fmt: skip
-# Read only with fine-grained activation offloading on (a rule refuses it with the overlap; the plain arm runs it).
+# Read only with fine-grained activation offloading on, which the CPU run turns off (the plan's offloading runs on CPU
+# in tests/unit_tests/training/ep_overlap/test_activation_offloading.py, under a stand-in offload manager).
 _OFFLOADING = ("offload_modules", "min_offloaded_tensor_size", "fine_grained_offloading_max_inflight_offloads")
 
 
@@ -97,8 +98,11 @@ def on_cpu(cfg) -> list[str]:
     if model.cuda_graph_impl not in (None, "none"):
         said.append(f"CUDA graphs {model.cuda_graph_impl} -> none")
     model.cuda_graph_impl = "none"
+    if getattr(model, "fine_grained_activation_offloading", False):  # Bridge's validate wants Transformer Engine
+        said.append("fine-grained activation offloading -> off (Bridge takes it with Transformer Engine layers only)")
+        model.fine_grained_activation_offloading = False
     defaults = {f.name: f for f in dataclasses.fields(model)}
-    for name in _GPU_ONLY + (() if getattr(model, "fine_grained_activation_offloading", False) else _OFFLOADING):
+    for name in _GPU_ONLY + _OFFLOADING:
         field = defaults.get(name)
         if field is not None and field.default is not dataclasses.MISSING:
             setattr(model, name, field.default)
