@@ -7,19 +7,23 @@ keyed by global name, and takes its schedule from ``ep_overlap.mcore.get_forward
 ``ep_overlap_pipeline_schedule = "dualpipev"``: overlap off, then overlap on (the plan's paired F&B steps). Over 2
 optimizer steps every loss, every gradient and every parameter after the steps must be bitwise equal, and so must the
 losses of a forward-only step after them; each rank's P2P must be the generated op list's, transfer for
-transfer. Cases beyond that one are ``full`` (below).
+transfer. Both layouts run Megatron-Core's ``finalize_model_grads`` (DDP's calls stubbed). A ``HybridModel`` with an
+MTP depth runs the same way: its pattern's four segments are DualPipeV's stages, joined in pairs for 1F1B; the
+parallel state of the V has its embedding group (rank 0 alone), and the two copies of the embedding (stage 0's, MTP's)
+are compared apart. Cases beyond those two are ``full`` (below).
 """
 
 from dataclasses import replace
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from .bitwise import assert_bitwise
 from .local_ranks import run_local_ranks
-from .mcore_cpu import init_megatron, install_cpu_stubs
-from .mcore_models import McoreCase, gpt_config, gpt_model
+from .mcore_cpu import init_megatron, install_cpu_stubs, plain_cuda_rng
+from .mcore_models import HybridCase, McoreCase, build_hybrid, gpt_config, gpt_model, install_kernels_for
 from .mcore_stages import build_plans, global_name, set_weights
 from .test_mcore_hook import MICRO_BATCH, SEQ, bridge_style_forward_step
 from .test_plain_pipeline import _step_data
@@ -29,8 +33,15 @@ full = pytest.mark.wide
 PP = 2
 CASE = McoreCase(layer_freq=(0, 1, 1, 1), microbatches=2 * PP, steps=2)
 # name: (case, pipeline size); one layer per DualPipeV stage, a dense first layer
-CASES = {"gpt-dense-first-N4": (CASE, PP)}
+# A hybrid stack (Mamba, attention, MoE, dense MLP) with an MTP depth: the pattern's 2P segments are the stages.
+HYBRID = HybridCase(pattern="ME|*E|ME|E-/*E", microbatches=2 * PP, steps=2)
+CASES = {"gpt-dense-first-N4": (CASE, PP), "hybrid-mtp-N4": (HYBRID, PP)}
 FULL_CASES = {
+    "gpt-mtp-N4": (replace(CASE, mtp=True), PP),
+    "gpt-mtp-N5-delayed-wgrad": (replace(CASE, microbatches=5, mtp=True, delay_wgrad=True), PP),
+    "hybrid-N5": (replace(HYBRID, pattern="ME|*E|ME|E-", microbatches=5), PP),
+    # finalize_model_grads divides by the step's token count, which it broadcasts from the last pipeline rank.
+    "gpt-per-token-loss-N4": (replace(CASE, per_token_loss=True), PP),
     "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
     "gpt-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2), 4),
     "gpt-pp4-N9-delayed-wgrad": (
@@ -41,19 +52,90 @@ FULL_CASES = {
 
 
 def dualpipev_models(case: McoreCase, pp: int) -> list:
-    """This rank's chunks for DualPipeV's stages r and 2P-1-r (``dualpipev_chunks``) of ``case``'s model."""
+    """This rank's chunks for DualPipeV's stages r and 2P-1-r (``dualpipev_chunks``) of ``case``'s model; a hybrid
+    pattern's 2P segments are the stages."""
     from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
 
+    if isinstance(case, HybridCase):
+        mtp = SimpleNamespace(mtp_num_layers=case.pattern.count("/") or None)
+        return dualpipev_chunks(
+            lambda hybrid_layer_pattern, pg_collection, **chunk: build_hybrid(
+                replace(case, pattern=hybrid_layer_pattern), pp=pp, vpp=2, **chunk
+            ),
+            mtp,
+            hybrid_layer_pattern=case.pattern,
+        )
     config = gpt_config(
         case, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
     return dualpipev_chunks(lambda **chunk: gpt_model(case, config, **chunk), config)
 
 
+def one_f_one_b_case(case: McoreCase, pp: int) -> McoreCase:
+    """``case`` for Megatron-Core's 1F1B on ``pp`` ranks: a hybrid pattern's 2P stages joined in pairs."""
+    if not isinstance(case, HybridCase):
+        return case
+    main, slash, mtp = case.pattern.partition("/")
+    stages = main.split("|")
+    return replace(case, pattern="|".join(a + b for a, b in zip(stages[::2], stages[1::2])) + slash + mtp)
+
+
+def init_layout(case: McoreCase, pp: int, layout: str) -> None:
+    """Megatron-Core's parallel state: DualPipeV's two virtual stages and the V's embedding group (rank 0 alone)."""
+    if layout != "dualpipev":
+        return init_megatron(case.world, pp)
+    from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_embedding_ranks
+
+    parallel_state.initialize_model_parallel(
+        expert_model_parallel_size=case.world, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=2, get_embedding_ranks=dualpipev_embedding_ranks,
+    )  # fmt: skip
+    plain_cuda_rng()
+
+
+class WithoutDDP:
+    """What Megatron-Core's ``finalize_model_grads`` calls on a DDP-wrapped chunk, for a bare one: no data-parallel
+    sum (the tests compare each data rank's gradients), ``scale_gradients`` on ``.grad``."""
+
+    @staticmethod
+    def equip(model) -> None:
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        model.ddp_config = DistributedDataParallelConfig()
+        model.finish_grad_sync = lambda force_all_reduce=False: None
+        model.scale_gradients = lambda scale: [p.grad.mul_(scale) for p in model.parameters() if p.grad is not None]
+
+
+def named_parameters(plan, ep_rank: int) -> list:
+    """``plan``'s parameters by global name; stage 2P-1's copy of the embedding (MTP's) named apart."""
+    copy = not plan.model.pre_process
+    return [
+        (global_name(plan, n, 2, ep_rank) + (" (copy)" if copy and n.startswith("embedding.") else ""), p)
+        for n, p in plan.model.named_parameters()
+    ]
+
+
+@torch.no_grad()
+def set_mixer_vectors(plans, ep_rank: int) -> None:
+    """A Mamba mixer's vectors (``A_log``, ``D``, ``dt_bias``, the conv bias, its norm) by global name as well:
+    ``set_weights`` sets the matrices, and these come from the torch generator, whose state at a layer depends on
+    what its chunk built before it (a 1F1B stage with MTP builds its embedding first)."""
+    for plan in plans:
+        for name, param in plan.model.named_parameters():
+            if param.dim() == 1 and ".mixer." in name:
+                key = global_name(plan, name, 2, ep_rank)
+                seed = sum(ord(c) * 131**i for i, c in enumerate(key)) % (2**61)
+                param.copy_(0.5 + 0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+
+
 def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> dict:
     install_cpu_stubs()
-    init_megatron(case.world, pp, 2 if layout == "dualpipev" else None)
+    install_kernels_for(case)
+    init_layout(case, pp, layout)
     from megatron.core import parallel_state
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import schedules
 
     from megatron.bridge.training.ep_overlap.mcore import chunk_for, get_forward_backward_func, use_ep_overlap_schedule
@@ -64,22 +146,30 @@ def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> 
     for arm in arms:
         if layout == "dualpipev":
             plans = [chunk_for(model) for model in dualpipev_models(case, pp)]
+            if any(plan.model.pre_process for plan in plans) and plans[1].model.config.mtp_num_layers:
+                # Rank 0's copy of the embedding, as built: the embedding's values (1F1B: its all-reduce's)
+                copies = [plan.model.embedding.word_embeddings.weight for plan in plans]
+                out["copy_as_built"] = torch.equal(*copies) and bool(copies[1].abs().sum() > 0)
             set_weights(plans, local_experts=2, ep_rank=ep_rank)
         else:
-            plans = build_plans(case, pp, None)
+            plans = build_plans(one_f_one_b_case(case, pp), pp, None)
+        set_mixer_vectors(plans, ep_rank)
         models = [plan.model for plan in plans]
-        config = models[0].config
-        config.batch_p2p_comm, config.overlap_p2p_comm = False, False  # gloo: unbatched P2P
+        for model in models:
+            WithoutDDP.equip(model)
+        for config in {id(model.config): model.config for model in models}.values():  # a hybrid chunk: its own
+            config.finalize_model_grads_func = finalize_model_grads
+            config.batch_p2p_comm, config.overlap_p2p_comm = False, False  # gloo: unbatched P2P
+            config.overlap_moe_expert_parallel_comm = arm == "overlap"
+            config.delay_wgrad_compute = arm == "overlap" and case.delay_wgrad
+            config.ep_overlap_pipeline_schedule = "dualpipev" if layout == "dualpipev" else None
         if arm == "overlap":
-            config.overlap_moe_expert_parallel_comm = True
-            config.delay_wgrad_compute = case.delay_wgrad
             use_ep_overlap_schedule(models, timeout=timedelta(seconds=30))
         if layout == "dualpipev":
-            config.ep_overlap_pipeline_schedule = "dualpipev"
             chosen = get_forward_backward_func(pp_size=pp, vp_size=2)
         else:
             chosen = schedules.forward_backward_pipelining_without_interleaving
-        named = [(global_name(plan, n, 2, ep_rank), p) for plan in plans for n, p in plan.model.named_parameters()]
+        named = [named for plan in plans for named in named_parameters(plan, ep_rank)]
         optimizer = torch.optim.Adam([p for _, p in named], lr=1e-2)
         losses, grads, p2p = [], [], []
         for step in range(case.steps):
@@ -148,6 +238,9 @@ def assert_dualpipev_matches_1f1b(case: McoreCase, pp: int) -> None:
             generated = [(op, t) for s in steps for op, ts in (("recv", s.recv), ("send", s.send)) for t in ts]
             assert outcome.result[arm]["p2p"] == generated * case.steps, f"rank {outcome.rank} {arm}"
     assert {"paired"} <= set().union(*(o.result["overlap"]["phases"] for o in outcomes))
+    mtp = bool(case.mtp or "/" in getattr(case, "pattern", ""))
+    copies = [o.result.get("copy_as_built") for o in outcomes if o.result["pp_rank"] == 0]
+    assert copies == [True if mtp else None] * case.world, "rank 0's copy of the embedding as built"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -161,8 +254,9 @@ def test_dualpipev_full_cases_are_bitwise_equal_to_megatron_cores_1f1b(name):
     assert_dualpipev_matches_1f1b(*FULL_CASES[name])
 
 
-# name: (microbatches, what is set on the built chunks' config, on the built chunks, the line). Megatron-Core does not
-# build a V chunk with MTP or a tied output layer (its embedding group spans pipeline ranks), so those are set after.
+# name: (microbatches, what is set on the built chunks' config, on the built chunks, a line). The ranks run
+# Megatron-Core's default embedding group (first and last pipeline rank), with which no V chunk with MTP or a tied
+# output layer builds (below), so those are set after.
 REFUSED = {
     "too-few-microbatches": (
         2 * PP - 1,
@@ -170,7 +264,18 @@ REFUSED = {
         {},
         "DualPipeV needs num_microbatches >= 2 x pipeline_model_parallel_size = 4 (got 3); fix: ",
     ),
-    "mtp": (2 * PP, {"mtp_num_layers": 1}, {}, "DualPipeV does not run mtp_num_layers=1 yet; fix: "),
+    "mtp-default-embedding-group": (
+        2 * PP,
+        {"mtp_num_layers": 1},
+        {},
+        "DualPipeV with mtp_num_layers=1 needs the V layout's embedding group",
+    ),
+    "mtp-per-token-loss": (
+        2 * PP,
+        {"mtp_num_layers": 1, "calculate_per_token_loss": True, "finalize_model_grads_func": print},
+        {},
+        "DualPipeV does not run mtp_num_layers=1 with calculate_per_token_loss=True yet",
+    ),
     "tied": (
         2 * PP,
         {},
@@ -192,20 +297,69 @@ REFUSED = {
 def test_what_dualpipev_does_not_run_is_refused_before_any_step(name):
     *change, line = REFUSED[name]
     for outcome in run_local_ranks(_refused, 4, tuple(change)):
-        assert outcome.result.startswith(line), outcome.result
-        assert "fix: " in outcome.result
+        lines = outcome.result.splitlines()
+        assert any(got.startswith(line) for got in lines), outcome.result
+        assert all("fix: " in got for got in lines), outcome.result
 
 
-def test_the_chunk_builder_refuses_an_mtp_layer_before_building_a_chunk():
-    # Building one would block: the MTP layer all-reduces its embedding over a group the V layout does not match.
-    from types import SimpleNamespace
+def test_the_chunk_builder_refuses_mtp_with_megatron_cores_embedding_group_before_building():
+    # Its default group (first and last pipeline rank) would all-reduce rank 0's copy of the embedding with a rank
+    # that holds none: the build would block. Both ranks that hold it refuse before building a chunk.
+    results = run_local_ranks(_built_with_default_embedding_group, 2, ())
+    line = "DualPipeV with mtp_num_layers=1 needs the V layout's embedding group"
+    assert [o.result for o in results] == [[line], [line]]
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_each_v_stage_of_a_hybrid_pattern_is_what_megatron_core_selects_on_its_rank(P, monkeypatch):
+    # Megatron-Core's own selection (segment, layer offset), on each rank at each virtual stage, of the pattern
+    # dualpipev_chunks hands it: the V's stage with the layers before it counted. Stage s has s + 1 layers here.
+    import torch.distributed as dist
+    from megatron.core.models.hybrid.hybrid_layer_allocation import select_pipeline_segment
+
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import hybrid_stage_pattern
+    from megatron.bridge.training.ep_overlap.program.dualpipev import stage_of
+
+    stages = ["ME-*"[s % 4] * (s + 1) for s in range(2 * P)]
+    pattern = "|".join(stages) + "/*E"
+    quiet = SimpleNamespace(rank=lambda: 1)  # no logging rank
+    for rank in range(P):
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: P)
+        for v in (0, 1):
+            stage = stage_of(rank, v, P)
+            rank_pattern = hybrid_stage_pattern(pattern, stage, P, rank)
+            assert rank_pattern.endswith("/*E")
+            main = rank_pattern.partition("/")[0]
+            layers, offset = select_pipeline_segment(main, object(), v, tp_group=quiet, dp_cp_group=quiet)
+            assert ("".join(layers), offset) == (stages[stage], sum(map(len, stages[:stage]))), (rank, stage)
+
+
+def test_a_hybrid_pattern_without_2p_segments_is_refused_before_building(monkeypatch):
+    from megatron.core import parallel_state
 
     from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
 
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
     built = []
-    with pytest.raises(ValueError, match=r"^DualPipeV does not run mtp_num_layers=1 yet .*; fix: "):
-        dualpipev_chunks(lambda **chunk: built.append(chunk), SimpleNamespace(mtp_num_layers=1))
+    with pytest.raises(ValueError, match=r"^DualPipeV builds hybrid_layer_pattern='ME\|\*E' as 2 x 2 = 4 stages"):
+        dualpipev_chunks(lambda **chunk: built.append(chunk), SimpleNamespace(mtp_num_layers=None), "ME|*E")
     assert built == []
+
+
+def _built_with_default_embedding_group(rank: int, world: int) -> list[str]:
+    install_cpu_stubs()
+    init_megatron(1, PP, 2)
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
+
+    built = []
+    try:
+        dualpipev_chunks(lambda **chunk: built.append(chunk), SimpleNamespace(mtp_num_layers=1))
+    except ValueError as error:
+        return [line.split(" (")[0] for line in str(error).splitlines()] + built
+    return ["built"]
 
 
 def _refused(rank: int, world: int, microbatches: int, config_fields: dict, chunk_fields: dict) -> str:
