@@ -122,7 +122,9 @@ def build_mcore_model(config, device: torch.device | str, vp_stage: int | None =
         layers = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
         mtp = None
         if config.mtp_num_layers:
-            mtp = get_gpt_mtp_block_spec(config, layers.layer_specs[-1], use_transformer_engine=False)
+            mtp = get_gpt_mtp_block_spec(
+                config, layers.layer_specs[-1], use_transformer_engine=False, vp_stage=vp_stage
+            )
         model = GPTModel(
             config,
             transformer_layer_spec=layers,

@@ -335,8 +335,6 @@ def pipeline_run_problems(args: Any, model: Any, torchrun: bool, cuda: bool) -> 
         (model.hybrid_layer_pattern is not None, f"--hybrid_layer_pattern={model.hybrid_layer_pattern!r}",
          "the harness builds Megatron-Core pipeline chunks as GPTModel only",
          "drop the pattern or the pipeline flags"),
-        (bool(model.mtp_num_layers) and schedule == "dualpipev", f"--mtp_num_layers={model.mtp_num_layers}",
-         "DualPipeV does not run MTP yet", "drop it, or use --pipeline_schedule 1f1b"),
         (args.timeline is not None, f"--timeline={args.timeline!r}", "a Megatron-Core pipeline step keeps no "
          "per-op timeline", "drop it, or use --model_impl reference"),
         (args.print_schedule and schedule != "dualpipev", "--print_schedule", "it prints the engine's program, and "

@@ -16,15 +16,19 @@ import torch.distributed as dist
 from ep_overlap_lab.engine.saved import SavedActivations
 
 
-def init_parallel_state(config) -> None:
-    """Megatron-Core's parallel state for the recipe's pipeline, once per process (the arms share it)."""
+def init_parallel_state(config, schedule: str) -> None:
+    """Megatron-Core's parallel state for the recipe's pipeline, once per process (the arms share it); DualPipeV's
+    embedding group is the V's (``dualpipev_embedding_ranks``: rank 0 holds both ends)."""
     from megatron.core import parallel_state
+
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_embedding_ranks
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=config.expert_model_parallel_size,
+            get_embedding_ranks=dualpipev_embedding_ranks if schedule == "dualpipev" else None,
         )
 
 
@@ -82,7 +86,7 @@ class McorePipelineArm:
         )
 
         config, self.spec, self.rank, self.device = spec.model, spec, rank, device
-        init_parallel_state(config)
+        init_parallel_state(config, spec.pipeline_schedule)
         torch.manual_seed(spec.train.seed)
         if device.type == "cuda":  # Megatron-Core's CUDA RNG tracker (CPU: the tests' stand-ins have none)
             model_parallel_cuda_manual_seed(spec.train.seed)
