@@ -118,9 +118,11 @@ CASES = {
     ),
     # What this project's plan does not schedule (the field audit): refused for it; Megatron-Core's schedule decides.
     "mlp_chunks": (({**BRIDGE, "mlp_chunks_for_training": 2}, {}), ({"mlp_chunks_for_training": 2}, {})),
-    "activation_offloading": (
+    "activation_offloading": (({**BRIDGE, "cpu_offloading": True}, {}), ({"cpu_offloading": True}, {})),
+    # The plan drives fine-grained offloading (test_activation_offloading.py), but not with full recompute.
+    "offloading_full_recompute": (
+        ({**BRIDGE, **FULL, "fine_grained_activation_offloading": True}, {}),
         ({**BRIDGE, "fine_grained_activation_offloading": True}, {}),
-        ({"fine_grained_activation_offloading": True}, {}),
     ),
     "early_attention_release": (
         ({**BRIDGE, "ep_overlap_early_attn_memory_release": True}, {}),
