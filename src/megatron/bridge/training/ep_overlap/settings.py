@@ -56,8 +56,8 @@ class Settings:
             raise CommOverlapConfigError(self.violations)
         return self
 
-    def segments(self, num_units: int) -> tuple[tuple[int, int], ...]:
-        """Full recompute's ``(first, stop)`` segments of ``num_units`` units (none without full recompute)."""
+    def segments(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """Full recompute's ``(first, stop)`` segments of ``num_layers`` layers (none without full recompute)."""
         if self.full_recompute is None:
             return ()
         broken = [v for v in self.violations if v.name in _RECOMPUTE_RULES]
@@ -65,8 +65,8 @@ class Settings:
             raise CommOverlapConfigError(broken)
         method, n = self.full_recompute
         if method == "uniform":
-            return tuple((i, min(i + n, num_units)) for i in range(0, num_units, n))
-        return tuple((i, i + 1) for i in range(min(n, num_units)))
+            return tuple((i, min(i + n, num_layers)) for i in range(0, num_layers, n))
+        return tuple((i, i + 1) for i in range(min(n, num_layers)))
 
 
 def resolve(

@@ -60,7 +60,7 @@ class _AfterBackward(torch.autograd.Function):
 
 
 class McoreChunk(ChunkHooks):
-    """A Megatron-Core language model (or pipeline chunk) for the engine; subclasses give :meth:`_build_units`,
+    """A Megatron-Core language model (or pipeline chunk) for the engine; subclasses give :meth:`_build_layers`,
     :meth:`embed_microbatch`, :meth:`_rotary`, :meth:`_final_norm`. Per-microbatch state lives in a MicrobatchView."""
 
     multimodal_rotary = False
@@ -88,11 +88,11 @@ class McoreChunk(ChunkHooks):
         self.packed_seq_params = None  # the plan's own calls run padded sequences; a microbatch's view may be packed
         self.rotary_pos_emb = self._rotary(torch.empty(self._received_length(), 1, 0, device=device))
         self.settings = resolve(config)
-        self.layers, self.layer_numbers = self._build_units()
-        # The MTP layer is no unit: Megatron-Core's MTP block checkpoints it inside the head. With 'moe' recomputed,
+        self.layers, self.layer_numbers = self._build_layers()
+        # The MTP layer is not one: Megatron-Core's MTP block checkpoints it inside the head. With 'moe' recomputed,
         # each such MoE layer is a segment of its own whose MoE part the plan replays.
         self.recompute_segments = self.settings.segments(len(self.layers)) or tuple(
-            (i, i + 1) for i, unit in enumerate(self.layers) if getattr(unit, "recomputes_moe", False)
+            (i, i + 1) for i, layer in enumerate(self.layers) if getattr(layer, "recomputes_moe", False)
         )
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
@@ -104,7 +104,7 @@ class McoreChunk(ChunkHooks):
         seq, device = self.sequence_length, next(self.model.parameters()).device
         return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
-    def _build_units(self) -> tuple[list, list[int]]:
+    def _build_layers(self) -> tuple[list, list[int]]:
         raise NotImplementedError
 
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
@@ -251,8 +251,8 @@ class McoreChunk(ChunkHooks):
         return torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)
 
     def _run_units(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
-        for unit in self.layers[first:stop]:
-            x_SBH = unit(x_SBH)
+        for layer in self.layers[first:stop]:
+            x_SBH = layer(x_SBH)
         return x_SBH
 
     def input_problems(self, input_ids: torch.Tensor | None, inputs: dict, packed_seq_params=None) -> list[str]:

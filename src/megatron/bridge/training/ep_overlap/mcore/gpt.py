@@ -1,4 +1,4 @@
-"""Megatron-Core's ``GPTModel`` under the EP-overlap schedule: each decoder layer is one unit."""
+"""Megatron-Core's ``GPTModel`` under the EP-overlap schedule: each decoder layer is one of the schedule's layers."""
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -18,14 +18,14 @@ class McoreGPTChunk(McoreChunk):
             )
         super().__init__(model, delay_wgrad=delay_wgrad)
 
-    def _build_units(self) -> tuple[list, list[int]]:
+    def _build_layers(self) -> tuple[list, list[int]]:
         decoder = self.model.decoder
         numbers = [layer.layer_number - 1 for layer in decoder.layers]  # Megatron-Core counts from 1
-        units = [McoreLayer(layer, i, self) for i, layer in zip(numbers, decoder.layers)]
-        if units and decoder.final_layernorm is not None and not self.post_process:
+        layers = [McoreLayer(layer, i, self) for i, layer in zip(numbers, decoder.layers)]
+        if layers and decoder.final_layernorm is not None and not self.post_process:
             # With MTP, Megatron-Core puts the final norm on the last decoder layer's stage, maybe not the loss's.
-            units[-1] = _FinalNormLayer(decoder.layers[-1], numbers[-1], self)
-        return units, numbers
+            layers[-1] = _FinalNormLayer(decoder.layers[-1], numbers[-1], self)
+        return layers, numbers
 
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
         """The decoder's final norm where this loss chunk's block holds it (else the last layer's chunk applied it)."""

@@ -1,6 +1,7 @@
-"""Megatron-Core's ``HybridModel`` under the EP-overlap schedule: each MoE group is one unit.
+"""Megatron-Core's ``HybridModel`` under the EP-overlap schedule: each MoE group is one of the schedule's layers.
 
-A unit is the layers after one MoE layer (run whole, as ``HybridStack.forward`` calls them), then the next MoE layer.
+Such a group is the layers after one MoE layer (run whole, as ``HybridStack.forward`` calls them), then the next
+MoE layer.
 """
 
 import torch
@@ -29,21 +30,21 @@ class McoreHybridChunk(McoreChunk):
             )
         super().__init__(model, delay_wgrad=delay_wgrad)
 
-    def _build_units(self) -> tuple[list, list[int]]:
-        units, numbers, before = [], [], []
+    def _build_layers(self) -> tuple[list, list[int]]:
+        groups, numbers, before = [], [], []
         for layer in self.model.decoder.layers:
             if not _is_moe(layer):
                 before.append(layer)
                 continue
             number = layer.layer_number - 1  # Megatron-Core counts from 1
-            units.append(McoreLayer(layer, number, self, before))
+            groups.append(McoreLayer(layer, number, self, before))
             numbers.append(number)
             before = []
         if before:
             number = before[-1].layer_number - 1
-            units.append(McoreComputeRun(before, number, self))
+            groups.append(McoreComputeRun(before, number, self))
             numbers.append(number)
-        return units, numbers
+        return groups, numbers
 
     def _final_norm(self, x_SBH: torch.Tensor) -> torch.Tensor:
         decoder = self.model.decoder

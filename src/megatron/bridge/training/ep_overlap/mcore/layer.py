@@ -1,4 +1,4 @@
-"""Megatron-Core decoder layers as the schedule's units: an MoE layer cut into nodes, with the layers before it.
+"""Megatron-Core decoder layers as the schedule's layers: an MoE layer cut into nodes, with the layers before it.
 
 Nodes are Megatron-Core 0.19.x's own sub-steps in the stack's op order (bitwise equal): pre_dispatch
 (``_forward_attention``, ``_forward_pre_mlp_layernorm``, shared experts, ``route``, ``preprocess``), dispatch, experts
@@ -212,7 +212,7 @@ def _norm_recompute_registered(layer: torch.nn.Module):
         layer.recompute_pre_mlp_layernorm = recompute
 
 
-class _Unit(LayerHooks):
+class _ScheduledLayer(LayerHooks):
     name: str
     chunk: object
     replays_forward = True  # full recompute: the node functions run again in backward, as the stack's checkpoint
@@ -255,7 +255,7 @@ class _Unit(LayerHooks):
         return []  # Megatron-Core modules own their delay setting (config.delay_wgrad_compute at build time)
 
 
-class McoreLayer(_Unit):
+class McoreLayer(_ScheduledLayer):
     """Node functions for a Megatron-Core ``TransformerLayer`` and the compute layers ``before`` it."""
 
     def __init__(self, layer: torch.nn.Module, index: int, chunk, before: list[torch.nn.Module] = ()):
@@ -439,7 +439,7 @@ class McoreLayer(_Unit):
             routed_experts_backward_dw(self.layer.mlp)
 
 
-class McoreComputeRun(_Unit):
+class McoreComputeRun(_ScheduledLayer):
     """Compute layers with no MoE layer after them: all but the last in ``pre_dispatch``, the last in ``experts``."""
 
     is_moe = False
@@ -459,10 +459,10 @@ class McoreComputeRun(_Unit):
         return PreDispatch(z_SBH, (z_SBH,), None, None)
 
     def start_split_exchange(self, routing) -> None:
-        """A dense unit sends nothing."""
+        """A dense run sends nothing."""
 
     def exchange_splits(self, routing, *, op: str) -> None:
-        """A dense unit sends nothing."""
+        """A dense run sends nothing."""
 
     def experts(self, received: tuple[torch.Tensor, ...], routing) -> torch.Tensor:
         return self._run(self.layers[-1:], received[0])

@@ -199,16 +199,16 @@ def _local_attention_layers(model: torch.nn.Module) -> list[int]:
     return sorted({m.layer_number for m in model.modules() if type(m) is DotProductAttention})
 
 
-def check_delayed_wgrad(units: list) -> None:
+def check_delayed_wgrad(layers: list) -> None:
     """With delayed wgrad: refuses layers that would lose weight gradients, warns about experts that delay nothing."""
-    lost = sorted({name for unit in units for name in unit.undelayable})
+    lost = sorted({name for layer in layers for name in layer.undelayable})
     if lost:
         raise ValueError(
             f"delay_wgrad_compute with {', '.join(lost)} layers built from Transformer Engine linears: their "
             "linears would defer weight gradients that nothing runs (they offer no backward_dw); fix: set "
             f"delay_wgrad_compute=False, {_OFF}"
         )
-    undelayed = [unit.name for unit in units if unit.is_moe and not unit.expert_wgrad_delayable]
+    undelayed = [layer.name for layer in layers if layer.is_moe and not layer.expert_wgrad_delayable]
     if undelayed:
         warn_rank0(
             logger,

@@ -1,7 +1,8 @@
 """Megatron-Bridge's ``Qwen3VLModel`` (Qwen3-VL, Qwen3.5-VL) under the EP-overlap schedule (Megatron-Core's driver).
 
-The language model's layers are the units, with a ``GPTModel``'s head; the embed step runs the vision tower and merges
-images as ``Qwen3VLModel.forward`` does; mrope positions are computed per microbatch (Bridge's ``get_rope_index``).
+The language model's layers are the schedule's, with a ``GPTModel``'s head; the embed step runs the vision tower and
+merges images as ``Qwen3VLModel.forward`` does; mrope positions are computed per microbatch (Bridge's
+``get_rope_index``).
 Bridge's VL classes are never imported here (:func:`is_vision_language` looks them up in ``sys.modules``).
 """
 
@@ -98,7 +99,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         self.deepstack_count = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
         super().__init__(model.language_model, delay_wgrad=delay_wgrad)
 
-    def _build_units(self) -> tuple[list, list[int]]:
+    def _build_layers(self) -> tuple[list, list[int]]:
         layers = self.model.decoder.layers
         if self.pre_process and self.deepstack_count > len(layers):
             raise ValueError(
@@ -107,14 +108,16 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
                 "(Megatron-Bridge's model passes none across pipeline stages); fix: put at least "
                 f"{self.deepstack_count} layers on the first chunk, {_OFF}"
             )
-        units, numbers = [], []
+        layers, numbers = [], []
         for position, layer in enumerate(layers):
             number = layer.layer_number - 1  # Megatron-Core counts from 1
             deepstack = self.pre_process and position < self.deepstack_count
-            unit = _DeepstackLayer(layer, number, self, position) if deepstack else McoreLayer(layer, number, self)
-            units.append(unit)
+            scheduled = (
+                _DeepstackLayer(layer, number, self, position) if deepstack else McoreLayer(layer, number, self)
+            )
+            layers.append(scheduled)
             numbers.append(number)
-        return units, numbers
+        return layers, numbers
 
     def parameters(self):
         return self.vision_language.parameters()
