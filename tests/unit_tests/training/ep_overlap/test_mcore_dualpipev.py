@@ -40,6 +40,8 @@ FULL_CASES = {
     "gpt-mtp-N4": (replace(CASE, mtp=True), PP),
     "gpt-mtp-N5-delayed-wgrad": (replace(CASE, microbatches=5, mtp=True, delay_wgrad=True), PP),
     "hybrid-N5": (replace(HYBRID, pattern="ME|*E|ME|E-", microbatches=5), PP),
+    "gpt-mtp-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2, mtp=True), 4),
+    "hybrid-mtp-pp4-N8": (replace(HYBRID, pattern="M|E|*|E|M|E|-|E/*E", microbatches=8), 4),
     # finalize_model_grads divides by the step's token count, which it broadcasts from the last pipeline rank.
     "gpt-per-token-loss-N4": (replace(CASE, per_token_loss=True), PP),
     "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
