@@ -153,7 +153,10 @@ CASES = {
     # 'moe' recomputed: Megatron-Core checkpoints each MoE layer's MoE part; our plan replays it in backward, from
     # the random states of its first forward (forced load balancing draws the router's logits).
     "ep2-fp32-recompute-moe-layernorm-shared": McoreCase(
-        recompute=("moe", "layernorm"), shared_ffn=16, layer_freq=(1, 0, 1), microbatches=3,
+        recompute=("moe", "layernorm"),
+        shared_ffn=16,
+        layer_freq=(1, 0, 1),
+        microbatches=3,
         config=(("moe_router_force_load_balancing", True),),
     ),  # fmt: skip
     "ep2-fp32-full-uniform1": McoreCase(microbatches=3, full_recompute=("uniform", 1)),
@@ -240,9 +243,14 @@ class _NotAMegatronModel(torch.nn.Module):
         self.proj = torch.nn.Linear(4, 4)
 
 
-def refuse_model(rank: int, world: int, kind: str) -> dict:
+def refuse_models(rank: int, world: int, kinds: list[str]) -> dict[str, dict]:
+    """Each kind's refusals (one model each, on the same ranks)."""
     install_cpu_stubs()
     init_megatron(world)
+    return {kind: refuse_model(kind) for kind in kinds}
+
+
+def refuse_model(kind: str) -> dict:
     from megatron.bridge.training.ep_overlap.mcore import McoreGPTChunk, chunk_for, use_ep_overlap_schedule
 
     from .mcore_models import build_hybrid
@@ -286,25 +294,31 @@ def refuse_model(rank: int, world: int, kind: str) -> dict:
     return refused
 
 
-@pytest.mark.parametrize(
-    "kind, line",
-    [
-        ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
-        ("recompute-moe-graphed-router", "layer0: recompute_modules with 'moe' and cuda_graph_modules ['moe_router']"),
-        ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
-        ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
-        ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
-        ("hybrid-as-gpt", "HybridModel: McoreGPTChunk runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
-        # Megatron-Core's MTP layer checkpoints its depth as one segment only with recompute_num_layers=1
-        ("full-recompute-mtp-uniform2", "recompute_num_layers=2 with recompute_method='uniform' and an MTP layer"),
-    ],
-)
-def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(kind, line):
+MODEL_REFUSALS = [
+    ("mrope", "position_embedding_type='mrope': multimodal rotary positions (3 position ids per token) are not"),
+    ("recompute-moe-graphed-router", "layer0: recompute_modules with 'moe' and cuda_graph_modules ['moe_router']"),
+    ("hybrid-mtp-depths-unset", "hybrid_layer_pattern='*E*E/*E' has 1 multi-token prediction depth(s)"),
+    ("other", "_NotAMegatronModel: the EP-overlap plan runs Megatron-Core's GPTModel and HybridModel"),
+    ("ncclep-zero-copy", "layer0: moe_ncclep_zero_copy=True: NCCL EP's experts write into one receive buffer"),
+    ("hybrid-as-gpt", "HybridModel: McoreGPTChunk runs Megatron-Core's GPTModel (whole or a pipeline chunk)"),
+    # Megatron-Core's MTP layer checkpoints its depth as one segment only with recompute_num_layers=1
+    ("full-recompute-mtp-uniform2", "recompute_num_layers=2 with recompute_method='uniform' and an MTP layer"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_refusals() -> list[dict[str, dict]]:
+    """Per rank, each kind's refusals: all kinds on one pair of ranks."""
+    return [o.result for o in run_local_ranks(refuse_models, 2, ([kind for kind, _ in MODEL_REFUSALS],))]
+
+
+@pytest.mark.parametrize("kind, line", MODEL_REFUSALS)
+def test_a_model_feature_the_plan_does_not_schedule_is_refused_when_the_hook_runs(model_refusals, kind, line):
     # Before MTP ran in the head, an MTP GPTModel ran under both with every MTP parameter getting no gradient.
-    for outcome in run_local_ranks(refuse_model, 2, (kind,)):
-        assert outcome.result, outcome.result
-        for result in outcome.result.values():
-            assert result.startswith(line) and "fix: " in result, outcome.result
+    for refused in model_refusals:
+        assert refused[kind], refused[kind]
+        for result in refused[kind].values():
+            assert result.startswith(line) and "fix: " in result, refused[kind]
 
 
 def train_interleaved(rank: int, world: int, case: McoreCase, overlap_p2p_comm: bool) -> dict:
