@@ -285,6 +285,12 @@ REFUSED = {
         "DualPipeV does not run share_embeddings_and_output_weights=True yet; fix: ",
     ),
     "one-chunk": (2 * PP, {}, {"chunks": 1}, "DualPipeV runs two model chunks per pipeline rank"),
+    "activation-offloading": (
+        2 * PP,
+        {"fine_grained_activation_offloading": True},
+        {},
+        "DualPipeV does not run fine_grained_activation_offloading=True yet; fix: ",
+    ),
     "ddp-overlap-grad-reduce": (
         2 * PP,
         {"grad_sync_func": print},

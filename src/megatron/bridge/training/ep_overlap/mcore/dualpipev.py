@@ -231,6 +231,9 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
         "share_embeddings_and_output_weights": getattr(models[-1], "share_embeddings_and_output_weights", False),
         "variable_seq_lengths": config.variable_seq_lengths,
         "enable_autocast": config.enable_autocast,
+        # Megatron-Core's offload manager pairs each backward with the chunk of the last forward it saw; the V's
+        # backward of one chunk beside the forward of the other breaks that pairing (its "Chunk mismatch" assert).
+        "fine_grained_activation_offloading": getattr(config, "fine_grained_activation_offloading", False),
     }
     problems += [
         f"DualPipeV does not run {name}={value} yet; fix: unset it or use the 1F1B schedule ({PIPELINE_SCHEDULE}=None)"
