@@ -44,6 +44,8 @@ FULL_CASES = {
     "hybrid-mtp-pp4-N8": (replace(HYBRID, pattern="M|E|*|E|M|E|-|E/*E", microbatches=8), 4),
     # finalize_model_grads divides by the step's token count, which it broadcasts from the last pipeline rank.
     "gpt-per-token-loss-N4": (replace(CASE, per_token_loss=True), PP),
+    # The output layer tied to the embedding: both on rank 0, each copy's gradient their sum.
+    "gpt-tied-N4": (replace(CASE, tied=True), PP),
     "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
     "gpt-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2), 4),
     "gpt-pp4-N9-delayed-wgrad": (
@@ -70,7 +72,9 @@ def dualpipev_models(case: McoreCase, pp: int) -> list:
     config = gpt_config(
         case, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32
     )
-    return dualpipev_chunks(lambda **chunk: gpt_model(case, config, **chunk), config)
+    return dualpipev_chunks(
+        lambda **chunk: gpt_model(case, config, **chunk), config, share_embeddings_and_output_weights=case.tied
+    )
 
 
 def one_f_one_b_case(case: McoreCase, pp: int) -> McoreCase:
@@ -148,9 +152,11 @@ def train(rank: int, world: int, case: McoreCase, layout: str, pp: int = PP) -> 
     for arm in arms:
         if layout == "dualpipev":
             plans = [chunk_for(model) for model in dualpipev_models(case, pp)]
-            if any(plan.model.pre_process for plan in plans) and plans[1].model.config.mtp_num_layers:
-                # Rank 0's copy of the embedding, as built: the embedding's values (1F1B: its all-reduce's)
-                copies = [plan.model.embedding.word_embeddings.weight for plan in plans]
+            copied = plans[1].model.config.mtp_num_layers or case.tied
+            if any(plan.model.pre_process for plan in plans) and copied:
+                # Rank 0's copy of the embedding (MTP's, or the tied output layer), as built: the embedding's values
+                # (1F1B: its all-reduce's)
+                copies = [plan.model.shared_embedding_or_output_weight() for plan in plans]
                 out["copy_as_built"] = torch.equal(*copies) and bool(copies[1].abs().sum() > 0)
             set_weights(plans, local_experts=2, ep_rank=ep_rank)
         else:
@@ -240,9 +246,9 @@ def assert_dualpipev_matches_1f1b(case: McoreCase, pp: int) -> None:
             generated = [(op, t) for s in steps for op, ts in (("recv", s.recv), ("send", s.send)) for t in ts]
             assert outcome.result[arm]["p2p"] == generated * case.steps, f"rank {outcome.rank} {arm}"
     assert {"paired"} <= set().union(*(o.result["overlap"]["phases"] for o in outcomes))
-    mtp = bool(case.mtp or "/" in getattr(case, "pattern", ""))
+    copied = bool(case.mtp or case.tied or "/" in getattr(case, "pattern", ""))
     copies = [o.result.get("copy_as_built") for o in outcomes if o.result["pp_rank"] == 0]
-    assert copies == [True if mtp else None] * case.world, "rank 0's copy of the embedding as built"
+    assert copies == [True if copied else None] * case.world, "rank 0's copy of the embedding as built"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -278,11 +284,11 @@ REFUSED = {
         {},
         "DualPipeV does not run mtp_num_layers=1 with calculate_per_token_loss=True yet",
     ),
-    "tied": (
+    "tied-default-embedding-group": (
         2 * PP,
         {},
         {"share_embeddings_and_output_weights": True},
-        "DualPipeV does not run share_embeddings_and_output_weights=True yet; fix: ",
+        "DualPipeV with share_embeddings_and_output_weights=True needs the V layout's embedding group",
     ),
     "one-chunk": (2 * PP, {}, {"chunks": 1}, "DualPipeV runs two model chunks per pipeline rank"),
     "activation-offloading": (

@@ -9,9 +9,10 @@ Contract:
       it, Megatron-Core's ``forward_step``/``backward_step``, forward before backward.
     * Each P2P transfer is one message on the pipeline group tagged ``Transfer.tag`` (unique within the step), so the
       two ends need not post in one order; the last rank hands stage P-1's output to stage P without a message.
-    * MTP (and its copy of the embedding) is on stage 2P-1, on rank 0 with the embedding: the embedding group is
-      rank 0 alone (:func:`dualpipev_embedding_ranks`), the copy takes the embedding's values when built, and after
-      ``finalize_model_grads_func`` each copy's gradient is their sum, as the group's all-reduce makes it in 1F1B.
+    * MTP (and its copy of the embedding) or a tied output layer is on stage 2P-1, on rank 0 with the embedding: the
+      embedding group is rank 0 alone (:func:`dualpipev_embedding_ranks`), the copy takes the embedding's values when
+      built, and after ``finalize_model_grads_func`` each copy's gradient is their sum, as the group's all-reduce
+      makes it in 1F1B.
     * The W steps (deferred weight gradients) run nothing: every weight gradient stays in its backward (delayed
       wgrad moves the expert wgrad inside the paired layer step). Numerics are Megatron-Core's plain 1F1B's.
     * What it does not run is refused before the first step, one line per problem with its fix.
@@ -66,7 +67,11 @@ def dualpipev_embedding_ranks(pp_ranks: list[int], *unused) -> list[int]:
 
 
 def dualpipev_chunks(
-    build_chunk: Callable[..., torch.nn.Module], config, hybrid_layer_pattern: str | None = None
+    build_chunk: Callable[..., torch.nn.Module],
+    config,
+    hybrid_layer_pattern: str | None = None,
+    *,
+    share_embeddings_and_output_weights: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's two chunks, for DualPipeV's stages r and 2P-1-r.
 
@@ -74,7 +79,9 @@ def dualpipev_chunks(
     numbers and parameter names are the global ones: ``build_chunk(vp_stage=, pre_process=, post_process=,
     pg_collection=)`` builds it (a ``GPTModel`` or ``HybridModel`` of ``config``, with
     ``virtual_pipeline_model_parallel_size=2``), with ``pre_process`` on stage 0 and ``post_process`` on stage 2P-1.
-    Needs Megatron-Core's parallel state with two virtual stages, and with MTP the V layout's embedding group
+    Needs Megatron-Core's parallel state with two virtual stages, and with MTP or
+    ``share_embeddings_and_output_weights`` (what ``build_chunk`` builds: a model argument, not a config field) the V
+    layout's embedding group
     (``get_embedding_ranks=dualpipev_embedding_ranks``; refused before building without it): stage 2P-1's copy of
     the embedding then takes stage 0's values here, on rank 0, where Megatron-Core's build all-reduces it across
     ranks.
@@ -88,7 +95,8 @@ def dualpipev_chunks(
     P = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     mtp = bool(config.mtp_num_layers) or _pattern_has_mtp(hybrid_layer_pattern)
-    if problems := _layout_problems(P, rank, mtp, hybrid_layer_pattern, config):
+    tied = share_embeddings_and_output_weights
+    if problems := _layout_problems(P, rank, mtp, tied, hybrid_layer_pattern, config):
         raise ValueError("\n".join(problems))
     chunks = []
     for v in (0, 1):
@@ -146,7 +154,7 @@ def _pattern_has_mtp(pattern: str | None) -> bool:
     return pattern is not None and "/" in pattern
 
 
-def _layout_problems(P: int, rank: int, mtp: bool, pattern: str | None, config) -> list[str]:
+def _layout_problems(P: int, rank: int, mtp: bool, tied: bool, pattern: str | None, config) -> list[str]:
     """What the V layout's chunks cannot be built with, one line each with its fix."""
     problems = []
     if pattern is not None and len(segments := pattern.partition("/")[0].split("|")) != 2 * P:
@@ -156,6 +164,8 @@ def _layout_problems(P: int, rank: int, mtp: bool, pattern: str | None, config) 
             f"fix: split its layers with '|' into {2 * P} segments"
         )
     if mtp and (problem := _embedding_group_problem(rank, f"mtp_num_layers={config.mtp_num_layers}")):
+        problems.append(problem)
+    elif tied and (problem := _embedding_group_problem(rank, "share_embeddings_and_output_weights=True")):
         problems.append(problem)
     return problems
 
@@ -219,6 +229,9 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
                 f"{chunk.pre_process}, post_process={chunk.post_process}; fix: build stage {stage} with pre_process="
                 f"{stage == 0}, post_process={stage == 2 * P - 1}"
             )
+    tied = getattr(models[-1], "share_embeddings_and_output_weights", False)
+    if tied and not config.mtp_num_layers:
+        problems += [p for p in [_embedding_group_problem(r, "share_embeddings_and_output_weights=True")] if p]
     if config.mtp_num_layers:
         problems += [p for p in [_embedding_group_problem(r, f"mtp_num_layers={config.mtp_num_layers}")] if p]
         if config.calculate_per_token_loss and config.finalize_model_grads_func is not None:
@@ -228,7 +241,6 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
                 "each by the token count); fix: unset one of them, or use the 1F1B schedule"
             )
     fields = {
-        "share_embeddings_and_output_weights": getattr(models[-1], "share_embeddings_and_output_weights", False),
         "variable_seq_lengths": config.variable_seq_lengths,
         "enable_autocast": config.enable_autocast,
         # Megatron-Core's offload manager pairs each backward with the chunk of the last forward it saw; the V's
