@@ -1,7 +1,8 @@
 """``tools/recipe_check.py`` (``make recipe-check``) as a user runs it, on a few of Megatron-Bridge 0.6.2's recipes:
 a performance recipe that turns the overlap on, and one row per CPU stand-in the check brings (the Mamba kernels,
 the gated delta net's kernels, the vision-language local specs), plus the universe's listing and the names that are
-not one recipe. Skipped with the reason when the package registry cannot be reached (the scratch venv comes from it).
+not one recipe; the runs are skipped with the reason when the package registry cannot be reached (the scratch venv
+comes from it). Config only, no run: the hybrid stack's CPU spec under sequence and context parallelism.
 ``--all`` stays out of CI: its table is in ``docs/training/recipes.md``.
 """
 
@@ -78,3 +79,33 @@ def test_the_listing_and_names_that_are_not_one_recipe(scratch):
         "overlap has nothing to overlap there; fix: a name from `python tools/recipe_check.py --list`",
     ]
     assert "recipes:" not in run.stdout
+
+
+def test_a_hybrid_stacks_cpu_spec_takes_sequence_and_context_parallelism(monkeypatch):
+    """Config only (no run): the hybrid stack's CPU spec gives every layer kind's norm, the MTP block's and the final
+    norm the tests' norm that takes sequence parallelism, and attention the context-parallel one, as the GPT one does;
+    Megatron-Core's local norm (which refuses sequence parallelism) where the layout has none."""
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    from megatron.core.transformer import TransformerConfig
+
+    from tests.functional_tests.recipe_check.cpu import recipe_hybrid_spec
+    from tests.unit_tests.training.ep_overlap.cp_attention import ContextParallelAttention
+
+    monkeypatch.setattr(hybrid_block, "TENorm", hybrid_block.TENorm)  # the spec sets the final norm in the process
+    for parallel in (True, False):
+        config = TransformerConfig(
+            num_layers=4, hidden_size=16, num_attention_heads=2, num_moe_experts=2, normalization="RMSNorm",
+            tensor_model_parallel_size=2 if parallel else 1, sequence_parallel=parallel,
+            context_parallel_size=2 if parallel else 1, add_bias_linear=False, use_cpu_initialization=True,
+        )  # fmt: skip
+        stack = recipe_hybrid_spec(config).submodules
+        layers = [stack.attention_layer, stack.mlp_layer, stack.moe_layer, stack.mamba_layer]
+        norms = [layer.submodules.input_layernorm for layer in (stack.attention_layer, stack.gdn_layer)]
+        norms += [layer.submodules.pre_mlp_layernorm for layer in layers[1:3]] + [stack.mamba_layer.submodules.norm]
+        mtp = stack.mtp_block_spec.submodules.layer_specs[0].submodules
+        norms += [mtp.enorm, mtp.hnorm, mtp.layer_norm, hybrid_block.TENorm]
+        for norm in norms:
+            params = list(norm(config, 16, eps=1e-5).parameters())
+            assert params and all(getattr(p, "sequence_parallel", False) == parallel for p in params), norm
+        attention = stack.attention_layer.submodules.self_attention.submodules.core_attention
+        assert (attention is ContextParallelAttention) == parallel, attention

@@ -147,9 +147,7 @@ def _specs(model) -> list[str]:
                         "on any hardware; upstream bug)")  # fmt: skip
         return said
     if family == "hybrid":
-        from tests.unit_tests.training.ep_overlap.mcore_models import local_hybrid_stack_spec
-
-        model.hybrid_stack_spec = local_hybrid_stack_spec
+        model.hybrid_stack_spec = recipe_hybrid_spec
         kernels = _kernel_words(model)
         return ["hybrid stack spec -> Megatron-Core local" + sp + kernels]
     model.transformer_layer_spec = recipe_spec
@@ -265,6 +263,51 @@ def recipe_spec(config, vp_stage=None):
     if config.context_parallel_size > 1:
         with_context_parallel_attention(spec)
     return _zero_centered(config, with_sequence_parallel_norms(spec) if config.sequence_parallel else spec)
+
+
+def recipe_hybrid_spec(config):
+    """Megatron-Core's local hybrid stack spec (``mcore_models.local_hybrid_stack_spec``) with, as
+    :func:`recipe_spec` gives a GPT block, the tests' norms that take sequence parallelism (each layer kind's, the MTP
+    block's, the stack's final norm) and attention that takes context parallelism, where the layout has them."""
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from tests.unit_tests.training.ep_overlap.cp_attention import ContextParallelAttention
+    from tests.unit_tests.training.ep_overlap.mcore_models import LocalNorm, local_hybrid_stack_spec
+
+    spec = local_hybrid_stack_spec(config)
+    kinds = [getattr(spec.submodules, name, None) for name in _HYBRID_LAYERS]
+    kinds = [kind for kind in kinds if isinstance(kind, ModuleSpec)]  # a kind the stack lacks is an identity
+    attentions = [getattr(getattr(kind.submodules, "self_attention", None), "submodules", None) for kind in kinds]
+    if config.context_parallel_size > 1:
+        for attention in attentions:
+            if attention is not None and hasattr(attention, "core_attention"):
+                attention.core_attention = ContextParallelAttention
+    if not config.sequence_parallel:
+        return spec
+    hybrid_block.TENorm = NormTakingSP  # the stack's final norm, which it names directly; in this process only
+    mtp = spec.submodules.mtp_block_spec
+    holders = [kind.submodules for kind in kinds] + attentions
+    for holder in holders + ([layer.submodules for layer in mtp.submodules.layer_specs] if mtp is not None else []):
+        for name in _NORMS + ("norm",):  # a Mamba layer's norm is ``norm``; the mixers' own norms stay
+            if holder is not None and getattr(holder, name, None) in (LocalNorm, WrappedTorchNorm):
+                setattr(holder, name, NormTakingSP)
+    return spec
+
+
+_HYBRID_LAYERS = ("attention_layer", "mla_layer", "mlp_layer", "moe_layer", "mamba_layer", "gdn_layer")
+
+
+class NormTakingSP:
+    """The tests' norm that takes sequence parallelism, zero-centred where the config says so: ``LocalNorm`` (in
+    ``mcore_models``) with its weights carrying ``sequence_parallel``."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
+
+        make = ZeroCenteredNormTakingSP if config.layernorm_zero_centered_gamma else SequenceParallelNorm
+        return make(config, hidden_size, eps)
 
 
 class ZeroCenteredNormTakingSP:
