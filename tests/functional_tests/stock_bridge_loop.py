@@ -1,7 +1,7 @@
 """Stock Megatron-Bridge's own training loop on 2 gloo ranks, overlap off and with this project's hook (test-only).
 
     python stock_bridge_loop.py TREE OUT.json [--mtp] [--steps N] [--arms plain,hook] [--packed]
-                                [--full_recompute recipe|hook] [--pp P] [--tp T] [--model olmoe|gpt_oss]
+                                [--full_recompute recipe|hook] [--pp P] [--tp T] [--model olmoe|gpt_oss|latent_mtp]
 
 Run by ``test_stock_bridge_loop.py`` with the scratch interpreter ``stock_bridge.py`` builds. ``TREE`` is the folder
 that holds the ``megatron/bridge`` package this run imports: a site-packages with stock 0.6.2 and our plugin wheel, or
@@ -150,6 +150,12 @@ def recipe(
         for name, value in shrunk.items():
             if name not in kept:  # its own fusions run on CPU as they are
                 setattr(model, name, value)
+    elif model_name == "latent_mtp":  # Nemotron 3 Super's MoE: latent projections (delaying their weight gradients
+        # as Transformer Engine's without gradient_accumulation_fusion do), one MTP layer run for 2 depths, 'moe'
+        # recomputed (as the plain path then adds each depth's weight gradients apart, as the delayed ones are)
+        shrunk |= dict(moe_latent_size=16, mtp_num_layers=2, mtp_use_repeated_layer=True,
+                       recompute_granularity="selective", recompute_modules=["moe"])  # fmt: skip
+        model = local_mtp_provider()(transformer_layer_spec=local_spec, **shrunk)
     else:
         model = (local_mtp_provider() if mtp else OlMoEModelProvider)(transformer_layer_spec=local_spec, **shrunk)
     # Megatron-Core's bf16 optimizer takes CUDA tensors only: on CPU, its fp32 optimizer steps the bf16 weights with
@@ -346,6 +352,10 @@ def rank_main(
     from tests.unit_tests.training.ep_overlap.mcore_cpu import install_cpu_stubs
 
     install_cpu_stubs()
+    if model_name == "latent_mtp":
+        from tests.unit_tests.training.ep_overlap.family_models import install_latent_projections
+
+        install_latent_projections()
     return {
         arm: train_arm(rank, world, arm, mtp, steps, mask_every, packed, full_recompute, pp, tp, model_name)
         for arm in arms
@@ -364,7 +374,7 @@ def main() -> None:
     parser.add_argument("--full_recompute", choices=["", "recipe", "hook"], default="")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (no virtual ones); 2 x PP x TP ranks")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism")
-    parser.add_argument("--model", choices=["olmoe", "gpt_oss"], default="olmoe")
+    parser.add_argument("--model", choices=["olmoe", "gpt_oss", "latent_mtp"], default="olmoe")
     args = parser.parse_args()
     from ep_overlap_lab.multiprocess import run_local_ranks
 

@@ -21,7 +21,7 @@ from megatron.bridge.training.comm_overlap_values import (
     explicit_values,
 )
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, resolve
+from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, delayed_wgrad_to_ddp, resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
@@ -652,6 +652,7 @@ class CommOverlapConfig:
 
         for dp_cfg, target in plan[1:]:  # the optimizer and DDP configs, with the distributed optimizer
             self._apply_cfgs(dp_cfg, target)
+        delayed_wgrad_to_ddp(model_config, ddp_config)
         defer_overlap_flag(model_config)
         if getattr(model_config, "overlap_moe_expert_parallel_comm", False) and (
             os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"

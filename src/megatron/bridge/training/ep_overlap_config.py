@@ -27,7 +27,7 @@ from megatron.bridge.training.comm_overlap_values import (
     explicit_values,
 )
 from megatron.bridge.training.ep_overlap.options import EPOverlapOptions
-from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, resolve
+from megatron.bridge.training.ep_overlap.settings import defer_overlap_flag, delayed_wgrad_to_ddp, resolve
 from megatron.bridge.training.moe_overlap_rules import (
     CommOverlapConfigError,
     Violation,
@@ -95,6 +95,7 @@ class EPOverlapCommOverlapConfig(CommOverlapConfig):
                 setattr(user, flag, value)
         model_config.overlap_moe_expert_parallel_comm = overlap
         model_config.delay_wgrad_compute = delay
+        delayed_wgrad_to_ddp(model_config, ddp_config)
         defer_overlap_flag(model_config)
 
 

@@ -5,9 +5,12 @@ here at a small size, with the stand-ins Megatron-Core's Transformer Engine-only
 
 * :class:`DuplicatedLinear`: Transformer Engine's ``TELinear`` with ``parallel_mode="duplicated"`` (every rank holds
   the whole weight; it returns ``(output, bias or None)``; with ``delay_wgrad_compute`` its backward leaves the weight
-  gradient to ``backward_dw``, as Transformer Engine's does). Megatron-Core builds two modules from it only: an MoE
-  layer's latent projections (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch, ``fc2_latent_proj`` after
-  the combine; it asserts Transformer Engine is installed) and the DSA indexer's projections.
+  gradient to ``backward_dw``, as Transformer Engine's does without ``gradient_accumulation_fusion``, the CPU
+  setting: each ``backward_dw`` call computes the oldest deferred one, then runs the hooks Megatron-Core's DDP
+  registered for the weight, which it marks ``skip_backward_post_hook``). Megatron-Core builds two modules from it
+  only: an MoE layer's latent projections (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch,
+  ``fc2_latent_proj`` after the combine; it asserts Transformer Engine is installed) and the DSA indexer's
+  projections.
   :func:`install_latent_projections` makes ``moe_layer`` take it, in this (forked) process only.
 * :func:`dsa_block_spec`: the local twin of ``get_transformer_block_with_experimental_attention_variant_spec`` for a
   ``dsa`` config (GLM-5's ``transformer_layer_spec``; Transformer Engine only): per layer Megatron-Core's absorbed MLA
@@ -69,7 +72,10 @@ class DuplicatedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight)
         self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
         self.skip_bias_add = skip_bias_add
-        self.config, self.deferred = config, []
+        self.config, self.deferred, self.wgrad_hooks = config, [], []
+        # Megatron-Core's DDP (with its config's delay_wgrad_compute) then hands the weight's gradient to main_grad
+        # from backward_dw's hooks, not from the backward's
+        self.weight.skip_backward_post_hook = True
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
@@ -79,13 +85,21 @@ class DuplicatedLinear(torch.nn.Module):
             out = torch.nn.functional.linear(x, self.weight, bias)
         return (out, self.bias) if self.skip_bias_add else (out, None)
 
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        """Megatron-Core's DDP registers its backward post-hook for the weight here (as on Transformer Engine's)."""
+        self.wgrad_hooks.append(hook)
+
     def backward_dw(self) -> None:
-        """The weight gradients the backward deferred (``delay_wgrad_compute``), as Transformer Engine's
-        ``backward_dw`` runs them: each added to ``weight.grad`` in the order the backwards ran."""
-        deferred, self.deferred = self.deferred, []
-        for grad_out, x in deferred:
-            wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-            self.weight.grad = wgrad if self.weight.grad is None else self.weight.grad + wgrad
+        """One weight gradient the backward deferred (``delay_wgrad_compute``), the oldest, as Transformer Engine's
+        ``backward_dw`` runs it (a module used twice in a microbatch needs two calls): added to ``weight.grad``
+        (where no DDP hook takes it, the calls of a step sum there), then the DDP's hooks."""
+        if not self.deferred:
+            return
+        grad_out, x = self.deferred.pop(0)
+        wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        self.weight.grad = wgrad if self.weight.grad is None else self.weight.grad + wgrad
+        for hook in self.wgrad_hooks:
+            hook()
 
 
 class _DeferredWgrad(torch.autograd.Function):

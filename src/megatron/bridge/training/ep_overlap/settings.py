@@ -133,6 +133,16 @@ def defer_overlap_flag(model_config: Any) -> bool:
     return True
 
 
+def delayed_wgrad_to_ddp(model_config: Any, ddp_config: Any) -> None:
+    """Sets the DDP config's ``delay_wgrad_compute`` where the model config's is on, as Megatron-LM's arguments do
+    (Bridge leaves it off): only with it does Megatron-Core's DDP take a delaying Transformer Engine linear's weight
+    gradient into ``main_grad`` and the grad reduce from ``backward_dw``. Without it, each microbatch's delayed weight
+    gradient reaches ``main_grad`` in the next microbatch's backward and the step's last one never (without
+    ``gradient_accumulation_fusion``), or the overlapped grad reduce starts before them."""
+    if getattr(model_config, "delay_wgrad_compute", False) and hasattr(ddp_config, "delay_wgrad_compute"):
+        ddp_config.delay_wgrad_compute = True
+
+
 def apply_deferred(model_config: Any, *, built: bool = False) -> dict[str, Any]:
     """Sets on ``model_config`` what :func:`defer_overlap_flag` kept off it; returns those fields. ``built``: the
     model was built without them (the hook), so its linears compute their weight gradients in the backward."""

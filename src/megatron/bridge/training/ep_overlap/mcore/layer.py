@@ -100,8 +100,11 @@ def routed_experts_backward_dw(mlp: torch.nn.Module) -> None:
 
 
 def mtp_backward_dw(mtp_block: torch.nn.Module, microbatch: int | None) -> None:
-    """The delayed weight gradients of the MTP block the head runs whole: each depth's projection and layers."""
-    for depth in mtp_block.layers:
+    """The delayed weight gradients of the MTP block the head runs whole: each depth's projection and layers, once
+    per forward use (Transformer Engine's ``backward_dw`` runs one deferred wgrad a call; a repeated MTP layer runs
+    ``mtp_num_layers`` times)."""
+    uses = mtp_block.config.mtp_num_layers if getattr(mtp_block, "mtp_use_repeated_layer", False) else 1
+    for depth in list(mtp_block.layers) * uses:
         if hasattr(depth.eh_proj, "backward_dw"):
             depth.eh_proj.backward_dw()
         stack = depth.mtp_model_layer
