@@ -195,8 +195,9 @@ CASES = {
     "chunks_z_loss": (({"moe_z_loss_coeff": 0.001}, CHUNKS), ({"moe_z_loss_coeff": None}, CHUNKS)),
     "chunks_capacity": (({"moe_expert_capacity_factor": 1.0}, CHUNKS), ({}, CHUNKS)),
     "chunks_micro_batch": (({}, {**CHUNKS, "micro_batch": 1}), ({}, {**CHUNKS, "micro_batch": 2})),
-    # Megatron-Core's own plan drives Megatron-FSDP's per-layer hooks; this project's plan does not.
-    "megatron_fsdp": ((BRIDGE, {"fsdp": True}), (BRIDGE, {})),
+    # Megatron-FSDP runs at PP 1 (Megatron-Core's driver sets the plan's per-layer reshard hooks); no pipeline driver
+    # makes its calls.
+    "megatron_fsdp": (({**BRIDGE, "pipeline_model_parallel_size": 2}, {"fsdp": True}), (BRIDGE, {"fsdp": True})),
 }
 
 

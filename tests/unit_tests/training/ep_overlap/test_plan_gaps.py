@@ -1,5 +1,5 @@
 """What Megatron-Core's plan trains and ours once did not: experts' inputs padded to capacity run bitwise;
-Megatron-FSDP is refused by name at setup, with the fix."""
+Megatron-FSDP runs at PP 1 (test_megatron_fsdp) and with a pipeline is refused by name at setup, with the fix."""
 
 import pytest
 
@@ -31,7 +31,7 @@ def test_experts_padded_to_capacity_train_bitwise():
 
 
 @pytest.mark.parametrize("bridge_checks", [True, False], ids=["in-tree", "plugin"])
-def test_megatron_fsdp_is_refused_by_name_at_setup(fake_versions, monkeypatch, bridge_checks):
+def test_megatron_fsdp_with_a_pipeline_is_refused_by_name_at_setup(fake_versions, monkeypatch, bridge_checks):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -44,14 +44,15 @@ def test_megatron_fsdp_is_refused_by_name_at_setup(fake_versions, monkeypatch, b
     # in-tree, CommOverlapConfig runs the rules itself; the plugin's config runs them on any Megatron-Bridge
     monkeypatch.setattr(CommOverlapConfig, "checks_ep_overlap_rules", bridge_checks)
 
-    def setup(fsdp: bool):
-        model = use_bridge_schedule(moe_model())
+    def setup(fsdp: bool, pipeline: int = 2):
+        model = use_bridge_schedule(moe_model(pipeline_model_parallel_size=pipeline))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, use_megatron_fsdp=fsdp)
         EPOverlapCommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True).setup(
             model, OptimizerConfig(), ddp
         )
 
     setup(False)
+    setup(True, pipeline=1)
     with pytest.raises(CommOverlapConfigError) as raised:
         setup(True)
     lines = [line for line in str(raised.value).splitlines() if "use_megatron_fsdp" in line]

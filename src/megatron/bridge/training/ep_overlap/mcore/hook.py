@@ -7,6 +7,8 @@ tensor set by ``set_input_tensor``. A rank's chunks share one lane (one all-to-a
 
 import logging
 from datetime import timedelta
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -108,6 +110,14 @@ class EPOverlapSchedulePlan(AbstractSchedulePlan):
         self.builder, self.nodes, self.event = builder, nodes, event
         self.vp_stage = builder.chunk.model.vp_stage
         self.input_tensor = input_tensor  # what Megatron-Core set as this chunk's input (None on the first chunk)
+
+    def num_layers(self) -> int:
+        """Megatron-FSDP (``optim_grads_params``): Megatron-Core's driver sets each layer's reshard hooks."""
+        return len(self.nodes.layers)
+
+    def get_layer(self, i: int) -> SimpleNamespace:
+        layer, delayed = self.nodes.layers[i], self.builder.settings.delay_wgrad
+        return SimpleNamespace(set_fsdp_reshard_hooks=partial(layer.set_fsdp_reshard_hooks, after_wgrad=delayed))
 
     @staticmethod
     @stops_with_a_peers_reason  # a count mismatch a peer posted, not the collective it left

@@ -95,6 +95,16 @@ class LayerNodes:
         self._replaying = False
         self._input = self._exchanged = self._rng = None
 
+    _fsdp = None  # Megatron-FSDP's releases of this layer's parameters: (after forward, after backward, wgrad last)
+
+    def set_fsdp_reshard_hooks(self, post_forward, post_backward, after_wgrad: bool = False) -> None:
+        """Megatron-FSDP's per-layer releases where Megatron-Core's plan makes them: after the layer's last forward
+        node and after its backward (its attention's weight gradients, when delayed). Layers the plan runs whole
+        release theirs through FSDP's own module hooks."""
+        module = getattr(self.layer, "layer", None)  # the layer run by parts
+        if module is not None:
+            self._fsdp = (lambda: post_forward(module), lambda: post_backward(module), after_wgrad)
+
     @property
     def _autograd(self) -> bool:
         """Whether the forward ops now build a graph: a training step's forward, unless it is replayed later."""
@@ -280,6 +290,8 @@ class LayerNodes:
                 _release_early(back, self.lane)
             if self._fused and self._frees("moe_combine"):
                 _free(self.expert_out)
+        if self._fsdp is not None:
+            self._fsdp[0]()
         if self.grad and not self._autograd:
             return self._forget_forward()
         return self.out
@@ -391,11 +403,15 @@ class LayerNodes:
             _backward([self.h, *self.send, *kept], [_grad(self.h_in), *self._grad_send, *kept_grads])
         grad_in = _grad(self.x)
         self.x = self.h = self.send = self.keep = self.h_in = self.keep_in = self.routing = self._grad_send = None
+        if self._fsdp is not None and not self._fsdp[2]:
+            self._fsdp[1]()
         return grad_in
 
     def wgrad_attention(self) -> None:
         with self._compute("attention_wgrad"):
             self.layer.attention_backward_dw()
+        if self._fsdp is not None and self._fsdp[2]:
+            self._fsdp[1]()
 
 
 class ChunkIO:
