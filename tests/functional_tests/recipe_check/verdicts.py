@@ -31,7 +31,7 @@ def gpu_verdict(cfg) -> dict:
         model,
         EPOverlapOptions(overlap=True, delay_wgrad=True, attention_wgrad_window=1),
         overlap_grad_reduce=bool(getattr(cfg.ddp, "overlap_grad_reduce", False)),
-        megatron_fsdp=bool(getattr(cfg.ddp, "use_megatron_fsdp", False)),  # refused at setup (rule megatron_fsdp)
+        megatron_fsdp=bool(getattr(cfg.ddp, "use_megatron_fsdp", False)),  # with PP > 1 refused (rule megatron_fsdp)
         micro_batch_size=getattr(cfg.train, "micro_batch_size", None),
         torch_at_least=lambda version: True,
         te_at_least=lambda version: True,
