@@ -108,16 +108,15 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
                 "(Megatron-Bridge's model passes none across pipeline stages); fix: put at least "
                 f"{self.deepstack_count} layers on the first chunk, {_OFF}"
             )
-        layers, numbers = [], []
+        scheduled, numbers = [], []
         for position, layer in enumerate(layers):
             number = layer.layer_number - 1  # Megatron-Core counts from 1
             deepstack = self.pre_process and position < self.deepstack_count
-            scheduled = (
+            scheduled.append(
                 _DeepstackLayer(layer, number, self, position) if deepstack else McoreLayer(layer, number, self)
             )
-            layers.append(scheduled)
             numbers.append(number)
-        return layers, numbers
+        return scheduled, numbers
 
     def parameters(self):
         return self.vision_language.parameters()
