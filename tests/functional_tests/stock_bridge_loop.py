@@ -151,9 +151,9 @@ def recipe(
             if name not in kept:  # its own fusions run on CPU as they are
                 setattr(model, name, value)
     elif model_name == "latent_mtp":  # Nemotron 3 Super's MoE: latent projections (delaying their weight gradients
-        # as Transformer Engine's without gradient_accumulation_fusion do), one MTP layer run for 2 depths, 'moe'
-        # recomputed (as the plain path then adds each depth's weight gradients apart, as the delayed ones are)
-        shrunk |= dict(moe_latent_size=16, mtp_num_layers=2, mtp_use_repeated_layer=True,
+        # as Transformer Engine's without gradient_accumulation_fusion do), 2 MTP depths, 'moe' recomputed. (One MTP
+        # layer repeated for them, as the recipe has it, needs the fusion with delayed wgrad: a rule refuses it.)
+        shrunk |= dict(moe_latent_size=16, mtp_num_layers=2,
                        recompute_granularity="selective", recompute_modules=["moe"])  # fmt: skip
         model = local_mtp_provider()(transformer_layer_spec=local_spec, **shrunk)
     else:

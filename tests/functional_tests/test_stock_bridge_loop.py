@@ -146,12 +146,11 @@ def test_with_the_patch_the_plain_1f1b_pipeline_pairs_bitwise_equal_in_bridges_l
             assert hook[what] == plain[what], what
 
 
-def test_delayed_latent_and_repeated_mtp_wgrads_all_reach_main_grad_in_bridges_loop(python, patched, tmp_path):
+def test_delayed_latent_and_mtp_wgrads_all_reach_main_grad_in_bridges_loop(python, patched, tmp_path):
     """Nemotron 3 Super's MoE (recipe check): latent projections whose weight gradients Transformer Engine delays
     (the tests' stand-in, without gradient_accumulation_fusion: one deferred gradient per ``backward_dw``, handed to
-    ``main_grad`` by the DDP's hooks) and one MTP layer run for 2 depths. Every microbatch's delayed gradient reaches
-    ``main_grad`` only where the DDP config delays too (Bridge leaves it off), and the repeated MTP layer's second
-    depth only where its ``backward_dw`` runs once per depth."""
+    ``main_grad`` by the DDP's hooks) and 2 MTP depths. Every microbatch's delayed gradient reaches ``main_grad`` only
+    where the DDP config delays too (Bridge leaves it off)."""
     ranks = _arms(python, patched, tmp_path / "out.json", "--steps", "2", "--model", "latent_mtp")
     for rank in ranks:
         assert rank["hook"]["plan"] == "EPOverlapPlanBuilder" and rank["hook"]["dispatches"] == 3 * 2 * 2

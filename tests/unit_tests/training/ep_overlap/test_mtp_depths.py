@@ -82,3 +82,34 @@ def test_a_provider_with_two_mtp_layers_gets_the_flag_after_megatron_cores_check
     # Megatron-Core's own schedule runs one MTP layer at most: the rule refuses it there, naming both fixes.
     with pytest.raises(CommOverlapConfigError, match=r"\[mtp_layers\].*use_ep_overlap_schedule"):
         CommOverlapConfig(**requested).setup(DeferringProvider(mtp_num_layers=2))
+
+
+class _Deferring:
+    """A linear that deferred one weight gradient per forward use; ``backward_dw`` runs one (Transformer Engine's)."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def backward_dw(self) -> None:
+        self.calls.append(self.name)
+
+
+@pytest.mark.parametrize("repeated", [True, False])
+def test_the_mtp_blocks_delayed_wgrads_run_once_per_forward_use(repeated):
+    from types import SimpleNamespace
+
+    from megatron.bridge.training.ep_overlap.mcore.layer import mtp_backward_dw
+
+    calls = []
+    config = SimpleNamespace(mtp_num_layers=2, cuda_graph_impl="none", cuda_graph_modules=[])
+
+    def depth(i: int):
+        attention, mlp = _Deferring(f"attention{i}", calls), _Deferring(f"mlp{i}", calls)
+        layer = SimpleNamespace(config=config, training=True, is_moe_layer=False, self_attention=attention, mlp=mlp)
+        return SimpleNamespace(eh_proj=_Deferring(f"eh_proj{i}", calls), mtp_model_layer=layer)
+
+    # One MTP layer run for both depths (mtp_use_repeated_layer), or a layer per depth.
+    depths = [depth(0)] if repeated else [depth(0), depth(1)]
+    mtp_backward_dw(SimpleNamespace(config=config, mtp_use_repeated_layer=repeated, layers=depths), microbatch=0)
+    per_use = [[f"eh_proj{i}", f"attention{i}", f"mlp{i}"] for i in ((0, 0) if repeated else (0, 1))]
+    assert calls == [name for use in per_use for name in use]

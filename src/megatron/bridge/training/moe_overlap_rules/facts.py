@@ -60,6 +60,7 @@ _MODEL_FIELDS: dict[str, Any] = {
     "moe_shared_expert_overlap": False,
     "moe_shared_expert_intermediate_size": None,
     "mtp_num_layers": None,
+    "mtp_use_repeated_layer": False,
     "gradient_accumulation_fusion": False,
     "add_bias_linear": False,
     "add_qkv_bias": False,

@@ -146,6 +146,16 @@ DELAY_WGRAD_RULES: tuple[Rule, ...] = (
         "upgrade transformer-engine to >= 2.7.0, or set gradient_accumulation_fusion=False.",
     ),
     Rule(
+        "delay_wgrad_repeated_mtp_unfused",
+        ("model.mtp_use_repeated_layer", "model.mtp_num_layers", "model.gradient_accumulation_fusion"),
+        lambda f: delay_wgrad_on(f) and f["model.mtp_use_repeated_layer"] and (f["model.mtp_num_layers"] or 0) > 1,
+        lambda f: bool(f["model.gradient_accumulation_fusion"]),
+        "a repeated MTP layer's delayed weight gradients reach main_grad one use at a time, where the plain path's "
+        "autograd sums its uses first; without gradient_accumulation_fusion (which accumulates each use into "
+        "main_grad on both paths) the two round differently.",
+        "set gradient_accumulation_fusion=True, or delay_wgrad_compute=False, or mtp_use_repeated_layer=False.",
+    ),
+    Rule(
         "delay_wgrad_graph_te",
         (GRAPH_MODULES, TE),
         lambda f: graph_scope_needs_te_wgrad(f) and f[TE] is not None,
