@@ -2,8 +2,8 @@
 the real ``CudaLane``, a planted missing wait and a planted early free (both reported), Megatron-Core's own plan as
 the control, and our plan clean and bitwise equal to the plain path, creating no more events than Megatron-Core's:
 alltoall with delayed wgrad, graphed ``moe_preprocess`` (static buffers), PP 2 x VPP 2, the static-shape flex
-stand-in, MTP with full recompute in fp8 contexts, ``moe`` recompute's replay, and (``-m wide``) Qwen3-VL and Qwen3.5-VL in the stock-Bridge
-interpreter. The arms of one case train in turn on the same forked ranks."""
+stand-in, MTP with full recompute in fp8 contexts, ``moe`` recompute's replay, and (``-m wide``) Qwen3-VL and
+Qwen3.5-VL in the stock-Bridge interpreter. The arms of one case train in turn on the same forked ranks."""
 
 import functools
 import json
