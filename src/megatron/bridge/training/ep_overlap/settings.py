@@ -139,8 +139,12 @@ def delayed_wgrad_to_ddp(model_config: Any, ddp_config: Any) -> None:
     gradient into ``main_grad`` and the grad reduce from ``backward_dw``. Without it, each microbatch's delayed weight
     gradient reaches ``main_grad`` in the next microbatch's backward and the step's last one never (without
     ``gradient_accumulation_fusion``), or the overlapped grad reduce starts before them."""
-    if getattr(model_config, "delay_wgrad_compute", False) and hasattr(ddp_config, "delay_wgrad_compute"):
+    if getattr(model_config, "delay_wgrad_compute", False) and not getattr(ddp_config, "delay_wgrad_compute", True):
         ddp_config.delay_wgrad_compute = True
+        logger.info(
+            "ddp.delay_wgrad_compute set to True with the model's delay_wgrad_compute, as Megatron-LM sets both: "
+            "else the DDP hooks miss delayed weight gradients."
+        )
 
 
 def apply_deferred(model_config: Any, *, built: bool = False) -> dict[str, Any]:
