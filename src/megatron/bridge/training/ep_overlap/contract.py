@@ -108,6 +108,9 @@ class LayerHooks:
     exchange_splits_off_host: bool = False
     # full recompute may replay the forward; ``replay_splits(routing, exchanged)`` then reuses its first split sizes
     replays_forward: bool = False
+    # 'moe' in recompute_modules: a one-layer recompute segment whose replay starts at the attention's output
+    # (``attention(x)`` and ``moe_pre_dispatch(h)`` split ``pre_dispatch``)
+    recomputes_moe: bool = False
 
     def rng_states(self) -> Any:
         """The random states a replayed forward starts from (None: the layer draws nothing to replay)."""

@@ -92,7 +92,7 @@ class McoreChunk(ChunkHooks):
         # The MTP layer is not one: Megatron-Core's MTP block checkpoints it inside the head. With 'moe' recomputed,
         # each such MoE layer is a segment of its own whose MoE part the plan replays.
         self.recompute_segments = self.settings.segments(len(self.layers)) or tuple(
-            (i, i + 1) for i, layer in enumerate(self.layers) if getattr(layer, "recomputes_moe", False)
+            (i, i + 1) for i, layer in enumerate(self.layers) if layer.recomputes_moe
         )
         if delay_wgrad:
             check_delayed_wgrad(self.layers)
@@ -243,9 +243,7 @@ class McoreChunk(ChunkHooks):
     def run_segment(self, first: int, stop: int, x_SBH: torch.Tensor) -> torch.Tensor:
         """A recomputed segment, under a reentrant checkpoint as Megatron-Core's block checkpoints its layers (a layer
         recomputing 'moe' checkpoints its MoE layer itself)."""
-        if getattr(self.layers[first], "recomputes_moe", False) or not (
-            torch.is_grad_enabled() and x_SBH.requires_grad
-        ):
+        if self.layers[first].recomputes_moe or not (torch.is_grad_enabled() and x_SBH.requires_grad):
             return self._run_units(first, stop, x_SBH)
         run = functools.partial(self._run_units, first, stop)
         return torch.utils.checkpoint.checkpoint(run, x_SBH, use_reentrant=True, preserve_rng_state=False)

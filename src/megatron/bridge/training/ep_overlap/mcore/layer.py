@@ -276,9 +276,11 @@ class McoreLayer(_ScheduledLayer):
         self.undelayable = _undelayable(self.before)
         # 'moe' in recompute_modules: the plan replays the MoE part in backward (a one-layer recompute segment).
         self.recomputes_moe = self.is_moe and bool(getattr(layer.mlp, "moe_layer_recompute", False))
-        graphed = moe_recompute_graph_refusal(config, has_attention=not isinstance(layer.self_attention, IdentityOp))
-        if self.recomputes_moe and graphed is not None:
-            raise ValueError(f"{self.name}: {graphed}")
+        if self.recomputes_moe:
+            attention = not isinstance(layer.self_attention, IdentityOp)
+            graphed = moe_recompute_graph_refusal(config, has_attention=attention)
+            if graphed is not None:
+                raise ValueError(f"{self.name}: {graphed}")
 
     def __call__(self, x_SBH: torch.Tensor) -> torch.Tensor:
         return self._run([*self.before, self.layer], x_SBH)

@@ -91,7 +91,7 @@ class LayerNodes:
         self.position = position  # in the chunk (``index`` is the layer's global number)
         self.segment = segment if grad else None
         # 'moe' recompute (a one-layer segment): the attention keeps its graph; the MoE part replays from its output
-        self.moe_replay = self.segment is not None and getattr(layer, "recomputes_moe", False)
+        self.moe_replay = self.segment is not None and layer.recomputes_moe
         self._replaying = False
         self._input = self._exchanged = self._rng = None
 
