@@ -204,7 +204,6 @@ CASES = {
     # Megatron-FSDP runs at PP 1 (Megatron-Core's driver sets the plan's per-layer reshard hooks); no pipeline driver
     # makes its calls.
     "megatron_fsdp": (({**BRIDGE, "pipeline_model_parallel_size": 2}, {"fsdp": True}), (BRIDGE, {"fsdp": True})),
-    "megatron_fsdp_mtp": (({**BRIDGE, "mtp_num_layers": 1}, {"fsdp": True}), ({**BRIDGE, "mtp_num_layers": 1}, {})),
 }
 
 

@@ -3,6 +3,7 @@
 Model classes differ only in decoder stack and final norm; one MTP layer runs in the head as ``_postprocess`` does.
 """
 
+import contextlib
 import functools
 from collections import deque
 
@@ -32,8 +33,10 @@ class TiedWeight:
         self.held: deque[torch.Tensor] = deque()
         weight.register_hook(self._embedding_grad)
 
-    def alias(self) -> torch.Tensor:
-        alias = self.weight.detach().requires_grad_(self.weight.requires_grad)
+    def alias(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """A leaf sharing ``weight``'s storage (by default the one this was built with) whose gradient is held."""
+        weight = self.weight if weight is None else weight
+        alias = weight.detach().requires_grad_(weight.requires_grad)
         alias.register_hook(self._hold)
         return alias
 
@@ -43,6 +46,41 @@ class TiedWeight:
 
     def _embedding_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
         return grad + self.held.popleft() if self.held else None
+
+
+@contextlib.contextmanager
+def aliased_while_running(module: torch.nn.Module, aliases: dict, tied: dict):
+    """While ``module`` runs, each tied parameter is swapped for this microbatch's alias only around its owning
+    submodule's forward: after Megatron-FSDP's pre-forward hook gathered it (the alias is taken from the gathered
+    parameter) and before its post-forward hook releases it, so FSDP's hooks only ever see its own parameters.
+    ``aliases`` (name -> alias) is filled as they are made, for the head's other uses of the same weight."""
+    handles = []
+    for name in tied:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+
+        def swap(owner, args, name=name, leaf=leaf):
+            real = owner._parameters[leaf]
+            if name not in aliases:
+                aliases[name] = tied[name].alias(real)
+            owner._parameters[leaf] = aliases[name]  # a plain tensor: setattr would refuse it
+            restores.append((owner, leaf, real))
+
+        handles.append(owner.register_forward_pre_hook(swap))
+        handles.append(owner.register_forward_hook(lambda owner, args, out: _restore(restores, owner), prepend=True))
+    restores: list = []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        _restore(restores, None)
+
+
+def _restore(restores: list, owner: torch.nn.Module | None) -> None:
+    for entry in [e for e in restores if owner is None or e[0] is owner]:
+        restores.remove(entry)
+        entry[0]._parameters[entry[1]] = entry[2]
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -169,10 +207,12 @@ class McoreChunk(ChunkHooks):
             position_ids_BS, attention_mask = microbatch.position_ids, microbatch.attention_mask
             packed_seq_params, rotary_pos_emb = microbatch.packed_seq_params, microbatch.rotary_pos_emb
         model = self.model
-        aliases = {name: tied.alias() for name, tied in self._tied.items()}
+        aliases = {}  # this microbatch's alias of each tied weight, shared by its uses in the head
         weight = None
         if model.share_embeddings_and_output_weights:
-            weight = aliases.get("word_embeddings.weight", model.shared_embedding_or_output_weight())
+            weight = model.shared_embedding_or_output_weight()
+            if "word_embeddings.weight" in self._tied:
+                weight = aliases["word_embeddings.weight"] = self._tied["word_embeddings.weight"].alias()
         x_SBH = self._final_norm(x_SBH)
         if self.mtp:
             if tokens_BS is None:
@@ -211,8 +251,14 @@ class McoreChunk(ChunkHooks):
         return model.compute_language_model_loss(labels_BS, model._scale_logits(logits))
 
     def _mtp_embedding(self, aliases: dict):
-        """The embedding the MTP block calls: the model's, with this microbatch's aliases of tied weights."""
-        return lambda **inputs: torch.func.functional_call(self.model.embedding, aliases, (), inputs)
+        """The embedding the MTP block calls: the model's own module, running on this microbatch's aliases of its
+        tied weights (:func:`aliased_while_running`)."""
+
+        def embed(**inputs):
+            with aliased_while_running(self.model.embedding, aliases, self._tied):
+                return self.model.embedding(**inputs)
+
+        return embed
 
     def head_loss(
         self,
