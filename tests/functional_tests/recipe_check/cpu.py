@@ -101,6 +101,11 @@ def on_cpu(cfg) -> list[str]:
     if getattr(model, "fine_grained_activation_offloading", False):  # Bridge's validate wants Transformer Engine
         said.append("fine-grained activation offloading -> off (Bridge takes it with Transformer Engine layers only)")
         model.fine_grained_activation_offloading = False
+    if getattr(cfg.ddp, "use_megatron_fsdp", False):  # the loop's small config wraps with Megatron DDP
+        said.append("Megatron-FSDP -> Megatron DDP (FSDP under the plan: test_megatron_fsdp.py)")
+    if getattr(model, "init_model_with_meta_device", False):  # only Megatron-FSDP materializes a meta model
+        said.append("meta-device init -> off")
+        model.init_model_with_meta_device = False
     defaults = {f.name: f for f in dataclasses.fields(model)}
     for name in _GPU_ONLY + _OFFLOADING:
         field = defaults.get(name)
