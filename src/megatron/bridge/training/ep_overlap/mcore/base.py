@@ -1,4 +1,4 @@
-"""What every Megatron-Core plan shares: the two ends, the loss, the EP groups (refusals: ``refusals.py``).
+"""What every Megatron-Core chunk adapter shares: the two ends, the loss, the EP groups (refusals: ``refusals.py``).
 
 Model classes differ only in decoder stack and final norm; one MTP layer runs in the head as ``_postprocess`` does.
 """

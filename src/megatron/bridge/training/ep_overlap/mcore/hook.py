@@ -234,14 +234,15 @@ class _DriverCall:
             self.post_backward(None)
 
 
-PLANS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
+CHUNK_ADAPTERS = {GPTModel: McoreGPTChunk, HybridModel: McoreHybridChunk}
 
 
 def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChunk:
-    """The plan for a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``; else ValueError naming the fix."""
-    for model_class, plan_class in PLANS.items():
+    """The chunk adapter for a ``GPTModel``, ``HybridModel`` or Bridge's ``Qwen3VLModel``; else ValueError naming the
+    fix."""
+    for model_class, adapter_class in CHUNK_ADAPTERS.items():
         if isinstance(model, model_class):
-            return plan_class(model, delay_wgrad=delay_wgrad)
+            return adapter_class(model, delay_wgrad=delay_wgrad)
     if is_vision_language(model):
         return McoreVisionLanguageChunk(model, delay_wgrad=delay_wgrad)
     raise ValueError(
@@ -254,7 +255,7 @@ def chunk_for(model: torch.nn.Module, *, delay_wgrad: bool = False) -> McoreChun
 def checked_chunk(
     model: torch.nn.Module, attention_wgrad_window: int | None, high_priority: bool
 ) -> tuple[Settings, McoreChunk]:
-    """The settings and plan the hook runs ``model`` with, after every check (no collective)."""
+    """The settings and chunk adapter the hook runs ``model`` with, after every check (no collective)."""
     config = model.config
     options = EPOverlapOptions(
         delay_wgrad=bool(config.delay_wgrad_compute),
@@ -279,7 +280,7 @@ def checked_chunk(
 
 
 class EPOverlapPlanBuilder:
-    """``build_schedule_plan`` for one model chunk, with :func:`checked_chunk`'s settings and plan."""
+    """``build_schedule_plan`` for one model chunk, with :func:`checked_chunk`'s settings and chunk adapter."""
 
     def __init__(self, session: _RankSession, settings: Settings, chunk: McoreChunk):
         self.settings, self.chunk, self.session = settings, chunk, session
@@ -390,8 +391,8 @@ def use_ep_overlap_schedule(
     if torch.distributed.is_initialized() and groups.ep_size > 1:
         agreement = Agreement(gloo_group_like(groups.ep_group, timeout)[0])
     session = _RankSession(groups, high_priority, agreement)
-    for model, (settings, plan) in zip(models, checked):
-        model.build_schedule_plan = EPOverlapPlanBuilder(session, settings, plan)
+    for model, (settings, chunk) in zip(models, checked):
+        model.build_schedule_plan = EPOverlapPlanBuilder(session, settings, chunk)
     return models
 
 
