@@ -2,17 +2,21 @@
 this project's plan through the hook (test-only; run by ``test_vision_language.py`` in the stock-Bridge scratch
 interpreter).
 
-    python vl_hook_worker.py TREE OUT.json [--pp 1|2] [--tp 1|2] [--steps N] [--models qwen3_vl,qwen35_vl]
-                             [--full_recompute] [--mutate vision|mrope|mrope-later|deepstack|mtp-rotary|sp-split]
+    python vl_hook_worker.py TREE OUT.json [--pp 1|2] [--tp 1|2] [--cp 1|2] [--steps N] [--models qwen3_vl,qwen35_vl]
+                             [--full_recompute] [--mutate vision|mrope|...|sp-split|cp-split]
 
 Two gloo ranks with EP 2 (``--pp 2``: four, PP 2 x VPP 2 x EP 2, Megatron-Core's interleaved schedule with its P2P
-hooks; ``--tp 2`` doubles the ranks: TP 2 with sequence parallelism, the tests' norms taking it). Each model of
-``--models`` is Bridge's ``Qwen3VLModel`` as its provider builds it, small (``vl_support.py``: local specs, images of 4
-x 4 patches made here): Qwen3-VL's attention layers and deepstack features, or Qwen3.5-VL's gated delta net and gated
+hooks; ``--tp 2`` doubles the ranks: TP 2 with sequence parallelism, the tests' norms taking it; ``--cp 2`` makes the
+two ranks a context-parallel pair, which EP 2 spans: the tests' attention takes it, and the step splits labels and
+loss mask over the pair and leaves the input ids whole, as ``qwen3_vl_step`` does). Each model of ``--models`` is
+Bridge's ``Qwen3VLModel`` as its provider builds it, small (``vl_support.py``: local specs, images of 4 x 4 patches
+made here): Qwen3-VL's attention layers and deepstack features, or Qwen3.5-VL's gated delta net and gated
 attention layers with gated shared experts and one MTP layer. Every step mixes microbatches with images (one row with
 two) and text-only ones. The forward step is ``qwen3_vl_step.forward_step``'s, patched: the plan gets the forward's
-arguments, images included. Each arm trains ``--steps`` Adam steps and writes every microbatch's logged loss and every
-gradient.
+arguments, images included. Each arm trains ``--steps`` Adam steps and writes every microbatch's logged loss, every
+gradient and every parameter after each step, and the patches each call of the vision tower got.
+``--vision_dp_when_cp`` (with ``--cp 2``): each context-parallel rank runs its share of a microbatch's images through
+the vision tower and the ranks gather the embeddings (the model's ``vision_dp_when_cp``).
 
 
 ``--full_recompute``: the language layers recomputed (``uniform``, 1), set on the built config in both arms, as the
@@ -20,7 +24,9 @@ hook's keyword sets it (the vision tower is built without it). ``--mutate`` make
 to show the test catches it: ``vision`` (the vision tower and its merge), ``mrope`` (text positions instead of the
 images' on every chunk), ``mrope-later`` (on chunks without the embedding only), ``deepstack`` (the deepstack
 features), ``mtp-rotary`` (the MTP layer in the head without the microbatch's multimodal rotary embedding),
-``sp-split`` (with ``--tp 2``: every rank keeps the first part of the image mask and deepstack features).
+``sp-split`` (with ``--tp 2``: every rank keeps the first part of the image mask and deepstack features),
+``cp-split`` (with ``--cp 2``: every rank keeps the first context-parallel part of the merged embeddings, image mask,
+deepstack features and positions).
 """
 
 import argparse
@@ -48,12 +54,21 @@ def masked_token_loss(loss_mask_BS, per_token_BS):
 def vl_forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """``qwen3_vl_step.forward_step`` as this project's patch makes it: the plain forward and the plan get the same
     arguments (position ids None: the model computes its multimodal ones; the images and their grids)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
     batch = next(data_iterator)
     visual = batch["visual_inputs"]
     images = visual.normalized_for_model() if visual is not None else {}
-    args = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=batch["labels"],
-                loss_mask=batch["loss_mask"], **images)  # fmt: skip
-    loss_func = partial(masked_token_loss, batch["loss_mask"])
+    # This context-parallel rank's labels and loss mask; the input ids stay whole (the model splits them).
+    split = get_batch_on_this_cp_rank(
+        {"labels": batch["labels"], "loss_mask": batch["loss_mask"]},
+        is_hybrid_cp=False,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
+    args = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=split["labels"],
+                loss_mask=split["loss_mask"], **images)  # fmt: skip
+    loss_func = partial(masked_token_loss, split["loss_mask"])
     if return_schedule_plan:
         return model.build_schedule_plan(**args), loss_func
     return model(**args), loss_func
@@ -92,6 +107,12 @@ def mutate(part: str) -> None:
 
         split = utils.split_deepstack_embs
         utils.split_deepstack_embs = lambda *args, **kwargs: split(*args, **{**kwargs, "tp_rank": 0})
+    elif part == "cp-split":  # the plan's splits only: every rank keeps the first context-parallel part
+        import megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils as utils
+
+        split, split_deepstack = utils.split_data_cp_rank, utils.split_deepstack_embs
+        utils.split_data_cp_rank = lambda val, cp_size, seq_dim, cp_rank=None: split(val, cp_size, seq_dim, 0)
+        utils.split_deepstack_embs = lambda *args, **kwargs: split_deepstack(*args, **{**kwargs, "cp_rank": 0})
 
 
 def build_chunks(provider, pp: int) -> list:
@@ -138,20 +159,23 @@ def _as_get_model_leaves_it(model, vp_stage):
     return model.bfloat16()
 
 
-def rank_main(rank: int, world: int, pp: int, steps: int, part: str, models: list[str], recompute: bool, tp: int = 1):
+def rank_main(rank: int, world: int, pp: int, steps: int, part: str, models: list[str], recompute: bool, tp: int = 1,
+              cp: int = 1, vision_dp: bool = False):  # fmt: skip
     from tests.unit_tests.training.ep_overlap.mcore_cpu import init_megatron, install_cpu_stubs
 
     install_cpu_stubs()
-    init_megatron(2, pp, 2 if pp > 1 else None, tensor=tp)
+    init_megatron(2, pp, 2 if pp > 1 else None, tensor=tp, context=cp)
     from tests.functional_tests import vl_support
 
     vl_support.use_local_specs()
     if part:
         mutate(part)
-    return {name: train_arms(name, pp, steps, recompute, tp) for name in models}
+    return {name: train_arms(name, pp, steps, recompute, tp, cp, vision_dp) for name in models}
 
 
-def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False, tp: int = 1) -> dict:
+def train_arms(
+    model_name: str, pp: int, steps: int, recompute: bool = False, tp: int = 1, cp: int = 1, vision_dp: bool = False
+) -> dict:
     """One model's two arms on this rank: each microbatch's logged loss and every gradient, per step."""
     import torch
     from megatron.core import parallel_state
@@ -170,6 +194,7 @@ def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False, tp
         provider.pipeline_dtype = torch.bfloat16
     if tp > 1:  # Megatron-Core's MoE layer needs sequence parallelism with TP
         provider.tensor_model_parallel_size, provider.sequence_parallel = tp, True
+    provider.context_parallel_size, provider.vision_dp_when_cp = cp, vision_dp
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     provider.finalize()
     data_rank = parallel_state.get_data_parallel_rank()
@@ -188,7 +213,14 @@ def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False, tp
             use_ep_overlap_schedule(chunks, timeout=timedelta(seconds=60), full_recompute=replay)
         optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-2)
         named = [(f"chunk{v}.{n}", p) for v, c in enumerate(chunks) for n, p in c.named_parameters()]
-        record = {"losses": [], "grads": [], "images": 0}
+        record = {"losses": [], "grads": [], "params": [], "images": 0, "vision_patches": []}
+        for chunk in chunks:  # the patches each vision tower call gets (with vision_dp_when_cp, this rank's share)
+            if getattr(chunk, "vision_model", None) is not None:
+                seen = record["vision_patches"]
+                chunk.vision_model.register_forward_pre_hook(
+                    lambda module, args, kwargs, seen=seen: seen.append(kwargs["hidden_states"].shape[0]),
+                    with_kwargs=True,
+                )
         for step in range(steps):
             data = vl_support.step_microbatches(provider, data_rank, step, microbatches, ROWS, SEQ)
             record["images"] += sum(int(mb["visual_inputs"] is not None) for mb in data)
@@ -205,6 +237,7 @@ def train_arms(model_name: str, pp: int, steps: int, recompute: bool = False, tp
             record["grads"].append({n: p.grad.float().flatten().tolist() for n, p in named if p.grad is not None})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            record["params"].append({n: p.detach().float().flatten().tolist() for n, p in named})
         if arm == "hook":
             recorder = chunks[0].build_schedule_plan.recorder
             record["dispatches"] = sum(r.op == "dispatch" for r in recorder.comm)
@@ -220,16 +253,20 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--pp", type=int, default=1, choices=[1, 2])
     parser.add_argument("--tp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--cp", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--vision_dp_when_cp", action="store_true", help="with --cp 2: the images split over CP")
     parser.add_argument("--steps", type=int, default=2)
-    parts = ["", "vision", "mrope", "mrope-later", "deepstack", "mtp-rotary", "sp-split"]
+    parts = ["", "vision", "mrope", "mrope-later", "deepstack", "mtp-rotary", "sp-split", "cp-split"]
     parser.add_argument("--mutate", default="", choices=parts)
     parser.add_argument("--models", default="qwen3_vl", help="comma-separated: qwen3_vl, qwen35_vl")
     parser.add_argument("--full_recompute", action="store_true", help="uniform, 1 layer (the hook's keyword)")
     args = parser.parse_args()
     from ep_overlap_lab.multiprocess import run_local_ranks
 
-    arguments = (args.pp, args.steps, args.mutate, args.models.split(","), args.full_recompute, args.tp)
-    outcomes = run_local_ranks(rank_main, 2 * args.pp * args.tp, arguments, collective_timeout_s=120)
+    arguments = (args.pp, args.steps, args.mutate, args.models.split(","), args.full_recompute, args.tp, args.cp,
+                 args.vision_dp_when_cp)  # fmt: skip
+    ranks = args.pp * args.tp * max(2, args.cp)  # EP 2 spans the context-parallel pair, or else 2 data-parallel ranks
+    outcomes = run_local_ranks(rank_main, ranks, arguments, collective_timeout_s=120)
     args.out.write_text(json.dumps([o.result for o in outcomes]))
 
 

@@ -28,8 +28,8 @@ never in pytest's own (the gated delta net's kernel stand-ins reload Megatron-Co
 ``cfg.model``: the vision tower (:data:`VISION`; as many deepstack features as the recipe's, at most the first
 chunk's layers), the image, video and vision start/end token ids (the top four ids of the shrunk vocabulary) and
 ``language_max_sequence_length`` (the sequence length); nothing of the language model, its freezing included. What
-the plan refuses of a recipe stays refused by name: context parallelism (sequence parallelism runs: the tests' norms
-take it). For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
+the plan refuses of a recipe stays refused by name (sequence and context parallelism run: the tests' norms and
+attention take them). For Qwen3.5-VL, a ``linear_attention_freq`` above the layers the
 check keeps leaves no attention layer in the shrunk model (2 keeps one of each).
 """
 
@@ -69,13 +69,19 @@ class FrameAttention(DotProductAttention):
 def local_layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, fp8=False, **_):
     """Stands for ``get_gpt_layer_with_transformer_engine_spec`` in Bridge's Qwen3-VL provider: Megatron-Core's local
     layer (its experts sequential: grouped GEMMs are Transformer Engine's), its norms the tests' norm that takes
-    sequence parallelism as Transformer Engine's does (``sp_norm.py``; torch's norm without it)."""
+    sequence parallelism as Transformer Engine's does (``sp_norm.py``; torch's norm without it), its core attention
+    the tests' one that takes context parallelism where this process has it (``cp_attention.py``: the provider passes
+    no config)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from tests.unit_tests.training.ep_overlap.cp_attention import ContextParallelAttention
     from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
 
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+        spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
     for holder in (spec.submodules, spec.submodules.self_attention.submodules):
         for name in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm"):
             if getattr(holder, name, None) is WrappedTorchNorm:
@@ -96,10 +102,26 @@ def local_vision_layer_spec():
 def local_gdn_block_spec(config, vp_stage=None, pp_rank=None):
     """Stands for ``get_transformer_block_with_experimental_attention_variant_spec`` in Bridge's Qwen3.5-VL provider
     (Transformer Engine only): the tests' local gated-delta-net block (``mcore_models.local_gdn_decoder_block_spec``);
-    Bridge then makes its standard attention layers ``Qwen3VLSelfAttention``, as it does with the real one."""
+    Bridge then makes its standard attention layers ``Qwen3VLSelfAttention``, as it does with the real one; their core
+    attention takes context parallelism where the config has it (``cp_attention.py``)."""
+    from tests.unit_tests.training.ep_overlap.cp_attention import with_context_parallel_attention
     from tests.unit_tests.training.ep_overlap.mcore_models import local_gdn_decoder_block_spec
 
-    return local_gdn_decoder_block_spec(config, vp_stage, pp_rank)
+    spec = local_gdn_decoder_block_spec(config, vp_stage, pp_rank)
+    return with_context_parallel_attention(spec) if config.context_parallel_size > 1 else spec
+
+
+def local_vl_mtp_block_spec(config, vp_stage=None):
+    """Stands for Bridge's ``gpt_provider.mtp_block_spec``: the recipe check's local MTP block, its layer's core
+    attention taking context parallelism where the config has it (``cp_attention.py``)."""
+    from tests.functional_tests.recipe_check.cpu import local_mtp_block_spec
+    from tests.unit_tests.training.ep_overlap.cp_attention import with_context_parallel_attention
+
+    block = local_mtp_block_spec(config, vp_stage)
+    if block is not None and config.context_parallel_size > 1:
+        layers = [layer.submodules.mtp_model_layer for layer in block.layer_specs]
+        with_context_parallel_attention(SimpleNamespace(layer_specs=layers))
+    return block
 
 
 def use_local_specs() -> None:
@@ -115,7 +137,6 @@ def use_local_specs() -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from tests.functional_tests.recipe_check.cpu import local_mtp_block_spec
     from tests.unit_tests.training.ep_overlap.sp_norm import SequenceParallelNorm
     from tests.unit_tests.training.ep_overlap.ssm_kernels import install_gdn_kernels
 
@@ -124,7 +145,7 @@ def use_local_specs() -> None:
     # The final norm of a block built from one layer spec (Qwen3-VL's language block): as the layers' norms.
     transformer_block.LayerNormImpl = SequenceParallelNorm
     qwen35_vl_provider.get_transformer_block_with_experimental_attention_variant_spec = local_gdn_block_spec
-    gpt_provider.mtp_block_spec = local_mtp_block_spec  # Qwen3.5-VL's MTP block, which Bridge builds with TE's
+    gpt_provider.mtp_block_spec = local_vl_mtp_block_spec  # Qwen3.5-VL's MTP block, which Bridge builds with TE's
     for module in (vl_model, qwen35_vl_provider):  # the VL model builds its vision tower; Qwen3.5's provider too
         module.get_vit_layer_with_transformer_engine_spec = local_vision_layer_spec
         module.TENorm, module.TEColumnParallelLinear, module.TERowParallelLinear = (

@@ -282,8 +282,13 @@ def _vl_provider(name: str, **fields):
         (_vl_provider("Qwen3VLMoEModelProvider", position_embedding_type="mrope"), []),
         (_vl_provider("Qwen35VLMoEModelProvider", position_embedding_type="mrope", sequence_parallel=True), []),
         (
-            _vl_provider("Qwen35VLMoEModelProvider", position_embedding_type="mrope", context_parallel_size=2),
-            ["vl_context_parallel"],
+            _vl_provider(
+                "Qwen35VLMoEModelProvider",
+                position_embedding_type="mrope",
+                context_parallel_size=2,
+                vision_dp_when_cp=True,
+            ),
+            [],  # context parallelism runs, the vision tower split over the CP ranks too
         ),
         (_provider("GPTModelProvider", position_embedding_type="mrope"), ["mrope"]),
         (_provider("HybridModelProvider", mtp_num_layers=2, mtp_use_repeated_layer=True), []),  # the MTP block whole

@@ -134,19 +134,9 @@ def refuse_unscheduled(model: torch.nn.Module, mtp: bool, *, multimodal_rotary: 
 
 
 def _vision_language_refusals(config) -> list[tuple[str, str]]:
-    refusals = []  # sequence parallelism: the plan scatters the merged embeddings and splits deepstack as the model
-    context = getattr(config, "context_parallel_size", 1) or 1
-    if context > 1:
-        refusals.append(
-            (
-                "vl_context_parallel",
-                f"context_parallel_size={context} with Qwen3VLModel: its forward splits the merged embeddings, "
-                "deepstack features, multimodal positions, labels and loss mask over the context-parallel ranks and "
-                "returns the split loss mask, from which Megatron-Bridge's qwen3_vl_step builds the loss; its "
-                "overlapped branch builds it from the whole mask, so the plan would also need that step changed; "
-                f"fix: context_parallel_size=1, {_OFF}",
-            )
-        )
+    # Sequence and context parallelism run: the plan splits the merged embeddings, deepstack features, positions,
+    # labels and loss mask as the model does, and runs the vision tower on this CP rank's images (vision_dp_when_cp).
+    refusals = []
     graphs = getattr(config, "vision_cuda_graph_impl", "none")
     if graphs not in (None, "none"):
         refusals.append(

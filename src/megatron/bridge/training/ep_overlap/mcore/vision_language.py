@@ -69,11 +69,19 @@ class VisionLanguageMicrobatch:
         self.view, self.input_ids, self.inputs = view, input_ids, inputs
         # On the view, so the bound layers and the view's head (its MTP layer) read the one rotary embedding.
         view.rotary_pos_emb = chunk.rotary_for_microbatch(input_ids, view.position_ids, inputs)
+        if getattr(view, "loss_mask", None) is not None:  # the MTP loss's mask, split as the model splits it
+            view.loss_mask = chunk.context_part(view.loss_mask, input_ids.shape[1])
         self.visual_pos_masks, self.deepstack = None, None
         self.layers = [layer.bound_to(self) for layer in chunk.layers]
 
     def __getattr__(self, name: str):
         return getattr(self.view, name)
+
+    def head_loss(self, x_SBH, labels_BS, normalizer, tokens_BS=None) -> torch.Tensor:
+        """The view's loss on this rank's part of the labels and of the tokens (which the MTP layer embeds), as the
+        model's forward gives its language model (with context parallelism, parts of a whole sequence)."""
+        part, length = self.view.chunk.context_part, self.input_ids.shape[1]
+        return self.view.head_loss(x_SBH, part(labels_BS, length), normalizer, part(tokens_BS, length))
 
     def embed(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         x_SBH, self.visual_pos_masks, features = self.view.chunk.embed_images(tokens_BS, self.inputs)
@@ -172,7 +180,11 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
                 image_grid_thw=inputs.get("image_grid_thw"),
                 video_grid_thw=inputs.get("video_grid_thw"),
             )
-        self.model.rotary_pos_emb.is_thd_format = False  # as the model's forward sets it for unpacked sequences
+        # As the model's forward: this rank's part of whole-sequence positions, which the rotary embedding then takes
+        # as they are (its 'THD' flag; else it would split them again).
+        split = self.context_part(position_ids, input_ids.shape[1], dim=2)
+        self.model.rotary_pos_emb.is_thd_format = split is not position_ids
+        position_ids = split
         # The language model's own preprocessing (given hidden states, it embeds nothing): its rotary embedding.
         given = torch.empty(0, device=input_ids.device)
         _, rotary_pos_emb, *_ = self.model._preprocess(input_ids=None, position_ids=position_ids, decoder_input=given)
@@ -193,11 +205,7 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         )
         images, features = None, []
         if grid is not None and grid.shape[0] > 0:
-            if pixels.shape[0] > 0:
-                images, features = self.vision(hidden_states=pixels, grid_thw=grid)
-            else:  # grids without pixels: no image token gets an embedding, as in the model's forward
-                config = self.config
-                images = torch.zeros((0, config.hidden_size), device=pixels.device, dtype=config.params_dtype)
+            images, features = self._vision_tower(pixels, grid)
         # Every token's word embedding (no position ids: they are rotary), copied to write image embeddings in place.
         x_SBH = self.model.embedding(input_ids=tokens_BS, position_ids=None).clone()
         if images is None:
@@ -206,16 +214,61 @@ class McoreVisionLanguageChunk(McoreGPTChunk):
         x_BSH[mask_BS] = images
         return self._sequence_part(x_BSH.transpose(0, 1).contiguous(), mask_BS, list(features or []))
 
+    def _vision_tower(self, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Image embeddings and deepstack features, as the model's forward gets them from its vision tower: with
+        ``vision_dp_when_cp``, each context-parallel rank runs its share of the images and all ranks gather them."""
+        vl, utils = self.vision_language, sys.modules[_UTILS_MODULE]
+        cp = vl.pg_collection.cp
+        spread = cp.size() > 1 and vl.config.vision_dp_when_cp
+        if spread:
+            pixels, grid, counts, padded = utils.qwen3vl_cp_split(cp.size(), pixels, grid)
+            pixels, grid, lengths = utils.get_vision_cp_data(
+                pixels, grid, vl.square_merge_size, counts, padded, cp.rank(), cp.size()
+            )
+            grid = utils.collapse_thw(grid)
+        if pixels.shape[0] > 0:
+            images, features = self.vision(hidden_states=pixels, grid_thw=grid)
+        else:  # no pixels here: empty embeddings and features, as in the model's forward
+            config, hidden = self.config, self.config.hidden_size
+            empty = dict(device=pixels.device, dtype=config.params_dtype)
+            images = torch.zeros((0, hidden), **empty)
+            features = [
+                torch.zeros((0, hidden), **empty) for _ in vl.vision_transformer_config.deepstack_visual_indexes
+            ]
+        if not spread:
+            return images, list(features or [])
+        utils.ensure_requires_grad_for_cp_collective((images, *features))
+        gather = utils.AllGatherVisionEmbeddings.apply
+        return gather(images, lengths, cp), [gather(feature, lengths, cp) for feature in features]
+
+    def context_part(self, x: torch.Tensor | None, length: int, dim: int = 1) -> torch.Tensor | None:
+        """With context parallelism, this rank's zigzag part of ``x`` along ``dim`` where that still has the whole
+        sequence's ``length`` (as the model's forward splits its input ids, labels, loss mask and positions)."""
+        cp = self.vision_language.pg_collection.cp
+        if x is None or cp.size() == 1 or x.shape[dim] != length:
+            return x
+        return sys.modules[_UTILS_MODULE].split_data_cp_rank(x, cp.size(), dim, cp.rank())
+
     def _sequence_part(self, x_SBH: torch.Tensor, mask_BS, features: list):
-        """With sequence parallelism, this rank's part of the merged embeddings, image mask and deepstack features,
-        as the model's forward scatters and splits them (its embedding scatters nothing itself)."""
-        if not self.config.sequence_parallel:
+        """This rank's part of the merged embeddings, image mask and deepstack features, as the model's forward splits
+        them: over the context-parallel ranks (zigzag), then scattered over the tensor-parallel ones with sequence
+        parallelism (its embedding splits nothing itself)."""
+        groups, sp = self.vision_language.pg_collection, self.config.sequence_parallel
+        cp, tp = groups.cp, groups.tp
+        if cp.size() == 1 and not sp:
             return x_SBH, mask_BS, features
-        tp = self.vision_language.pg_collection.tp
-        x_SBH = tensor_parallel.scatter_to_sequence_parallel_region(x_SBH, group=tp).contiguous()
+        x_SBH = self.context_part(x_SBH, x_SBH.shape[0], dim=0)  # the whole sequence: split with CP
+        if sp:
+            x_SBH = tensor_parallel.scatter_to_sequence_parallel_region(x_SBH, group=tp).contiguous()
         if mask_BS is not None:
             mask_BS, features = sys.modules[_UTILS_MODULE].split_deepstack_embs(
-                mask_BS, features, tp_size=tp.size(), tp_rank=tp.rank(), sequence_parallel=True
+                mask_BS,
+                features,
+                tp_size=tp.size(),
+                tp_rank=tp.rank(),
+                cp_size=cp.size(),
+                cp_rank=cp.rank(),
+                sequence_parallel=sp,
             )
         return x_SBH, mask_BS, list(features or [])
 
