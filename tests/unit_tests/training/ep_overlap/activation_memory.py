@@ -1,7 +1,10 @@
 """Test-only: the activation memory of a steady training step under this project's plan (the pre-wrap hook) and
 under Megatron-Core's own combined-1F1B plan (the control), on the same model. A measurement, run as
 
-    python -m tests.unit_tests.training.ep_overlap.activation_memory [--full]
+    python -m tests.unit_tests.training.ep_overlap.activation_memory [--full] [--emulated]
+
+``--emulated``: both plans on their CUDA paths under the CUDA emulation (``cuda_emulation.py``): Megatron-Core's
+combine on its comm stream, ours on the ``CudaLane``, each freeing what its CUDA path frees.
 
 The steps after the first two are measured, each with Python's garbage collector off (so nothing the step leaves as
 cyclic garbage is released for it): the peak, over the step, of the bytes in blocks the CPU allocator handed out
@@ -27,11 +30,13 @@ WARMUP = 2  # steps before the measured ones
 
 @dataclass(frozen=True)
 class MemoryCase:
-    """8 experts on EP 2 (4 local), top-2, 2 MoE layers; ``pipeline``: PP 2 x VPP 2 (4 ranks)."""
+    """8 experts on EP 2 (4 local), top-2, 2 MoE layers; ``pipeline``: PP 2 x VPP 2 (4 ranks); ``emulated``: under
+    the CUDA emulation."""
 
     microbatches: int = 4
     dispatcher: str = "alltoall"
     pipeline: bool = False
+    emulated: bool = False
 
     @property
     def mcore(self) -> McoreCase:
@@ -48,7 +53,8 @@ class MemoryCase:
         return 4 if self.pipeline else 2
 
     def __str__(self) -> str:
-        return f"{self.dispatcher} {'PP2xVPP2' if self.pipeline else 'PP1'} N={self.microbatches}"
+        where = " emulated" if self.emulated else ""
+        return f"{self.dispatcher} {'PP2xVPP2' if self.pipeline else 'PP1'} N={self.microbatches}{where}"
 
 
 def _allocations(nodes):
@@ -92,7 +98,12 @@ def _measure(rank: int, world: int, case: MemoryCase, arms: tuple) -> dict:
     from .mcore_arms import run_arm
     from .mcore_cpu import init_megatron, install_cpu_stubs
 
-    install_cpu_stubs()
+    if case.emulated:
+        from .emulated_arms import emulate
+
+        emulate()
+    else:
+        install_cpu_stubs()
     if case.dispatcher == "flex":
         install_fake_deepep()
     mcore = case.mcore
@@ -147,4 +158,5 @@ def main(cases) -> None:
 
 
 if __name__ == "__main__":
-    main(MATRIX if "--full" in sys.argv else [replace(MemoryCase(), microbatches=n) for n in (2, 4, 8)])
+    cases = MATRIX if "--full" in sys.argv else [replace(MemoryCase(), microbatches=n) for n in (2, 4, 8)]
+    main([replace(case, emulated="--emulated" in sys.argv) for case in cases])

@@ -57,6 +57,8 @@ def range_name(kind: str, name: str, layer: int, microbatch: int, role: str | No
 class _Lane:
     issue = IssueOrder.HOST
     launches_off_host = False
+    # An all-to-all's input may be freed once launched (the allocator keeps its block until the comm stream ran it)
+    frees_at_launch = False
     # The step's count of saved tensors (engine/saved.py), if kept: a buffer is freed early only if none shares it
     saved = None
     nvtx = None
@@ -175,6 +177,7 @@ class CudaLane(_Lane):
     event. A wait sees an event's latest record, so events are reused and a steady step creates none."""
 
     issue = IssueOrder.DEVICE
+    frees_at_launch = True  # all_to_all records its input on the comm stream
     _CHUNK_ENDS = frozenset({"embedding", "embedding_bwd", "head", "head_bwd"})  # no all-to-all follows them
 
     def __init__(self, groups: EPGroups, recorder: StepRecorder, comm_stream=None, nvtx=None):

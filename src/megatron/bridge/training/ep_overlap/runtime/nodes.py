@@ -216,6 +216,13 @@ class LayerNodes:
         self._dispatched = self.lane.launch(
             self._finish_exchange, sent, op=self._name("dispatch"), layer=self.index, microbatch=self.mb
         )
+        if self.lane.frees_at_launch:  # as Megatron-Core's dispatch node frees its inputs
+            self._free_sent()
+
+    def _free_sent(self) -> None:
+        if self._frees("moe_dispatch") is not False:  # not a graph's static buffer
+            for sent in self.send:
+                _free(sent)
 
     # Each wait drops its Pending: what it holds is the nodes' own from then on, kept only as long as they need it.
     def wait_dispatch(self) -> None:
@@ -238,8 +245,7 @@ class LayerNodes:
             if self.routing is not None and not self.owns_comm:  # a fused dispatch's input may be saved elsewhere
                 for sent, got in zip(self.send, received):
                     got.requires_grad_(sent.requires_grad)
-                    if self._frees("moe_dispatch") is not False:  # not a graph's static buffer
-                        _free(sent)
+                self._free_sent()
             with torch.set_grad_enabled(self._autograd):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
             if self.routing is not None:
@@ -266,6 +272,8 @@ class LayerNodes:
         (self._combined,) = self._all_to_all(
             [self.expert_out.detach()], routing.in_splits, routing.out_splits, "combine"
         )
+        if self.lane.frees_at_launch:  # as Megatron-Core's combine node frees its input
+            _free(self.expert_out)
 
     def wait_combine(self) -> None:
         self.back, self._combined = self._combined.wait(), None
