@@ -44,8 +44,15 @@ FULL_CASES = {
     "hybrid-mtp-pp4-N8": (replace(HYBRID, pattern="M|E|*|E|M|E|-|E/*E", microbatches=8), 4),
     # finalize_model_grads divides by the step's token count, which it broadcasts from the last pipeline rank.
     "gpt-per-token-loss-N4": (replace(CASE, per_token_loss=True), PP),
+    # With MTP as well: rank 0's two copies of the embedding are summed before that division, as the embedding
+    # group's all-reduce is in 1F1B.
+    "gpt-mtp-per-token-loss-N4": (replace(CASE, mtp=True, per_token_loss=True), PP),
     # The output layer tied to the embedding: both on rank 0, each copy's gradient their sum.
     "gpt-tied-N4": (replace(CASE, tied=True), PP),
+    # Megatron-Core's pipeline_model_parallel_layout as the V's 2P stages: uneven, the last stage the loss alone; with
+    # MTP beside the loss on stage 2P-1, the final norm on stage 2P-2. 1F1B runs the stages joined in pairs.
+    "gpt-layout-uneven-N4": (replace(CASE, config=(("pipeline_model_parallel_layout", "Ett|t|t|L"),)), PP),
+    "gpt-mtp-layout-N4": (replace(CASE, mtp=True, config=(("pipeline_model_parallel_layout", "Et|tt|t|mL"),)), PP),
     "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
     "gpt-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2), 4),
     "gpt-pp4-N9-delayed-wgrad": (
@@ -58,7 +65,7 @@ FULL_CASES = {
 def dualpipev_models(case: McoreCase, pp: int) -> list:
     """This rank's chunks for DualPipeV's stages r and 2P-1-r (``dualpipev_chunks``) of ``case``'s model; a hybrid
     pattern's 2P segments are the stages."""
-    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import dualpipev_chunks
 
     if isinstance(case, HybridCase):
         mtp = SimpleNamespace(mtp_num_layers=case.pattern.count("/") or None)
@@ -78,12 +85,21 @@ def dualpipev_models(case: McoreCase, pp: int) -> list:
 
 
 def one_f_one_b_case(case: McoreCase, pp: int) -> McoreCase:
-    """``case`` for Megatron-Core's 1F1B on ``pp`` ranks: a hybrid pattern's 2P stages joined in pairs."""
+    """``case`` for Megatron-Core's 1F1B on ``pp`` ranks: a hybrid pattern's 2P stages joined in pairs, and so a
+    ``pipeline_model_parallel_layout``'s."""
+    fields = dict(case.config)
+    if layout := fields.get("pipeline_model_parallel_layout"):
+        case = replace(case, config=tuple((fields | {"pipeline_model_parallel_layout": _pairs(layout)}).items()))
     if not isinstance(case, HybridCase):
         return case
     main, slash, mtp = case.pattern.partition("/")
-    stages = main.split("|")
-    return replace(case, pattern="|".join(a + b for a, b in zip(stages[::2], stages[1::2])) + slash + mtp)
+    return replace(case, pattern=_pairs(main) + slash + mtp)
+
+
+def _pairs(stages: str) -> str:
+    """``|``-separated stages joined in pairs: stage j of 1F1B on P ranks holds the V's stages 2j and 2j+1."""
+    stages = stages.split("|")
+    return "|".join(a + b for a, b in zip(stages[::2], stages[1::2]))
 
 
 def init_layout(case: McoreCase, pp: int, layout: str) -> None:
@@ -92,7 +108,7 @@ def init_layout(case: McoreCase, pp: int, layout: str) -> None:
         return init_megatron(case.world, pp)
     from megatron.core import parallel_state
 
-    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_embedding_ranks
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import dualpipev_embedding_ranks
 
     parallel_state.initialize_model_parallel(
         expert_model_parallel_size=case.world, pipeline_model_parallel_size=pp,
@@ -278,12 +294,6 @@ REFUSED = {
         {},
         "DualPipeV with mtp_num_layers=1 needs the V layout's embedding group",
     ),
-    "mtp-per-token-loss": (
-        2 * PP,
-        {"mtp_num_layers": 1, "calculate_per_token_loss": True, "finalize_model_grads_func": print},
-        {},
-        "DualPipeV does not run mtp_num_layers=1 with calculate_per_token_loss=True yet",
-    ),
     "tied-default-embedding-group": (
         2 * PP,
         {},
@@ -291,6 +301,12 @@ REFUSED = {
         "DualPipeV with share_embeddings_and_output_weights=True needs the V layout's embedding group",
     ),
     "one-chunk": (2 * PP, {}, {"chunks": 1}, "DualPipeV runs two model chunks per pipeline rank"),
+    "layout-mtp-off-the-last-stage": (  # chunks built by other means than dualpipev_chunks
+        2 * PP,
+        {"pipeline_model_parallel_layout": "Et|ttt|m|L"},
+        {},
+        "DualPipeV runs MTP beside the loss on stage 3 (pipeline rank 0, with the embedding), and ",
+    ),
     "activation-offloading": (
         2 * PP,
         {"fine_grained_activation_offloading": True},
@@ -331,7 +347,7 @@ def test_each_v_stage_of_a_hybrid_pattern_is_what_megatron_core_selects_on_its_r
     import torch.distributed as dist
     from megatron.core.models.hybrid.hybrid_layer_allocation import select_pipeline_segment
 
-    from megatron.bridge.training.ep_overlap.mcore.dualpipev import hybrid_stage_pattern
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import hybrid_stage_pattern
     from megatron.bridge.training.ep_overlap.program.dualpipev import stage_of
 
     stages = ["ME-*"[s % 4] * (s + 1) for s in range(2 * P)]
@@ -353,7 +369,7 @@ def test_each_v_stage_of_a_hybrid_pattern_is_what_megatron_core_selects_on_its_r
 def test_a_hybrid_pattern_without_2p_segments_is_refused_before_building(monkeypatch):
     from megatron.core import parallel_state
 
-    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import dualpipev_chunks
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 0)
@@ -363,10 +379,41 @@ def test_a_hybrid_pattern_without_2p_segments_is_refused_before_building(monkeyp
     assert built == []
 
 
+# layout: (what the V cannot run of it, the line that refuses it).
+LAYOUTS_REFUSED = {
+    "Et|ttt|m|L": "DualPipeV runs MTP beside the loss on stage 3 (pipeline rank 0, with the embedding), and "
+    "pipeline_model_parallel_layout='Et|ttt|m|L' puts it on stage 2; fix: ",  # stage 2 is on rank 1
+    "Ettt|tmL": "DualPipeV reads pipeline_model_parallel_layout='Ettt|tmL' as its 2 x 2 = 4 stages",  # 1F1B's 2
+    "E|ttt||tmL": "DualPipeV does not run an empty stage (a chunk without parameters) yet, and "
+    "pipeline_model_parallel_layout='E|ttt||tmL' leaves stage 2 empty; fix: ",
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS_REFUSED))
+def test_a_pipeline_layout_the_v_cannot_run_is_refused_before_building(layout, monkeypatch):
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import dualpipev_chunks
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "set_pipeline_model_parallel_rank", lambda rank: None)
+    monkeypatch.setattr(parallel_state, "is_rank_in_embedding_group", lambda: False)  # rank 1: the V's group is 0's
+    monkeypatch.setattr(ProcessGroupCollection, "use_mpu_process_groups", lambda: SimpleNamespace(pp=None))
+    config = SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout=PipelineParallelLayerLayout(layout, 2))
+    built = []
+    with pytest.raises(ValueError) as refused:
+        dualpipev_chunks(lambda **chunk: built.append(chunk), config)
+    assert str(refused.value).startswith(LAYOUTS_REFUSED[layout]) and "\n" not in str(refused.value)
+    assert built == []
+
+
 def _built_with_default_embedding_group(rank: int, world: int) -> list[str]:
     install_cpu_stubs()
     init_megatron(1, PP, 2)
-    from megatron.bridge.training.ep_overlap.mcore.dualpipev import dualpipev_chunks
+    from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import dualpipev_chunks
 
     built = []
     try:
@@ -383,6 +430,10 @@ def _refused(rank: int, world: int, microbatches: int, config_fields: dict, chun
 
     models = dualpipev_models(CASE, PP)[: chunk_fields.pop("chunks", 2)]
     for name, value in config_fields.items():
+        if name == "pipeline_model_parallel_layout":  # as TransformerConfig parses it
+            from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+            value = PipelineParallelLayerLayout(value, PP)
         setattr(models[0].config, name, value)
     for model in models:
         for name, value in chunk_fields.items():

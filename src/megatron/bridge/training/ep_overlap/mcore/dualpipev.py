@@ -9,17 +9,16 @@ Contract:
       it, Megatron-Core's ``forward_step``/``backward_step``, forward before backward.
     * Each P2P transfer is one message on the pipeline group tagged ``Transfer.tag`` (unique within the step), so the
       two ends need not post in one order; the last rank hands stage P-1's output to stage P without a message.
-    * MTP (and its copy of the embedding) or a tied output layer is on stage 2P-1, on rank 0 with the embedding: the
-      embedding group is rank 0 alone (:func:`dualpipev_embedding_ranks`), the copy takes the embedding's values when
-      built, and after ``finalize_model_grads_func`` each copy's gradient is their sum, as the group's all-reduce
-      makes it in 1F1B.
+    * The chunks are built by ``dualpipev_chunks`` (``mcore/dualpipev_chunks.py``). MTP (and its copy of the
+      embedding) or a tied output layer is on stage 2P-1, on rank 0 with the embedding: the embedding group is rank 0
+      alone, and within ``finalize_model_grads_func`` each copy's gradient becomes their sum where the group's
+      all-reduce makes it in 1F1B (before a per-token loss's division by the token count).
     * The W steps (deferred weight gradients) run nothing: every weight gradient stays in its backward (delayed
       wgrad moves the expert wgrad inside the paired layer step). Numerics are Megatron-Core's plain 1F1B's.
     * What it does not run is refused before the first step, one line per problem with its fix.
 """
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +31,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.bridge.training.ep_overlap.mcore.agreement import announced
+from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import (  # noqa: F401 (callers import them from here)
+    copies_summed_before_scaling,
+    dualpipev_chunks,
+    dualpipev_embedding_ranks,
+    embedding_group_problem,
+    pipeline_layout_problems,
+)
 from megatron.bridge.training.ep_overlap.program.dualpipev import dualpipev_problem, dualpipev_schedule, stage_of
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, PipelineStep, Transfer
 from megatron.bridge.utils.process_groups import wait_work
@@ -46,170 +52,6 @@ def dualpipev_requested(model) -> bool:
     return bool(models) and getattr(get_model_config(models[0]), PIPELINE_SCHEDULE, None) == "dualpipev"
 
 
-class _RankAs:
-    """A pipeline group that reports another rank: Megatron-Core numbers a chunk's layers from its group's rank."""
-
-    def __init__(self, group, rank: int):
-        self._group, self._rank = group, rank
-
-    def rank(self) -> int:
-        return self._rank
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
-
-
-def dualpipev_embedding_ranks(pp_ranks: list[int], *unused) -> list[int]:
-    """Megatron-Core's ``get_embedding_ranks`` (``initialize_model_parallel``) for the V layout: the embedding (stage
-    0) and the stage holding its copy (stage 2P-1: MTP's embedding, a tied output layer) are both on pipeline rank 0,
-    so the embedding group is that rank alone and no embedding collective crosses ranks."""
-    return list(pp_ranks[:1])
-
-
-def dualpipev_chunks(
-    build_chunk: Callable[..., torch.nn.Module],
-    config,
-    hybrid_layer_pattern: str | None = None,
-    *,
-    share_embeddings_and_output_weights: bool = False,
-) -> list[torch.nn.Module]:
-    """This rank's two chunks, for DualPipeV's stages r and 2P-1-r.
-
-    Stage s is built as the interleaved layout's chunk s (virtual stage s // P of pipeline rank s % P), so layer
-    numbers and parameter names are the global ones: ``build_chunk(vp_stage=, pre_process=, post_process=,
-    pg_collection=)`` builds it (a ``GPTModel`` or ``HybridModel`` of ``config``, with
-    ``virtual_pipeline_model_parallel_size=2``), with ``pre_process`` on stage 0 and ``post_process`` on stage 2P-1.
-    Needs Megatron-Core's parallel state with two virtual stages, and with MTP or
-    ``share_embeddings_and_output_weights`` (what ``build_chunk`` builds: a model argument, not a config field) the V
-    layout's embedding group
-    (``get_embedding_ranks=dualpipev_embedding_ranks``; refused before building without it): stage 2P-1's copy of
-    the embedding then takes stage 0's values here, on rank 0, where Megatron-Core's build all-reduces it across
-    ranks.
-
-    A ``HybridModel``: give its ``hybrid_layer_pattern`` (2P segments split by ``|``, stage s the s-th, as the
-    interleaved layout reads it); ``build_chunk`` then also takes ``hybrid_layer_pattern=``, the pattern from which
-    ``HybridModel`` on this rank selects stage s's layers at their global numbers (:func:`hybrid_stage_pattern`),
-    with the real pipeline group (``HybridModel`` reads its rank with ``torch.distributed.get_rank``); the built
-    chunk keeps the pattern given.
-    """
-    P = parallel_state.get_pipeline_model_parallel_world_size()
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    mtp = bool(config.mtp_num_layers) or _pattern_has_mtp(hybrid_layer_pattern)
-    tied = share_embeddings_and_output_weights
-    if problems := _layout_problems(P, rank, mtp, tied, hybrid_layer_pattern, config):
-        raise ValueError("\n".join(problems))
-    chunks = []
-    for v in (0, 1):
-        stage = stage_of(rank, v, P)
-        groups = ProcessGroupCollection.use_mpu_process_groups()
-        pattern = {}
-        if hybrid_layer_pattern is None:
-            groups.pp = _RankAs(groups.pp, stage % P)
-        else:
-            pattern["hybrid_layer_pattern"] = hybrid_stage_pattern(hybrid_layer_pattern, stage, P, rank)
-        parallel_state.set_pipeline_model_parallel_rank(stage % P)  # the layer spec and MTP placement read it
-        try:
-            chunk = build_chunk(
-                vp_stage=stage // P, pre_process=stage == 0, post_process=stage == 2 * P - 1, pg_collection=groups,
-                **pattern,
-            )  # fmt: skip
-        finally:
-            parallel_state.set_pipeline_model_parallel_rank(rank)
-        if hybrid_layer_pattern is not None:
-            get_attr_wrapped_model(
-                chunk, "hybrid_layer_pattern", return_model_obj=True
-            ).hybrid_layer_pattern = hybrid_layer_pattern
-        chunks.append(chunk)
-    if rank == 0:
-        copies = _embedding_copies(chunks)
-        if copies is not None:
-            with torch.no_grad():
-                copies[1].copy_(copies[0])
-    return chunks
-
-
-def hybrid_stage_pattern(pattern: str, stage: int, P: int, rank: int) -> str:
-    """The pattern from which ``HybridModel`` on pipeline rank ``rank``, at virtual stage ``stage // P``, builds
-    DualPipeV stage ``stage`` of ``pattern`` (2P ``|`` segments) with its global layer numbers.
-
-    ``HybridModel`` builds segment ``vp_stage * P + rank`` of the ``|``-split main pattern and numbers its layers
-    after all layers of the segments before it. The V puts stage s on rank min(s, 2P-1-s), so that segment is made
-    stage s's: the layers before stage s fill the segments before it (merged, or padded with empty segments), the
-    layers after stage s follow, and empty segments make the count a multiple of P. The MTP part is kept.
-    """
-    main, slash, mtp = pattern.partition("/")
-    segments = main.split("|")
-    picked = (stage // P) * P + rank
-    before = segments[:stage]
-    if picked < stage:  # picked >= 1 here: only stage 0 is picked as segment 0
-        before = ["".join(before[: stage - picked + 1])] + before[stage - picked + 1 :]
-    else:
-        before += [""] * (picked - stage)
-    after = segments[stage + 1 :]
-    after += [""] * (-(len(before) + 1 + len(after)) % P)
-    return "|".join([*before, segments[stage], *after]) + slash + mtp
-
-
-def _pattern_has_mtp(pattern: str | None) -> bool:
-    return pattern is not None and "/" in pattern
-
-
-def _layout_problems(P: int, rank: int, mtp: bool, tied: bool, pattern: str | None, config) -> list[str]:
-    """What the V layout's chunks cannot be built with, one line each with its fix."""
-    problems = []
-    if pattern is not None and len(segments := pattern.partition("/")[0].split("|")) != 2 * P:
-        problems.append(
-            f"DualPipeV builds hybrid_layer_pattern={pattern!r} as 2 x {P} = {2 * P} stages, stage s from its s-th "
-            f"'|' segment (as the interleaved layout with 2 virtual stages reads it), and it has {len(segments)}; "
-            f"fix: split its layers with '|' into {2 * P} segments"
-        )
-    if mtp and (problem := _embedding_group_problem(rank, f"mtp_num_layers={config.mtp_num_layers}")):
-        problems.append(problem)
-    elif tied and (problem := _embedding_group_problem(rank, "share_embeddings_and_output_weights=True")):
-        problems.append(problem)
-    return problems
-
-
-def _embedding_group_problem(rank: int, why: str) -> str | None:
-    """With a copy of the embedding on stage 2P-1, the embedding group must be the V layout's (rank 0 alone):
-    Megatron-Core's default (first and last pipeline ranks) would all-reduce rank 0's copies with a rank that holds
-    none, and the ranks would block."""
-    in_group = parallel_state.is_rank_in_embedding_group()
-    group = parallel_state.get_embedding_group(check_initialized=False) if in_group else None
-    alone = group is not None and dist.get_process_group_ranks(group) == [dist.get_rank()]
-    if in_group == (rank == 0) and (rank != 0 or alone):
-        return None
-    return (
-        f"DualPipeV with {why} needs the V layout's embedding group (both ends of the model on pipeline rank 0, "
-        "the group that rank alone); fix: initialize Megatron-Core's parallel state with get_embedding_ranks="
-        "megatron.bridge.training.ep_overlap.mcore.dualpipev.dualpipev_embedding_ranks"
-    )
-
-
-def _embedding_copies(models: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rank 0's two copies of the embedding (stage 0's and stage 2P-1's, for MTP or a tied output layer), or None."""
-    config = get_model_config(models[0])
-    first, last = (get_attr_wrapped_model(m, "pre_process", return_model_obj=True) for m in models)
-    if not (config.mtp_num_layers or getattr(last, "share_embeddings_and_output_weights", False)):
-        return None
-    return first.shared_embedding_or_output_weight(), last.shared_embedding_or_output_weight()
-
-
-def _sum_embedding_copies(models: list) -> None:
-    """The embedding group's all-reduce that ``finalize_model_grads`` runs between the first and last pipeline
-    ranks, for the two copies the V layout holds on rank 0: each copy's gradient becomes their sum."""
-    copies = _embedding_copies(models)
-    if copies is None:
-        return
-    attr = "main_grad" if hasattr(copies[0], "main_grad") else "grad"
-    grads = [getattr(copy, attr) for copy in copies]
-    if any(grad is None for grad in grads):  # a frozen embedding
-        return
-    total = grads[0] + grads[1]
-    for grad in grads:
-        grad.copy_(total)
-
-
 def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
     """What :func:`forward_backward_dualpipev` cannot run, one line each with its fix."""
     P, r = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
@@ -220,6 +62,7 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
             "the rank's chunks for those stages (pre_process on stage 0, post_process on stage 2P-1)"
         ]
     config = get_model_config(models[0])
+    problems += pipeline_layout_problems(config, P)
     for v, chunk in enumerate(models):
         chunk = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
         stage = stage_of(r, v, P)
@@ -231,15 +74,9 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
             )
     tied = getattr(models[-1], "share_embeddings_and_output_weights", False)
     if tied and not config.mtp_num_layers:
-        problems += [p for p in [_embedding_group_problem(r, "share_embeddings_and_output_weights=True")] if p]
+        problems += [p for p in [embedding_group_problem(r, "share_embeddings_and_output_weights=True")] if p]
     if config.mtp_num_layers:
-        problems += [p for p in [_embedding_group_problem(r, f"mtp_num_layers={config.mtp_num_layers}")] if p]
-        if config.calculate_per_token_loss and config.finalize_model_grads_func is not None:
-            problems.append(
-                f"DualPipeV does not run mtp_num_layers={config.mtp_num_layers} with calculate_per_token_loss=True "
-                "yet (it sums rank 0's two copies of the embedding after finalize_model_grads, which has divided "
-                "each by the token count); fix: unset one of them, or use the 1F1B schedule"
-            )
+        problems += [p for p in [embedding_group_problem(r, f"mtp_num_layers={config.mtp_num_layers}")] if p]
     fields = {
         "variable_seq_lengths": config.variable_seq_lengths,
         "enable_autocast": config.enable_autocast,
@@ -311,14 +148,13 @@ def forward_backward_dualpipev(
     if config.finalize_model_grads_func is not None and not forward_only:
         if config.calculate_per_token_loss:  # it broadcasts the count from the last pipeline rank; the V's is rank 0
             dist.all_reduce(run.num_tokens, group=run.group)
-        config.finalize_model_grads_func(
-            models,
-            run.num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=unused.get("pg_collection") or ProcessGroupCollection.use_mpu_process_groups(),
-            force_all_reduce=unused.get("force_all_reduce", False),
-        )  # as Megatron-Core's schedules call it
-        if run.rank == 0:  # the embedding group's sum, for the copies the V holds on rank 0 (its group alone)
-            _sum_embedding_copies(models)
+        with copies_summed_before_scaling(models) if run.rank == 0 else contextlib.nullcontext():
+            config.finalize_model_grads_func(
+                models,
+                run.num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=unused.get("pg_collection") or ProcessGroupCollection.use_mpu_process_groups(),
+                force_all_reduce=unused.get("force_all_reduce", False),
+            )  # as Megatron-Core's schedules call it
     return run.store
 
 
