@@ -10,7 +10,7 @@ losses of a forward-only step after them; each rank's P2P must be the generated 
 transfer. Both layouts run Megatron-Core's ``finalize_model_grads`` (DDP's calls stubbed). A ``HybridModel`` with an
 MTP depth runs the same way: its pattern's four segments are DualPipeV's stages, joined in pairs for 1F1B; the
 parallel state of the V has its embedding group (rank 0 alone), and the two copies of the embedding (stage 0's, MTP's)
-are compared apart. Cases beyond those two are ``full`` (below).
+are compared apart. Each chunk's checkpoint names must be 1F1B's. Cases beyond those are ``full`` (below).
 """
 
 from dataclasses import replace
@@ -276,6 +276,53 @@ def test_dualpipev_is_bitwise_equal_to_megatron_cores_1f1b(name):
 @pytest.mark.parametrize("name", sorted(FULL_CASES))
 def test_dualpipev_full_cases_are_bitwise_equal_to_megatron_cores_1f1b(name):
     assert_dualpipev_matches_1f1b(*FULL_CASES[name])
+
+
+# The V's chunks against 1F1B's on PP 2 (EP 1): every checkpoint name (sharded key, global offset and shape, replica
+# id) and each chunk's local names, under which a load hands the tensors back to it.
+CHECKPOINT_CASES = {
+    # A layout: Megatron-Core's block takes its local layers' offset from the parallel state's pipeline rank.
+    "gpt-tied-layout": replace(CASE, world=1, tied=True, config=(("pipeline_model_parallel_layout", "Et|tt|t|L"),)),
+    "gpt-mtp": replace(CASE, world=1, mtp=True),
+    "hybrid-mtp": replace(HYBRID, world=1),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "gpt-tied-layout" else pytest.param(n, marks=full) for n in sorted(CHECKPOINT_CASES)]
+)
+def test_the_v_chunks_checkpoint_names_are_1f1bs(name):
+    case = CHECKPOINT_CASES[name]
+    names = {
+        layout: set().union(*(o.result for o in run_local_ranks(_checkpoint_names, PP, (case, layout))))
+        for layout in ("1f1b", "dualpipev")
+    }
+    assert names["dualpipev"] == names["1f1b"] and len(names["1f1b"]) > 40, names["dualpipev"] ^ names["1f1b"]
+
+
+def _checkpoint_names(rank: int, world: int, case: McoreCase, layout: str) -> set:
+    install_cpu_stubs()
+    install_kernels_for(case)
+    init_layout(case, world, layout)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if layout == "dualpipev":
+        models = dualpipev_models(case, world)
+    else:
+        models = [plan.model for plan in build_plans(one_f_one_b_case(case, world), world, None)]
+    names = set()
+    for model in models:
+        sharded = model.sharded_state_dict()
+        local = {name for name in model.state_dict() if not name.endswith("_extra_state")}
+        if local != {name for name in sharded if not name.endswith("_extra_state")}:
+            names.add(("local names differ", rank, tuple(sorted(local ^ set(sharded)))))
+        names |= {
+            (t.key, tuple(t.global_offset), tuple(t.global_shape), t.replica_id)
+            for t in nested_values(sharded)
+            if isinstance(t, ShardedTensor)
+        }
+    return names
 
 
 # name: (microbatches, what is set on the built chunks' config, on the built chunks, a line). The ranks run

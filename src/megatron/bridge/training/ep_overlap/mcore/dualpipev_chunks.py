@@ -3,10 +3,10 @@ and the V layout's embedding group.
 
 Contract:
     * :func:`dualpipev_chunks` builds rank r's chunks for stages r and 2P-1-r, stage s as the interleaved layout's
-      chunk s (virtual stage s // P of pipeline rank s % P), so layer numbers and parameter names are the global
-      ones. A ``HybridModel``'s pattern (2P ``|`` segments) and Megatron-Core's ``pipeline_model_parallel_layout``
-      (2P stages, MTP beside the loss on stage 2P-1) are read as the V's stages; what the V cannot build is refused
-      before building, one line each with its fix.
+      chunk s (virtual stage s // P of pipeline rank s % P), so layer numbers, parameter names and checkpoint names
+      (``sharded_state_dict``) are the global ones. A ``HybridModel``'s pattern (2P ``|`` segments) and
+      Megatron-Core's ``pipeline_model_parallel_layout`` (2P stages, MTP beside the loss on stage 2P-1) are read as
+      the V's stages; what the V cannot build is refused before building, one line each with its fix.
     * The embedding (stage 0) and its copy (stage 2P-1: MTP's embedding, a tied output layer) are both on rank 0:
       the embedding group is rank 0 alone (:func:`dualpipev_embedding_ranks`), the copy takes the embedding's values
       when built, and :func:`copies_summed_before_scaling` sums the two copies' gradients where Megatron-Core's
@@ -87,14 +87,13 @@ def dualpipev_chunks(
             groups.pp = _RankAs(groups.pp, stage % P)
         else:
             pattern["hybrid_layer_pattern"] = hybrid_stage_pattern(hybrid_layer_pattern, stage, P, rank)
-        parallel_state.set_pipeline_model_parallel_rank(stage % P)  # the layer spec and MTP placement read it
-        try:
+        with _at_pipeline_rank(stage % P):  # the layer spec, MTP placement and a layout's offsets read it
             chunk = build_chunk(
                 vp_stage=stage // P, pre_process=stage == 0, post_process=stage == 2 * P - 1, pg_collection=groups,
                 **pattern,
             )  # fmt: skip
-        finally:
-            parallel_state.set_pipeline_model_parallel_rank(rank)
+        if hybrid_layer_pattern is None and getattr(config, "pipeline_model_parallel_layout", None) is not None:
+            _names_at_pipeline_rank(chunk, stage % P)
         if hybrid_layer_pattern is not None:
             get_attr_wrapped_model(
                 chunk, "hybrid_layer_pattern", return_model_obj=True
@@ -106,6 +105,30 @@ def dualpipev_chunks(
             with torch.no_grad():
                 copies[1].copy_(copies[0])
     return chunks
+
+
+@contextlib.contextmanager
+def _at_pipeline_rank(pp_rank: int):
+    """Megatron-Core's parallel state at pipeline rank ``pp_rank`` within the block (the chunk's interleaved rank)."""
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    parallel_state.set_pipeline_model_parallel_rank(pp_rank)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_rank(rank)
+
+
+def _names_at_pipeline_rank(chunk, pp_rank: int) -> None:
+    """The chunk's checkpoint names (``sharded_state_dict``) made at its interleaved rank: with a
+    ``pipeline_model_parallel_layout``, Megatron-Core's block numbers its local layers by the layout's offset at the
+    parallel state's pipeline rank (not its group's), which is another stage's on rank r's stage 2P-1-r."""
+    named = chunk.sharded_state_dict
+
+    def sharded_state_dict(*args, **kwargs):
+        with _at_pipeline_rank(pp_rank):
+            return named(*args, **kwargs)
+
+    chunk.sharded_state_dict = sharded_state_dict
 
 
 def hybrid_stage_pattern(pattern: str, stage: int, P: int, rank: int) -> str:
