@@ -47,6 +47,7 @@ FULL_CASES = {
     # With MTP as well: rank 0's two copies of the embedding are summed before that division, as the embedding
     # group's all-reduce is in 1F1B.
     "gpt-mtp-per-token-loss-N4": (replace(CASE, mtp=True, per_token_loss=True), PP),
+    "hybrid-mtp-per-token-loss-N4": (replace(HYBRID, config=(("calculate_per_token_loss", True),)), PP),
     # The output layer tied to the embedding: both on rank 0, each copy's gradient their sum.
     "gpt-tied-N4": (replace(CASE, tied=True), PP),
     # Megatron-Core's pipeline_model_parallel_layout as the V's 2P stages: uneven, the last stage the loss alone; with
