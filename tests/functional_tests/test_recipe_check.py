@@ -1,9 +1,9 @@
 """``tools/recipe_check.py`` (``make recipe-check``) as a user runs it, on a few of Megatron-Bridge 0.6.2's recipes:
 a performance recipe that turns the overlap on, and one row per CPU stand-in the check brings (the Mamba kernels,
-the gated delta net's kernels, the vision-language local specs), plus the universe's listing and the names that are
-not one recipe; the runs are skipped with the reason when the package registry cannot be reached (the scratch venv
-comes from it). Config only, no run: the hybrid stack's CPU spec under sequence and context parallelism.
-``--all`` stays out of CI: its table is in ``docs/training/recipes.md``.
+the gated delta net's kernels, the vision-language local specs, the fused wgrad accumulation), plus the universe's
+listing and the names that are not one recipe; the runs are skipped with the reason when the package registry cannot
+be reached (the scratch venv comes from it). Config only, no run: the hybrid stack's CPU spec under sequence and
+context parallelism. ``--all`` stays out of CI: its table is in ``docs/training/recipes.md``.
 """
 
 import json
@@ -17,12 +17,13 @@ from . import stock_bridge
 TOOL = stock_bridge.ROOT / "tools" / "recipe_check.py"
 # What make test checks: a performance recipe with the overlap on by value (flex HybridEP, CUDA graphs on a GPU),
 # Nemotron-3 Nano (Mamba), Qwen3.5 35B-A3B (gated delta net), Qwen3-VL 30B (vision tower, mrope, deepstack, the
-# patch).
+# patch), Nemotron-3.5 Lightning (a repeated MTP layer with delayed wgrad: the fused wgrad accumulation's stand-in).
 ROWS = {
     "perf_recipes.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config": "dispatcher flex",
     "perf_recipes.nemotron_3_nano_pretrain_8gpu_b200_bf16_config": "mamba-ssm kernels -> tests' torch stand-ins",
     "recipes.qwen35_text_35b_a3b_pretrain_8gpu_gb200_bf16_config": "gated delta net kernels -> tests' torch stand-ins",
     "perf_recipes.qwen3_vl_30b_a3b_pretrain_8gpu_b200_bf16_config": "(vl_support)",
+    "recipes.nemotron_3_5_lightning_pretrain_config": "gradient accumulation fusion -> tests' torch stand-in",
 }
 
 

@@ -86,8 +86,13 @@ def on_cpu(cfg) -> list[str]:
         said.append("attention -> tests' context-parallel attention")
     if getattr(cfg, "peft", None) is not None:
         said.append(f"{type(cfg.peft).__name__} not applied (full weights train)")
+    # A repeated MTP layer with delayed wgrad is bitwise only with the fusion (rule delay_wgrad_repeated_mtp_unfused):
+    # there it runs through the tests' torch twin of the kernel, as on GPU; elsewhere it goes with the other fusions.
+    fused_wgrad = bool(getattr(model, "gradient_accumulation_fusion", False)) and _repeated_mtp(model)
+    if fused_wgrad:
+        said.append("gradient accumulation fusion -> tests' torch stand-in (each use into main_grad)")
     for name in _FUSIONS:
-        if hasattr(model, name):
+        if hasattr(model, name) and not (fused_wgrad and name == "gradient_accumulation_fusion"):
             setattr(model, name, False)
     if "moe_act" in (model.recompute_modules or []):  # Megatron-Core recomputes it only inside grouped GEMMs
         model.recompute_modules = [m for m in model.recompute_modules if m != "moe_act"]
@@ -116,6 +121,10 @@ def on_cpu(cfg) -> list[str]:
     model.use_cpu_initialization, model.batch_p2p_comm = True, False
     model.attention_dropout = model.hidden_dropout = 0.0
     return said
+
+
+def _repeated_mtp(model) -> bool:
+    return bool(getattr(model, "mtp_use_repeated_layer", False)) and (getattr(model, "mtp_num_layers", None) or 0) > 1
 
 
 def _dispatch(model) -> list[str]:
@@ -188,6 +197,10 @@ def install_rank_stand_ins(model) -> None:
     from tests.unit_tests.training.ep_overlap.ssm_kernels import install_gdn_kernels, install_mamba_kernels
 
     words = _kernel_words(model)
+    if getattr(model, "gradient_accumulation_fusion", False):  # on_cpu kept it: the kernel's torch twin
+        from tests.unit_tests.training.ep_overlap.fused_wgrad import install_fused_wgrad
+
+        install_fused_wgrad()
     if "mamba-ssm" in words:
         install_mamba_kernels()
     if "gated delta net" in words or family_of(model) == "vision_language":

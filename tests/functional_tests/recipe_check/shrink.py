@@ -118,6 +118,10 @@ def _hybrid(model, pattern: str, stages: int, said: list[str]) -> None:
     if stages > 1:
         cuts = [round(i * len(short) / stages) for i in range(stages + 1)]
         short = "|".join(short[a:b] for a, b in zip(cuts, cuts[1:]))
+        first, last = model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
+        if first is not None or last is not None:  # Megatron-Core refuses them beside a pattern's '|' segments
+            said.append(f"uneven first/last stages ({first}/{last}) -> the pattern's even '|' segments")
+            model.num_layers_in_first_pipeline_stage = model.num_layers_in_last_pipeline_stage = None
     model.hybrid_layer_pattern = short + slash + mtp
     model.num_layers = len(short.replace("|", ""))
 

@@ -5,10 +5,11 @@ here at a small size, with the stand-ins Megatron-Core's Transformer Engine-only
 
 * :class:`DuplicatedLinear`: Transformer Engine's ``TELinear`` with ``parallel_mode="duplicated"`` (every rank holds
   the whole weight; it returns ``(output, bias or None)``; with ``delay_wgrad_compute`` its backward leaves the weight
-  gradient to ``backward_dw``, as Transformer Engine's does without ``gradient_accumulation_fusion``, the CPU
-  setting: each ``backward_dw`` call computes the oldest deferred one, then runs the hooks Megatron-Core's DDP
-  registered for the weight, which it marks ``skip_backward_post_hook``). Megatron-Core builds two modules from it
-  only: an MoE layer's latent projections (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch,
+  gradient to ``backward_dw``, as Transformer Engine's does: each ``backward_dw`` call computes the oldest deferred
+  one, then runs the hooks Megatron-Core's DDP registered for the weight, which it marks
+  ``skip_backward_post_hook``; with ``gradient_accumulation_fusion`` each use's gradient goes into ``main_grad``
+  itself, through :mod:`.fused_wgrad`'s torch twin of the kernel, delayed or not). Megatron-Core builds two modules
+  from it only: an MoE layer's latent projections (``moe_latent_size``: ``fc1_latent_proj`` before the dispatch,
   ``fc2_latent_proj`` after the combine; it asserts Transformer Engine is installed) and the DSA indexer's
   projections.
   :func:`install_latent_projections` makes ``moe_layer`` take it, in this (forked) process only.
@@ -28,6 +29,8 @@ Both paths of a test build the same modules, so a difference is the schedule's.
 import copy
 
 import torch
+
+from .fused_wgrad import accumulate_wgrad
 
 # DeepSeek sparse attention at this size: an indexer of 2 heads of 8 channels picking 4 of 8 keys. GLM-5's bridge
 # turns the indexer's activation rotation off (Megatron-Core's takes bf16 only), trains the indexer with its sparse
@@ -81,9 +84,15 @@ class DuplicatedLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         if self.config.delay_wgrad_compute and torch.is_grad_enabled():  # read per call: tests set it after the build
             out = _DeferredWgrad.apply(x, self.weight, bias, self)
+        elif self._fused() and torch.is_grad_enabled():
+            out = _FusedWgrad.apply(x, self.weight, bias)
         else:
             out = torch.nn.functional.linear(x, self.weight, bias)
         return (out, self.bias) if self.skip_bias_add else (out, None)
+
+    def _fused(self) -> bool:
+        """``gradient_accumulation_fusion`` (``fuse_wgrad_accumulation``), where a DDP gave the weight a main_grad."""
+        return bool(getattr(self.config, "gradient_accumulation_fusion", False)) and hasattr(self.weight, "main_grad")
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         """Megatron-Core's DDP registers its backward post-hook for the weight here (as on Transformer Engine's)."""
@@ -96,8 +105,14 @@ class DuplicatedLinear(torch.nn.Module):
         if not self.deferred:
             return
         grad_out, x = self.deferred.pop(0)
-        wgrad = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        self.weight.grad = wgrad if self.weight.grad is None else self.weight.grad + wgrad
+        x, grad_out = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        if self._fused():  # into main_grad, and a zero gradient the DDP's hook drops (as Transformer Engine's dummy)
+            accumulate_wgrad(x, grad_out, self.weight.main_grad)
+            self.weight.grad_added_to_main_grad = True
+            self.weight.grad = torch.zeros_like(self.weight)
+        else:
+            wgrad = grad_out.t().mm(x)
+            self.weight.grad = wgrad if self.weight.grad is None else self.weight.grad + wgrad
         for hook in self.wgrad_hooks:
             hook()
 
@@ -117,6 +132,25 @@ class _DeferredWgrad(torch.autograd.Function):
         ctx.module.deferred.append((grad_out, x))
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_out.matmul(weight), None, grad_bias, None
+
+
+class _FusedWgrad(torch.autograd.Function):
+    """A linear whose backward adds the weight's gradient to ``weight.main_grad`` itself, one use at a time, and
+    hands autograd a zero one marked ``grad_added_to_main_grad`` (as Megatron-Core's linears with the fusion)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        accumulate_wgrad(x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1]), weight.main_grad)
+        weight.grad_added_to_main_grad = True
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_out.matmul(weight), torch.zeros_like(weight), grad_bias
 
 
 def install_latent_projections() -> None:
