@@ -53,6 +53,15 @@ FULL_CASES = {
     # Megatron-Core's pipeline_model_parallel_layout as the V's 2P stages: uneven, the last stage the loss alone; with
     # MTP beside the loss on stage 2P-1, the final norm on stage 2P-2. 1F1B runs the stages joined in pairs.
     "gpt-layout-uneven-N4": (replace(CASE, config=(("pipeline_model_parallel_layout", "Ett|t|t|L"),)), PP),
+    # The embedding and the loss counted as layers: stages 0 and 2P-1 (both on rank 0) hold one layer fewer.
+    "gpt-account-for-embedding-and-loss-N4": (
+        replace(
+            CASE,
+            layer_freq=(0, 1, 1, 1, 1, 1),
+            config=(("account_for_embedding_in_pipeline_split", True), ("account_for_loss_in_pipeline_split", True)),
+        ),
+        PP,
+    ),
     "gpt-mtp-layout-N4": (replace(CASE, mtp=True, config=(("pipeline_model_parallel_layout", "Et|tt|t|mL"),)), PP),
     "gpt-N5-delayed-wgrad": (replace(CASE, microbatches=5, delay_wgrad=True), PP),
     "gpt-pp4-N8": (McoreCase(layer_freq=(0, 1, 1, 1, 1, 1, 1, 1), microbatches=8, steps=2), 4),
@@ -427,18 +436,33 @@ def test_a_hybrid_pattern_without_2p_segments_is_refused_before_building(monkeyp
     assert built == []
 
 
-# layout: (what the V cannot run of it, the line that refuses it).
-LAYOUTS_REFUSED = {
-    "Et|ttt|m|L": "DualPipeV runs MTP beside the loss on stage 3 (pipeline rank 0, with the embedding), and "
-    "pipeline_model_parallel_layout='Et|ttt|m|L' puts it on stage 2; fix: ",  # stage 2 is on rank 1
-    "Ettt|tmL": "DualPipeV reads pipeline_model_parallel_layout='Ettt|tmL' as its 2 x 2 = 4 stages",  # 1F1B's 2
-    "E|ttt||tmL": "DualPipeV does not run an empty stage (a chunk without parameters) yet, and "
-    "pipeline_model_parallel_layout='E|ttt||tmL' leaves stage 2 empty; fix: ",
+# name: (the config's pipeline split, the line that refuses it before building).
+BUILD_REFUSED = {
+    "layout-mtp-on-rank-1": (
+        {"pipeline_model_parallel_layout": "Et|ttt|m|L"},  # stage 2 is on rank 1
+        "DualPipeV runs MTP beside the loss on stage 3 (pipeline rank 0, with the embedding), and "
+        "pipeline_model_parallel_layout='Et|ttt|m|L' puts it on stage 2; fix: ",
+    ),
+    "layout-of-1f1b": (
+        {"pipeline_model_parallel_layout": "Ettt|tmL"},
+        "DualPipeV reads pipeline_model_parallel_layout='Ettt|tmL' as its 2 x 2 = 4 stages",
+    ),
+    "layout-empty-stage": (
+        {"pipeline_model_parallel_layout": "E|ttt||tmL"},
+        "DualPipeV does not run an empty stage (a chunk without parameters) yet, and "
+        "pipeline_model_parallel_layout='E|ttt||tmL' leaves stage 2 empty; fix: ",
+    ),
+    # Megatron-Core would give it to interleaved pipeline rank 0: the V's stages 0 (rank 0) and 2 (rank 1).
+    "first-stage-layers": (
+        {"num_layers_in_first_pipeline_stage": 2},
+        "DualPipeV does not read num_layers_in_first_pipeline_stage=2: Megatron-Core gives it to the interleaved "
+        "layout's pipeline rank 0, whose chunks are the V's stages 0 and 2, not to one V rank; fix: ",
+    ),
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS_REFUSED))
-def test_a_pipeline_layout_the_v_cannot_run_is_refused_before_building(layout, monkeypatch):
+@pytest.mark.parametrize("name", sorted(BUILD_REFUSED))
+def test_a_pipeline_split_the_v_cannot_run_is_refused_before_building(name, monkeypatch):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -450,11 +474,14 @@ def test_a_pipeline_layout_the_v_cannot_run_is_refused_before_building(layout, m
     monkeypatch.setattr(parallel_state, "set_pipeline_model_parallel_rank", lambda rank: None)
     monkeypatch.setattr(parallel_state, "is_rank_in_embedding_group", lambda: False)  # rank 1: the V's group is 0's
     monkeypatch.setattr(ProcessGroupCollection, "use_mpu_process_groups", lambda: SimpleNamespace(pp=None))
-    config = SimpleNamespace(mtp_num_layers=1, pipeline_model_parallel_layout=PipelineParallelLayerLayout(layout, 2))
+    fields, line = BUILD_REFUSED[name]
+    config = SimpleNamespace(mtp_num_layers=1, **fields)
+    if layout := fields.get("pipeline_model_parallel_layout"):  # as TransformerConfig parses it
+        config.pipeline_model_parallel_layout = PipelineParallelLayerLayout(layout, 2)
     built = []
     with pytest.raises(ValueError) as refused:
         dualpipev_chunks(lambda **chunk: built.append(chunk), config)
-    assert str(refused.value).startswith(LAYOUTS_REFUSED[layout]) and "\n" not in str(refused.value)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
     assert built == []
 
 

@@ -179,8 +179,15 @@ def pipeline_layout_problems(config, P: int) -> list[str]:
     stages: stage s is the interleaved layout's chunk s (built so by :func:`dualpipev_chunks`), on rank
     min(s, 2P-1-s). What the V cannot run of it, one line each with its fix."""
     layout = getattr(config, "pipeline_model_parallel_layout", None)
-    if layout is None:
-        return []
+    if layout is None:  # interleaved pipeline rank q holds the V's stages q and P+q
+        ends = {"first": (0, P), "last": (P - 1, 2 * P - 1)}
+        return [
+            f"DualPipeV does not read num_layers_in_{end}_pipeline_stage={value}: Megatron-Core gives it to the "
+            f"interleaved layout's pipeline rank {ends[end][0]}, whose chunks are the V's stages {ends[end][0]} and "
+            f"{ends[end][1]}, not to one V rank; fix: unset it and give pipeline_model_parallel_layout {2 * P} stages"
+            for end in ends
+            if (value := getattr(config, f"num_layers_in_{end}_pipeline_stage", None)) is not None
+        ]
     named = f"pipeline_model_parallel_layout={str(layout)!r}"
     if (n := layout.pipeline_model_parallel_size * layout.virtual_pipeline_model_parallel_size) != 2 * P:
         return [
