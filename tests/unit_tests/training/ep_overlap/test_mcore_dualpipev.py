@@ -389,6 +389,40 @@ def test_what_dualpipev_does_not_run_is_refused_before_any_step(name):
         assert all("fix: " in got for got in lines), outcome.result
 
 
+def test_a_refusal_on_one_rank_is_every_ranks_so_none_waits_in_a_p2p():
+    # Pipeline rank 1's chunks were not built by dualpipev_chunks (as Bridge's own build on a middle rank, whose
+    # pre/post flags look right); rank 0's were. Without the agreement rank 0 would run on and wait for rank 1.
+    outcomes = run_local_ranks(_refused_on_rank_1, 4, collective_timeout_s=60.0)
+    by_pipeline = {o.result[0]: o.result[1] for o in outcomes}
+    assert by_pipeline[1].startswith("model[0] of pipeline rank 1 was not built as DualPipeV's stage 1"), by_pipeline
+    assert by_pipeline[0].startswith("rank ") and "refused this model, so every rank does: " in by_pipeline[0]
+
+
+def _refused_on_rank_1(rank: int, world: int) -> tuple[int, str]:
+    install_cpu_stubs()
+    init_megatron(CASE.world, PP, 2)
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from megatron.bridge.training.ep_overlap.mcore import get_forward_backward_func
+
+    models = dualpipev_models(CASE, PP)
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if pipeline_rank == 1:
+        for model in models:
+            del get_attr_wrapped_model(model, "pre_process", return_model_obj=True).dualpipev_stage
+    models[0].config.ep_overlap_pipeline_schedule = "dualpipev"
+    data = _step_data(0, 0, 2 * PP)
+    try:
+        get_forward_backward_func(pp_size=PP, vp_size=2)(
+            forward_step_func=bridge_style_forward_step, data_iterator=[iter(data), iter(data)], model=models,
+            num_microbatches=2 * PP, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        )  # fmt: skip
+    except ValueError as error:
+        return pipeline_rank, str(error)
+    return pipeline_rank, "ran"
+
+
 def test_the_chunk_builder_refuses_mtp_with_megatron_cores_embedding_group_before_building():
     # Its default group (first and last pipeline rank) would all-reduce rank 0's copy of the embedding with a rank
     # that holds none: the build would block. Both ranks that hold it refuse before building a chunk.

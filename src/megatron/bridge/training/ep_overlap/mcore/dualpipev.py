@@ -40,7 +40,7 @@ from megatron.bridge.training.ep_overlap.mcore.dualpipev_chunks import (  # noqa
 )
 from megatron.bridge.training.ep_overlap.program.dualpipev import dualpipev_problem, dualpipev_schedule, stage_of
 from megatron.bridge.training.ep_overlap.program.pipeline import BACKWARD, FORWARD, PipelineStep, Transfer
-from megatron.bridge.utils.process_groups import wait_work
+from megatron.bridge.utils.process_groups import refuse_together, wait_work
 
 # The model config field that selects this schedule in ``get_forward_backward_func``.
 PIPELINE_SCHEDULE = "ep_overlap_pipeline_schedule"
@@ -66,6 +66,12 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
     for v, chunk in enumerate(models):
         chunk = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
         stage = stage_of(r, v, P)
+        if getattr(chunk, "dualpipev_stage", None) != stage:
+            problems.append(
+                f"model[{v}] of pipeline rank {r} was not built as DualPipeV's stage {stage} (Bridge's own model "
+                "build makes the interleaved layout's chunks); fix: build the rank's chunks with megatron.bridge."
+                "training.ep_overlap.mcore.dualpipev.dualpipev_chunks"
+            )
         if (chunk.pre_process, chunk.post_process) != (stage == 0, stage == 2 * P - 1):
             problems.append(
                 f"model[{v}] of pipeline rank {r} is DualPipeV's stage {stage}, but has pre_process="
@@ -106,6 +112,19 @@ def dualpipev_problems(models: list, num_microbatches: int) -> list[str]:
     return problems
 
 
+_AGREED: set[tuple] = set()  # (the chunks' ids, N) every rank has accepted: one host all-gather each, not per step
+
+
+def _refuse_together_once(models: list, num_microbatches: int, problems: list[str]) -> None:
+    """A refusal on any rank is every rank's (a rank's chunks may be wrong where another's pass, as Bridge's own
+    interleaved build passes on the middle ranks): none would wait in a P2P for a peer that stopped."""
+    key = (tuple(id(m) for m in models), num_microbatches)
+    if key in _AGREED and not problems:
+        return
+    refuse_together(ValueError("\n".join(problems)) if problems else None)
+    _AGREED.add(key)
+
+
 def forward_backward_dualpipev(
     *,
     forward_step_func,
@@ -122,8 +141,7 @@ def forward_backward_dualpipev(
     """Megatron-Core's schedule arguments and result (see the module docstring); ``p2p_log``, where given, gets
     each P2P transfer as posted: ``("recv" | "send", Transfer)``."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
-    if problems := dualpipev_problems(models, num_microbatches):
-        raise ValueError("\n".join(problems))
+    _refuse_together_once(models, num_microbatches, dualpipev_problems(models, num_microbatches))
     config = get_model_config(models[0])
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * 2
     run = _DualPipeV(forward_step_func, iterators, models, num_microbatches, config, collect_non_loss_data)

@@ -92,6 +92,7 @@ def dualpipev_chunks(
                 vp_stage=stage // P, pre_process=stage == 0, post_process=stage == 2 * P - 1, pg_collection=groups,
                 **pattern,
             )  # fmt: skip
+        get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True).dualpipev_stage = stage
         if hybrid_layer_pattern is None and getattr(config, "pipeline_model_parallel_layout", None) is not None:
             _names_at_pipeline_rank(chunk, stage % P)
         if hybrid_layer_pattern is not None:
