@@ -74,6 +74,16 @@ def _pip(python: Path, *args: str) -> None:
         raise RuntimeError(f"pip {' '.join(args)} failed: {exc.stderr.strip()[-2000:]}") from exc
 
 
+def scratch_env_or_skip() -> Path:
+    """:func:`scratch_env`, or the calling test skipped with the reason when the package registry cannot be reached."""
+    import pytest
+
+    try:
+        return scratch_env()
+    except RegistryUnreachable as exc:
+        pytest.skip(f"the package registry cannot be reached: {exc}")
+
+
 def scratch_env() -> Path:
     """The scratch venv's interpreter (built on first use; rebuilt when the requirements change)."""
     try:

@@ -29,10 +29,7 @@ ROWS = {
 
 @pytest.fixture(scope="module")
 def scratch():
-    try:
-        stock_bridge.scratch_env()
-    except stock_bridge.RegistryUnreachable as exc:
-        pytest.skip(f"the package registry cannot be reached: {exc}")
+    stock_bridge.scratch_env_or_skip()
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:

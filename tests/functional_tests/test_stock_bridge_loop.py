@@ -19,10 +19,7 @@ LOOP = stock_bridge.ROOT / "tests" / "functional_tests" / "stock_bridge_loop.py"
 
 @pytest.fixture(scope="module")
 def python():
-    try:
-        return stock_bridge.scratch_env()
-    except stock_bridge.RegistryUnreachable as exc:
-        pytest.skip(f"the package registry cannot be reached: {exc}")
+    return stock_bridge.scratch_env_or_skip()
 
 
 @pytest.fixture(scope="module")

@@ -162,8 +162,10 @@ CASES = {
     # A repeated MTP layer's delayed wgrads round otherwise than the plain path's summed uses without fusion.
     "delay_wgrad_repeated_mtp_unfused": (
         ({**BRIDGE, "mtp_num_layers": 2, "mtp_use_repeated_layer": True}, {"delay": True}),
-        ({**BRIDGE, "mtp_num_layers": 2, "mtp_use_repeated_layer": True, "gradient_accumulation_fusion": True},
-         {"delay": True, "te": "2.7.0"}),
+        (
+            {**BRIDGE, "mtp_num_layers": 2, "mtp_use_repeated_layer": True, "gradient_accumulation_fusion": True},
+            {"delay": True, "te": "2.7.0"},
+        ),
     ),  # fmt: skip
     "delay_wgrad_graph_te": (
         ({**ATTN_GRAPH, "gradient_accumulation_fusion": True}, {"delay": True, "te": "2.10.0"}),

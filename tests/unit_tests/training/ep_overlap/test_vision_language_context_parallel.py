@@ -22,10 +22,7 @@ WORKER = stock_bridge.ROOT / "tests" / "functional_tests" / "vl_hook_worker.py"
 
 @pytest.fixture(scope="module")
 def python():
-    try:
-        return stock_bridge.scratch_env()
-    except stock_bridge.RegistryUnreachable as exc:
-        pytest.skip(f"the package registry cannot be reached: {exc}")
+    return stock_bridge.scratch_env_or_skip()
 
 
 def test_qwen3_vl_with_context_parallelism_is_bitwise_equal(python, tmp_path):
