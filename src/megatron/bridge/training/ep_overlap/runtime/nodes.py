@@ -245,7 +245,8 @@ class LayerNodes:
             if self.routing is not None and not self.owns_comm:  # a fused dispatch's input may be saved elsewhere
                 for sent, got in zip(self.send, received):
                     got.requires_grad_(sent.requires_grad)
-                self._free_sent()
+                if not self.lane.frees_at_launch:  # else freed when the dispatch was launched
+                    self._free_sent()
             with torch.set_grad_enabled(self._autograd):
                 self.expert_out = self.layer.experts(tuple(received), self.routing)
             if self.routing is not None:
